@@ -1,0 +1,30 @@
+"""``python -m compress <command> ...``: each command lives in ``compress.commands.<command>`` and is imported
+only when asked for, so a bare GPU box can run ``generate``/``bench`` without the pipeline's dependencies."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "run": "run a recipe: calibrate, compress, save a checkpoint, evaluate, log to MLflow",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in {"-h", "--help", "help"}:
+        print("usage: python -m compress <command> [key=value ...]\n\ncommands:")
+        for name, summary in COMMANDS.items():
+            print(f"  {name:<10} {summary}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"compress.commands.{command}")
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
