@@ -7,7 +7,11 @@ import importlib
 import sys
 
 COMMANDS = {
-    "run": "run a recipe: calibrate, compress, save a checkpoint, evaluate, log to MLflow",
+    "run": "run a recipe: calibrate, compress, save a checkpoint, evaluate, gate, log to MLflow",
+    "gate": "judge a candidate checkpoint against a baseline; exit 0 pass, 1 block",
+    "compare": "table and Pareto plot of logged runs",
+    "generate": "generate text from a checkpoint with the compress engine",
+    "bench": "benchmarks: `bench kernels` (GEMM kernels vs torch) or `bench engine` (engine vs transformers)",
 }
 
 
@@ -22,7 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"compress.commands.{command}")
+    try:
+        module = importlib.import_module(f"compress.commands.{command}")
+    except ModuleNotFoundError as error:
+        if error.name != f"compress.commands.{command}":
+            raise
+        print(f"error: command {command!r} is not built yet in this version", file=sys.stderr)
+        return 2
     return int(module.main(rest) or 0)
 
 
