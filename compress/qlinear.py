@@ -11,6 +11,8 @@ from torch import nn
 from kernels import ops
 from kernels.dequant import dequantize_packed
 from kernels.packing import pack_int32, packed_width
+from kernels.w4a16 import repack_n_contiguous
+from kernels.w8a8 import FP8_MAX, INT8_MAX, SCALE_EPS
 
 
 class QuantizedLinear(nn.Module):
@@ -42,7 +44,8 @@ class QuantizedLinear(nn.Module):
             "weight_zero_point", None if symmetric else torch.zeros(out_features, groups, dtype=torch.int8)
         )
         self.register_buffer("weight_g_idx", torch.arange(in_features) // group_size if act_order else None)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        zeros = torch.zeros(out_features, dtype=dtype)
+        self.bias = nn.Parameter(zeros, requires_grad=False) if bias else None
 
     @classmethod
     def from_codes(
@@ -77,10 +80,22 @@ class QuantizedLinear(nn.Module):
             self.in_features, self.group_size, self.weight_g_idx,
         )
 
+    def packed_for_kernels(self) -> torch.Tensor | None:
+        """On CUDA, the N-contiguous repack of ``weight_packed`` that the Triton kernels read coalesced; made
+        once per weight (rebuilt if the buffer moves or is overwritten) and never saved: the checkpoint keeps
+        the on-disk layout."""
+        if not self.weight_packed.is_cuda:
+            return None
+        source = (self.weight_packed.data_ptr(), self.weight_packed._version)
+        if getattr(self, "_repack_source", None) != source:
+            self._packed_n_contiguous = repack_n_contiguous(self.weight_packed)
+            self._repack_source = source
+        return self._packed_n_contiguous
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.weight_only_linear(
             x, self.weight_packed, self.weight_scale, self.weight_zero_point, self.num_bits,
-            self.in_features, self.group_size, self.weight_g_idx, self.bias,
+            self.in_features, self.group_size, self.weight_g_idx, self.bias, self.packed_for_kernels(),
         )
 
     def extra_repr(self) -> str:
@@ -89,3 +104,106 @@ class QuantizedLinear(nn.Module):
             f"in={self.in_features}, out={self.out_features}, int{self.num_bits} {kind} g{self.group_size}"
             f"{', act_order' if self.weight_g_idx is not None else ''}"
         )
+
+
+def _per_channel_codes(
+    weight: torch.Tensor, qmax: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest per-output-channel absmax quantization of a dense ``[out, in]`` weight."""
+    values = weight.detach().float()
+    scale = values.abs().amax(dim=1, keepdim=True).clamp(min=SCALE_EPS) / qmax
+    scaled = (values / scale).clamp(-qmax, qmax)
+    codes = torch.round(scaled).to(torch.int8) if dtype == torch.int8 else scaled.to(dtype)
+    return codes, scale
+
+
+class _ActivationQuantizedLinear(nn.Module):
+    """Shared body of the W8A8 modules: an 8-bit ``weight [out, in]`` with fp32 ``weight_scale [out, 1]``
+    (compressed-tensors names, so checkpoints load by name) and an optional bias."""
+
+    weight_dtype: torch.dtype
+    qmax: float
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=self.weight_dtype))
+        self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32))
+        zeros = torch.zeros(out_features, dtype=dtype)
+        self.bias = nn.Parameter(zeros, requires_grad=False) if bias else None
+
+    def _load_dense(self, linear: nn.Linear) -> None:
+        codes, scale = _per_channel_codes(linear.weight, self.qmax, self.weight_dtype)
+        self.weight.copy_(codes)
+        self.weight_scale.copy_(scale)
+        if linear.bias is not None:
+            self.bias.data.copy_(linear.bias.detach())
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.float() * self.weight_scale.float()
+
+
+class Int8Linear(_ActivationQuantizedLinear):
+    """W8A8 int8 (compressed-tensors ``int-quantized``): per-channel int8 weight, activations quantized per
+    token at run time, int32 accumulation."""
+
+    weight_dtype = torch.int8
+    qmax = INT8_MAX
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> Int8Linear:
+        """Quantize a dense linear (round to nearest, per-channel absmax scale)."""
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
+        module._load_dense(linear)
+        return module.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.int8_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, w8a8 int8 per-channel, dynamic per-token"
+
+
+class Fp8Linear(_ActivationQuantizedLinear):
+    """FP8 W8A8 (e4m3, compressed-tensors ``float-quantized``): per-channel weight scales; activations per
+    token at run time, or per tensor when an ``input_scale`` buffer (static, calibrated) is present."""
+
+    weight_dtype = torch.float8_e4m3fn
+    qmax = FP8_MAX
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        static_input_scale: bool = False,
+    ):
+        super().__init__(in_features, out_features, bias, dtype)
+        input_scale = torch.ones(1, dtype=torch.float32) if static_input_scale else None
+        self.register_buffer("input_scale", input_scale)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, input_scale: float | torch.Tensor | None = None) -> Fp8Linear:
+        """Quantize a dense linear (round to nearest, per-channel absmax); ``input_scale`` makes activations
+        static per-tensor (``x / input_scale`` must fit in +-448)."""
+        module = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
+            static_input_scale=input_scale is not None,
+        )
+        module._load_dense(linear)
+        if input_scale is not None:
+            scale = torch.as_tensor(input_scale, dtype=torch.float32).reshape(1)
+            if not bool(scale > 0):
+                raise ValueError(f"input_scale must be positive, got {scale.item()}")
+            module.input_scale.copy_(scale)
+        return module.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.input_scale)
+
+    def extra_repr(self) -> str:
+        activations = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
+        return f"in={self.in_features}, out={self.out_features}, w8a8 fp8 e4m3 per-channel, {activations}"

@@ -1,14 +1,15 @@
-"""Entry points the quantized modules call; each picks the fastest implementation available for its inputs.
-
-Today every op runs its plain-torch reference; Triton kernels register behind the same signatures.
+"""Entry points the quantized modules call. Each runs the Triton kernel or the plain-torch reference of the
+same function, chosen by :mod:`kernels.backend` (CUDA -> Triton, CPU -> reference; ``COMPRESS_KERNELS`` or
+``use_backend`` force one; forcing Triton on CPU needs ``TRITON_INTERPRET=1``). Inputs may have any leading
+dimensions; the last one is the input features.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from kernels.dequant import dequantize_packed
+from kernels import w4a16, w8a8
+from kernels.backend import choose_backend
 
 
 def weight_only_linear(
@@ -21,7 +22,68 @@ def weight_only_linear(
     group_size: int,
     g_idx: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    packed_n_contiguous: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ W.T + bias`` with ``W`` group-quantized in the pack-quantized layout (W4A16 and friends)."""
-    weight = dequantize_packed(weight_packed, scale, zero_point, num_bits, in_features, group_size, g_idx)
-    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    """``x @ W.T + bias`` with ``W`` group-quantized in the pack-quantized layout (W4A16 and friends).
+    ``packed_n_contiguous``: optional cached :func:`kernels.w4a16.repack_n_contiguous` of ``weight_packed``;
+    without it the kernels read the on-disk words through a transposed view."""
+    why_not = w4a16.check_kernel_input(num_bits, x)
+    if choose_backend(x.device, not why_not, why_not) == "reference":
+        return w4a16.weight_only_linear_reference(
+            x, weight_packed, scale, zero_point, num_bits, in_features, group_size, g_idx, bias
+        )
+    packed_kn = packed_n_contiguous if packed_n_contiguous is not None else weight_packed.t()
+    rows = x.reshape(-1, in_features)
+    out = w4a16.weight_only_matmul(rows, packed_kn, scale, zero_point, num_bits, group_size, g_idx, bias)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def quantize_per_token(
+    x: torch.Tensor, dtype: torch.dtype, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (int8 or float8_e4m3fn) and fp32 scales ``[rows, 1]`` of the 2-D activations ``x``."""
+    backend = choose_backend(x.device)
+    if backend == "triton" and dtype == torch.float8_e4m3fn and w8a8.fp8_needs_decode(x.device):
+        backend = "reference"  # Triton cannot emit FP8 before sm89; torch can
+    if backend == "reference":
+        return w8a8.quantize_per_token_reference(x, dtype, static_scale)
+    return w8a8.quantize_per_token(x, dtype, static_scale)
+
+
+def _activation_quantized_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    rows = x.reshape(-1, weight.shape[1])
+    codes, scale = quantize_per_token(rows, weight.dtype, input_scale)
+    if choose_backend(x.device) == "reference":
+        out = w8a8.scaled_mm_reference(codes, scale, weight, weight_scale, bias, x.dtype)
+    else:
+        out = w8a8.scaled_mm(codes, scale, weight, weight_scale, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """W8A8 int8: per-channel int8 ``weight [N, K]`` with ``weight_scale [N, 1]``, activations quantized per
+    token on the fly; int32 sums, scales and bias in the epilogue, output in ``x.dtype``."""
+    if weight.dtype != torch.int8:
+        raise ValueError(f"int8_linear needs an int8 weight, got {weight.dtype}")
+    return _activation_quantized_linear(x, weight, weight_scale, bias, None)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FP8 W8A8 (e4m3): per-channel weight scales; activations per token, or static with ``input_scale``."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_linear needs a float8_e4m3fn weight, got {weight.dtype}")
+    return _activation_quantized_linear(x, weight, weight_scale, bias, input_scale)

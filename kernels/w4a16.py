@@ -1,0 +1,240 @@
+"""W4A16 (and W8A16/W2A16) weight-only GEMM: group-quantized packed weights, 16-bit activations, fp32 sums.
+
+Two kernels chosen by M: a split-K skinny kernel for decode (M <= 16) whose many programs keep the weight
+stream at full bandwidth, and a tiled GEMM for prefill. Both read the packed weight through a
+``[K / codes_per_word, N]`` view with arbitrary strides, so they run on the on-disk pack-quantized tensor
+(``weight_packed.t()``, a view) or on the N-contiguous copy made once by :func:`repack_n_contiguous`.
+Weight ``[n, k]`` is ``(u - 2**(b-1) - z[n, g(k)]) * s[n, g(k)]``, ``u`` the unsigned code at word
+``k // (32 / b)``, shift ``b * (k % (32 / b))``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.configs import SKINNY_MAX_M, W4A16_GEMM, W4A16_SKINNY, launch_options, m_bucket, pick_config
+from kernels.dequant import dequantize_packed
+
+KERNEL_BITS = (2, 4, 8)  # bit widths whose codes never straddle an int32 word
+
+
+def weight_only_linear_reference(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    num_bits: int,
+    in_features: int,
+    group_size: int,
+    g_idx: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain torch: dequantize the whole weight in fp32 (as the kernels do), then ``F.linear`` in the
+    activation dtype."""
+    weight = dequantize_packed(
+        weight_packed, scale.float(), zero_point, num_bits, in_features, group_size, g_idx
+    )
+    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def repack_n_contiguous(weight_packed: torch.Tensor) -> torch.Tensor:
+    """``[N, K/8]`` on-disk words -> ``[K/8, N]`` contiguous, so a weight tile's rows are coalesced along N.
+    The words themselves are unchanged (same codes, same shifts)."""
+    return weight_packed.t().contiguous()
+
+
+@triton.jit
+def _dequantized_tile(
+    packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, k_start, offs_n, K, N,
+    stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    ONE_GROUP_PER_TILE: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``[BLOCK_K, BLOCK_N]`` fp32 weight tile. Each int32 word is loaded once per code it holds: the repeats
+    hit L1, and the index math stays a shift and a mask."""
+    CODES_PER_WORD: tl.constexpr = 32 // BITS
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    mask = mask_k[:, None] & (offs_n < N)[None, :]
+    word_ptrs = packed_ptr + (offs_k // CODES_PER_WORD)[:, None] * stride_pk + offs_n[None, :] * stride_pn
+    words = tl.load(word_ptrs, mask=mask, other=0)
+    shifts = (offs_k % CODES_PER_WORD) * BITS
+    unsigned = (words >> shifts[:, None]) & ((1 << BITS) - 1)
+    if ONE_GROUP_PER_TILE:  # the tile lies inside one group: one scale (and zero) per output column
+        group = k_start // GROUP_SIZE
+        mask_n = offs_n < N
+        scale = tl.load(scale_ptr + offs_n * stride_sn + group * stride_sg, mask=mask_n, other=0.0)[None, :]
+        if HAS_ZERO:
+            zero = tl.load(zero_ptr + offs_n * stride_zn + group * stride_zg, mask=mask_n, other=0)[None, :]
+    else:  # act-order (g_idx) or a tile spanning several groups: gather per column
+        if HAS_G_IDX:
+            groups = tl.load(g_idx_ptr + offs_k, mask=mask_k, other=0)
+        else:
+            groups = offs_k // GROUP_SIZE
+        column, row = offs_n[None, :], groups[:, None]
+        scale = tl.load(scale_ptr + column * stride_sn + row * stride_sg, mask=mask, other=0.0)
+        if HAS_ZERO:
+            zero = tl.load(zero_ptr + column * stride_zn + row * stride_zg, mask=mask, other=0)
+    centered = unsigned - (1 << (BITS - 1))
+    if HAS_ZERO:
+        centered = centered - zero.to(tl.int32)
+    return centered.to(tl.float32) * scale.to(tl.float32)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, bias_ptr, out_ptr, M, N, K,
+    stride_xm, stride_xk, stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
+    stride_om, stride_on,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Decode path: program (n-block, k-split) streams its slice of the weight once for all M <= 16 rows and
+    adds its partial sum atomically when SPLIT_K > 1 (output zero-initialised by the launcher)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    first_tile = pid_k * tiles_per_split
+    last_tile = tl.minimum(first_tile + tiles_per_split, k_tiles)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for tile in range(first_tile, last_tile):
+        offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+            mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0,
+        )
+        w = _dequantized_tile(
+            packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, tile * BLOCK_K, offs_n, K, N,
+            stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
+            BITS, GROUP_SIZE, HAS_ZERO, HAS_G_IDX, ONE_GROUP_PER_TILE, BLOCK_K,
+        )
+        acc = tl.dot(x, w.to(x.dtype), acc)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        acc += bias[None, :] * (pid_k == 0).to(tl.float32)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    out = acc.to(out_ptr.dtype.element_ty)
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, out, mask=out_mask)
+    else:
+        tl.atomic_add(out_ptrs, out, mask=out_mask, sem="relaxed")
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, bias_ptr, out_ptr, M, N, K,
+    stride_xm, stride_xk, stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
+    stride_om, stride_on,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Prefill path: classic tiled GEMM, weight tile dequantized in registers right before the dot."""
+    pid = tl.program_id(0)
+    blocks_m = tl.cdiv(M, BLOCK_M)
+    blocks_n = tl.cdiv(N, BLOCK_N)
+    programs_per_group = GROUP_M * blocks_n
+    first_m = (pid // programs_per_group) * GROUP_M
+    group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % programs_per_group) % group_rows
+    pid_n = (pid % programs_per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for tile in range(0, tl.cdiv(K, BLOCK_K)):
+        offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+            mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0,
+        )
+        w = _dequantized_tile(
+            packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, tile * BLOCK_K, offs_n, K, N,
+            stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
+            BITS, GROUP_SIZE, HAS_ZERO, HAS_G_IDX, ONE_GROUP_PER_TILE, BLOCK_K,
+        )
+        acc = tl.dot(x, w.to(x.dtype), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def check_kernel_input(num_bits: int, x: torch.Tensor) -> str:
+    """Empty string when the kernels support this call, else why not (the dispatcher's error or fallback)."""
+    if num_bits not in KERNEL_BITS:
+        return f"{num_bits}-bit codes straddle int32 words; kernels support {KERNEL_BITS} bits"
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"activations must be fp16/bf16/fp32, got {x.dtype}"
+    return ""
+
+
+def _atomic_add_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    if dtype == torch.bfloat16:  # bf16 atomics need sm90; the interpreter has none
+        return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return True
+
+
+def weight_only_matmul(
+    x: torch.Tensor,
+    packed_kn: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    num_bits: int,
+    group_size: int,
+    g_idx: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Triton ``x @ W.T + bias`` for 2-D ``x [M, K]``; ``packed_kn`` is any ``[K / (32/b), N]`` int32 view of
+    the packed weight. ``config`` overrides the tile table (tests use it to reach every code path)."""
+    why_not = check_kernel_input(num_bits, x)
+    if why_not:
+        raise ValueError(why_not)
+    M, K = x.shape
+    N = packed_kn.shape[1]
+    if packed_kn.dtype != torch.int32 or packed_kn.shape[0] != -(-K * num_bits // 32):
+        raise ValueError(f"packed weight {tuple(packed_kn.shape)} {packed_kn.dtype} cannot hold K={K} codes")
+    groups = -(-K // group_size)
+    if scale.shape != (N, groups):
+        raise ValueError(f"scale must be [N, groups] = [{N}, {groups}], got {tuple(scale.shape)}")
+    skinny = M <= SKINNY_MAX_M
+    table = W4A16_SKINNY if skinny else W4A16_GEMM
+    zero = zero_point if zero_point is not None else scale
+    shared = dict(BITS=num_bits, GROUP_SIZE=group_size, HAS_ZERO=zero_point is not None,
+                  HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None)
+
+    def launch(chosen: dict[str, int]) -> torch.Tensor:
+        meta, options = launch_options(chosen)
+        one_group = g_idx is None and group_size % meta["BLOCK_K"] == 0
+        split_k = meta.get("SPLIT_K", 1)
+        atomic_in_place = _atomic_add_supported(x.dtype, x.device)
+        if split_k == 1:
+            out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+        else:
+            out = torch.zeros(M, N, device=x.device, dtype=x.dtype if atomic_in_place else torch.float32)
+        args = (
+            x, packed_kn, scale, zero, scale if g_idx is None else g_idx, scale if bias is None else bias,
+            out, M, N, K, x.stride(0), x.stride(1), packed_kn.stride(0), packed_kn.stride(1),
+            scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1), out.stride(0), out.stride(1),
+        )
+        if skinny:
+            grid = (triton.cdiv(N, meta["BLOCK_N"]), split_k)
+            _skinny_kernel[grid](*args, **shared, ONE_GROUP_PER_TILE=one_group, BLOCK_M=16, **meta, **options)
+        else:
+            grid = (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+            _gemm_kernel[grid](*args, **shared, ONE_GROUP_PER_TILE=one_group, **meta, **options)
+        return out.to(x.dtype)
+
+    if config is None:
+        key = (m_bucket(M), N, K, num_bits, group_size, x.dtype, zero_point is not None, g_idx is not None,
+               packed_kn.stride(), bias is not None)
+        config = pick_config(table, key, x.device, launch)
+    return launch(config)

@@ -1,0 +1,143 @@
+"""W4A16 Triton kernels (interpreter, fp16/fp32 operands) against the float64 truth and the torch reference."""
+
+import pytest
+import torch
+
+from kernels import ops
+from kernels.accuracy import float64_linear, relative_error
+from kernels.backend import use_backend
+from kernels.dequant import dequantize_codes
+from kernels.packing import pack_int32
+from kernels.w4a16 import repack_n_contiguous, weight_only_linear_reference, weight_only_matmul
+
+FP16_TOLERANCE = 2e-3  # fp16 rounding of the dequantized weight and of the output
+FP32_TOLERANCE = 1e-5
+
+
+def quantized_weight(n, k, group_size, num_bits=4, asym=False, act_order=False, scale_dtype=torch.float16, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    low, high = -(2 ** (num_bits - 1)), 2 ** (num_bits - 1)
+    codes = torch.randint(low, high, (n, k), generator=generator, dtype=torch.int8)
+    groups = k // group_size
+    scale = (torch.rand(n, groups, generator=generator) * 0.05 + 0.01).to(scale_dtype)
+    zero = torch.randint(-3, 4, (n, groups), generator=generator, dtype=torch.int8) if asym else None
+    g_idx = (torch.randperm(k, generator=generator) // group_size).to(torch.int32) if act_order else None
+    return dict(codes=codes, packed=pack_int32(codes, num_bits), scale=scale, zero=zero, g_idx=g_idx)
+
+
+def check(m, n, k, group_size, dtype=torch.float16, num_bits=4, asym=False, act_order=False, bias=False,
+          config=None, repacked=False):
+    w = quantized_weight(n, k, group_size, num_bits, asym, act_order)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    packed_kn = repack_n_contiguous(w["packed"]) if repacked else w["packed"].t()
+    out = weight_only_matmul(x, packed_kn, w["scale"], w["zero"], num_bits, group_size, w["g_idx"], b, config)
+    dense = dequantize_codes(w["codes"], w["scale"].double(), w["zero"], group_size, w["g_idx"])
+    truth = float64_linear(x, dense, b)
+    reference = weight_only_linear_reference(
+        x, w["packed"], w["scale"], w["zero"], num_bits, k, group_size, w["g_idx"], b
+    )
+    tolerance = FP16_TOLERANCE if dtype == torch.float16 else FP32_TOLERANCE
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert relative_error(out, truth) < tolerance
+    assert relative_error(reference, truth) < tolerance
+    assert relative_error(out, reference) < 2 * tolerance
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
+@pytest.mark.parametrize("m", [3, 37], ids=["skinny", "gemm"])
+def test_every_group_size_sym_and_asym_on_both_paths(group_size, asym, m):
+    check(m, 36, 256, group_size, asym=asym)  # N=36 is not a multiple of 8 or of the tile: masked columns
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 40])
+def test_act_order_g_idx_with_bias(m):
+    check(m, 24, 128, 32, asym=True, act_order=True, bias=True)
+
+
+@pytest.mark.parametrize("m", [5, 33])
+def test_k_equal_to_one_group(m):
+    check(m, 20, 64, 64, bias=True)
+
+
+def test_fp32_activations():
+    check(7, 40, 128, 64, dtype=torch.float32, asym=True)
+    check(20, 40, 128, 64, dtype=torch.float32, act_order=True)
+
+
+@pytest.mark.parametrize("num_bits", [2, 8])
+def test_other_bit_widths_that_fill_whole_words(num_bits):
+    check(4, 24, 128, 32, num_bits=num_bits, asym=True)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=1),  # no atomics, tile spans 2 groups
+        dict(BLOCK_N=16, BLOCK_K=16, SPLIT_K=4, num_warps=4, num_stages=1),  # 4 tiles per group, uneven split
+    ],
+)
+def test_skinny_tile_variants(config):
+    check(2, 36, 192, 32, asym=True, bias=True, config=config)
+
+
+def test_gemm_tile_with_one_group_per_tile():
+    config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=3, num_warps=4, num_stages=1)
+    check(50, 36, 128, 64, asym=True, bias=True, config=config)
+
+
+@pytest.mark.parametrize("m", [2, 24])
+def test_repacked_layout_matches(m):
+    check(m, 36, 128, 32, asym=True, repacked=True)
+
+
+def test_op_dispatch_keeps_leading_dimensions_and_paths_agree():
+    w = quantized_weight(24, 128, 32, asym=True)
+    x = torch.randn(2, 3, 128, dtype=torch.float16)
+    args = (w["packed"], w["scale"], w["zero"], 4, 128, 32, w["g_idx"], None)
+    with use_backend("triton"):
+        kernel = ops.weight_only_linear(x, *args)
+    with use_backend("reference"):
+        reference = ops.weight_only_linear(x, *args)
+    assert kernel.shape == (2, 3, 24)
+    assert relative_error(kernel, reference) < 2 * FP16_TOLERANCE
+
+
+def test_auto_backend_on_cpu_is_the_reference(monkeypatch):
+    monkeypatch.delenv("COMPRESS_KERNELS", raising=False)
+    w = quantized_weight(8, 64, 32)
+    x = torch.randn(2, 64, dtype=torch.float16)
+    args = (x, w["packed"], w["scale"], None, 4, 64, 32)
+    assert torch.equal(ops.weight_only_linear(*args), weight_only_linear_reference(*args))
+
+
+def test_unsupported_bits_fall_back_or_fail_clearly():
+    codes = torch.randint(-4, 4, (8, 64), dtype=torch.int8)
+    packed, scale = pack_int32(codes, 3), torch.full((8, 2), 0.1)
+    x = torch.randn(2, 64)
+    with use_backend("auto"):
+        assert ops.weight_only_linear(x, packed, scale, None, 3, 64, 32).shape == (2, 8)
+    with use_backend("triton"), pytest.raises(ValueError, match="straddle"):
+        ops.weight_only_linear(x, packed, scale, None, 3, 64, 32)
+
+
+def test_forcing_triton_without_interpreter_or_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("COMPRESS_KERNELS", "triton")
+    w = quantized_weight(8, 64, 32)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        ops.weight_only_linear(torch.randn(1, 64), w["packed"], w["scale"], None, 4, 64, 32)
+
+
+def test_bad_backend_name_is_rejected(monkeypatch):
+    monkeypatch.setenv("COMPRESS_KERNELS", "cuda")
+    w = quantized_weight(8, 64, 32)
+    with pytest.raises(ValueError, match="COMPRESS_KERNELS must be one of"):
+        ops.weight_only_linear(torch.randn(1, 64), w["packed"], w["scale"], None, 4, 64, 32)
+
+
+def test_mismatched_scale_shape_is_rejected():
+    w = quantized_weight(8, 64, 32)
+    with pytest.raises(ValueError, match="scale must be"):
+        weight_only_matmul(torch.randn(1, 64), w["packed"].t(), w["scale"][:, :1], None, 4, 32)
