@@ -1,0 +1,94 @@
+"""Layer-by-layer calibration: capture the first decoder layer's inputs, then walk the stack one layer at a time.
+
+Only one layer's activations are alive at once (the inputs of layer ``i``, replaced by its outputs once the layer is
+processed), so peak memory is the model plus one layer's activations. Each processed layer's *quantized* outputs
+feed the next layer, so later layers calibrate against the errors earlier layers really make.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from compress.errors import CompressError
+
+
+@dataclass
+class LayerInputs:
+    """Per calibration batch: the hidden states entering a decoder layer and the keyword arguments the model's
+    forward passed to it (rotary position embeddings, masks, positions)."""
+
+    hidden: list[torch.Tensor]
+    kwargs: list[dict] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(h.shape[0] * h.shape[1] for h in self.hidden)
+
+
+class _StopForward(Exception):
+    pass
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder stack of a Llama-family causal LM (``model.model.layers``)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise CompressError(
+            f"{type(model).__name__} has no `model.layers` decoder stack; supported: Llama-family causal LMs "
+            "(llama, mistral, qwen2, qwen3)"
+        )
+    return layers
+
+
+@torch.no_grad()
+def capture_first_layer_inputs(
+    model: nn.Module, samples: torch.Tensor, batch_size: int, device: torch.device
+) -> LayerInputs:
+    """Run the model up to its first decoder layer for every batch of ``samples`` and keep what enters it."""
+    layers = decoder_layers(model)
+    captured = LayerInputs(hidden=[])
+
+    def catch(_module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        kwargs = {k: v for k, v in kwargs.items() if k not in {"hidden_states", "past_key_values", "past_key_value"}}
+        kwargs["use_cache"] = False
+        captured.hidden.append(hidden)
+        captured.kwargs.append(kwargs)
+        raise _StopForward
+
+    inner = model.model
+    moved = [m for m in (inner.embed_tokens, getattr(inner, "rotary_emb", None)) if m is not None]
+    for module in moved:
+        module.to(device)
+    handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for start in range(0, len(samples), batch_size):
+            try:
+                model(input_ids=samples[start : start + batch_size].to(device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+        for module in moved:
+            module.to("cpu")
+    return captured
+
+
+@torch.no_grad()
+def run_layer(layer: nn.Module, inputs: LayerInputs, name: str) -> LayerInputs:
+    """The layer's outputs for every batch, which become the next layer's inputs."""
+    outputs = []
+    for hidden, kwargs in zip(inputs.hidden, inputs.kwargs, strict=True):
+        out = layer(hidden, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        if not torch.isfinite(out).all():
+            raise CompressError(
+                f"{name}: non-finite values (NaN/inf) in the layer's calibration outputs; check the model weights "
+                "and the previous stages (a diverged scale or a corrupt checkpoint)"
+            )
+        outputs.append(out)
+    return LayerInputs(hidden=outputs, kwargs=inputs.kwargs)

@@ -1,0 +1,287 @@
+"""compressed-tensors checkpoints: write them atomically, read them back into ``QuantizedLinear`` modules.
+
+The folder is an ordinary HF model folder (config.json, safetensors, tokenizer) whose ``config.json`` carries a
+``quantization_config`` with ``quant_method: compressed-tensors`` and ``format: pack-quantized``, so vLLM and
+transformers load it. Each quantized linear ``<name>`` stores ``<name>.weight_packed`` (int32, codes packed along the
+input dim), ``<name>.weight_scale``, ``<name>.weight_shape`` and, when asymmetric, ``<name>.weight_zero_point``
+(packed along the output dim) and, with act-order groups, ``<name>.weight_g_idx``.
+
+Imports only torch, safetensors and transformers: the engine loads checkpoints with it on a bare GPU box.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from compress.errors import CompressError
+from compress.qlinear import QuantizedLinear
+from kernels.packing import pack_int32, unpack_int32
+
+FORMAT = "pack-quantized"
+MAX_SHARD_BYTES = 2 * 1024**3
+
+
+@dataclass
+class CheckpointSummary:
+    path: str
+    size_mb: float
+    quantized_linears: int
+    quantized_params: int
+    total_params: int
+    bits_per_weight: float  # stored bits (codes + scales + zero points) per quantized weight
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _scheme_key(module: QuantizedLinear) -> tuple:
+    channel = module.group_size == module.in_features
+    return (module.num_bits, module.symmetric, None if channel else module.group_size, module.weight_g_idx is not None)
+
+
+def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -> dict | None:
+    """The ``quantization_config`` block describing the model's ``QuantizedLinear`` modules."""
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    if not quantized and kv_cache_scheme is None:
+        return None
+    schemes: dict[tuple, list[str]] = {}
+    for name, module in quantized.items():
+        schemes.setdefault(_scheme_key(module), []).append(name)
+    groups = {}
+    for index, ((bits, symmetric, group_size, act_order), names) in enumerate(sorted(schemes.items(), key=str)):
+        targets = ["Linear"] if len(schemes) == 1 else [f"re:^{re.escape(n)}$" for n in names]
+        groups[f"group_{index}"] = {
+            "targets": targets,
+            "weights": {
+                "num_bits": bits,
+                "type": "int",
+                "symmetric": symmetric,
+                "strategy": "channel" if group_size is None else "group",
+                "group_size": group_size,
+                "dynamic": False,
+                "actorder": "group" if act_order else None,
+            },
+            "input_activations": None,
+            "output_activations": None,
+            "format": FORMAT,
+        }
+    dense = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    return {
+        "quant_method": "compressed-tensors",
+        "format": FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": dense,
+        "kv_cache_scheme": kv_cache_scheme,
+    }
+
+
+def _tensors(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        if tied and key == "lm_head.weight":
+            continue
+        owner, _, leaf = key.rpartition(".")
+        if owner in quantized and leaf == "weight_zero_point":
+            value = pack_int32(value.cpu(), model.get_submodule(owner).num_bits, dim=0)
+        elif value.is_floating_point() and dtype is not None:
+            value = value.to(dtype)
+        tensors[key] = value.detach().cpu().contiguous().clone()
+    for owner in quantized:
+        module = model.get_submodule(owner)
+        tensors[f"{owner}.weight_shape"] = torch.tensor([module.out_features, module.in_features])
+    return tensors
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, value in tensors.items():
+        nbytes = value.numel() * value.element_size()
+        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][key] = value
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / filename, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, filename))
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def save_checkpoint(
+    model: nn.Module,
+    tokenizer,
+    target: Path,
+    extra_files: dict[str, str] | None = None,
+    dtype: torch.dtype | None = None,
+    kv_cache_scheme: dict | None = None,
+) -> CheckpointSummary:
+    """Write into a temporary sibling folder, then rename: an interrupted save leaves nothing at ``target``."""
+    target = Path(target)
+    if target.exists():
+        raise CompressError(f"checkpoint folder {target} already exists; choose another output or remove it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        tensors = _tensors(model, dtype)
+        _write_shards(tensors, staging)
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        if dtype is not None:
+            config["dtype"] = str(dtype).removeprefix("torch.")
+        qconfig = quantization_config(model, kv_cache_scheme)
+        if qconfig is not None:
+            config["quantization_config"] = qconfig
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        for name, text in (extra_files or {}).items():
+            (staging / name).write_text(text)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return summarize(model, target)
+
+
+def summarize(model: nn.Module, folder: Path) -> CheckpointSummary:
+    size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    quantized_params = sum(m.in_features * m.out_features for m in quantized)
+    stored_bits = 0
+    for m in quantized:
+        stored_bits += m.weight_packed.numel() * 32 + m.weight_scale.numel() * m.weight_scale.element_size() * 8
+        if m.weight_zero_point is not None:
+            stored_bits += m.weight_zero_point.numel() * m.num_bits
+    total = sum(p.numel() for p in model.parameters()) + quantized_params
+    return CheckpointSummary(
+        path=str(folder),
+        size_mb=size / 1e6,
+        quantized_linears=len(quantized),
+        quantized_params=quantized_params,
+        total_params=total,
+        bits_per_weight=stored_bits / quantized_params if quantized_params else 0.0,
+    )
+
+
+# -- loading ---------------------------------------------------------------------------------------------------
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CompressError(f"{folder} holds no *.safetensors weights; is it a compress checkpoint?")
+    tensors = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    tensors[key] = handle.get_tensor(key)
+        except (SafetensorError, OSError, ValueError) as error:
+            raise CompressError(
+                f"checkpoint file {file} is corrupt or truncated ({error}); re-create the checkpoint"
+            ) from error
+    return tensors
+
+
+def _module_scheme(name: str, qconfig: dict) -> dict | None:
+    if name in qconfig.get("ignore", []):
+        return None
+    for group in qconfig["config_groups"].values():
+        for target in group["targets"]:
+            if target == "Linear" or (target.startswith("re:") and re.search(target[3:], name)):
+                return group["weights"]
+    return None
+
+
+def _quantized_module(name: str, weights: dict, tensors: dict[str, torch.Tensor], dense: nn.Linear) -> QuantizedLinear:
+    out_features, in_features = (int(v) for v in tensors.pop(f"{name}.weight_shape"))
+    bits = weights["num_bits"]
+    group_size = weights.get("group_size") or in_features
+    zero = tensors.pop(f"{name}.weight_zero_point", None)
+    if zero is not None:
+        zero = unpack_int32(zero, bits, out_features, dim=0)
+    g_idx = tensors.pop(f"{name}.weight_g_idx", None)
+    bias = tensors.pop(f"{name}.bias", None)
+    scale = tensors.pop(f"{name}.weight_scale")
+    module = QuantizedLinear(
+        in_features, out_features, bits, group_size, symmetric=zero is None,
+        bias=bias is not None, dtype=scale.dtype, act_order=g_idx is not None,
+    )
+    module.weight_packed.copy_(tensors.pop(f"{name}.weight_packed"))
+    module.weight_scale.copy_(scale)
+    if zero is not None:
+        module.weight_zero_point.copy_(zero)
+    if g_idx is not None:
+        module.weight_g_idx.copy_(g_idx)
+    if bias is not None:
+        module.bias.data.copy_(bias)
+    if (out_features, in_features) != (dense.out_features, dense.in_features):
+        raise CompressError(f"{name}: stored shape {(out_features, in_features)} does not match the model config")
+    return module
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
+    """``(model, tokenizer)`` from a compress checkpoint (or any plain safetensors HF folder)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise CompressError(f"{folder} is not a checkpoint folder (no config.json)")
+    config = AutoConfig.from_pretrained(folder)
+    qconfig = getattr(config, "quantization_config", None)
+    if qconfig is not None and not isinstance(qconfig, dict):
+        qconfig = qconfig.to_dict()
+    if qconfig is not None:
+        if qconfig.get("quant_method") != "compressed-tensors" or qconfig.get("format") != FORMAT:
+            raise CompressError(
+                f"{folder}: quantization {qconfig.get('quant_method')}/{qconfig.get('format')} is not readable here; "
+                f"compress loads compressed-tensors {FORMAT}"
+            )
+        del config.quantization_config
+    dtype = getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    tensors = _read_tensors(folder)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if qconfig is not None:
+        for name, module in list(model.named_modules()):
+            if type(module) is nn.Linear and f"{name}.weight_packed" in tensors:
+                weights = _module_scheme(name, qconfig)
+                if weights is None:
+                    raise CompressError(f"{folder}: {name} is packed but no config group targets it")
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, _quantized_module(name, weights, tensors, module))
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    allowed_missing = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    # QuantizedLinear buffers were filled directly above; everything else must come from the file.
+    quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    missing = [k for k in missing if k not in allowed_missing and k.rpartition(".")[0] not in quantized]
+    if missing or unexpected:
+        raise CompressError(
+            f"{folder}: weights do not match the model config (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    if allowed_missing:
+        model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,241 @@
+"""Activation-aware weight quantization (AWQ, Lin et al. 2023), CPU-capable.
+
+Idea: the few input channels with large activations matter most. Scaling such a channel's weights up by ``s`` (and the
+operation feeding it down by ``s``) leaves the float model unchanged but shrinks that channel's relative rounding
+error. Per mapping (an operation and the linears it feeds) we search ``s = mean|x|^a / mean|w|^(1-a)`` over a grid of
+exponents ``a`` ("duo scaling"; plain ``mean|x|^a`` when off), keeping the identity when nothing beats it, then
+search a per-group clipping ratio that minimises each linear's output error, then round to the grid.
+
+Beyond the paper's recipe: the value→output mapping is applied to grouped-query attention too, by tying the scales of
+all query heads that read one KV head (the reference implementations skip it when shapes differ), and the loss is
+measured on the mapping's own linear outputs over a token subsample, which keeps 2 CPU cores busy for minutes, not
+hours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from compress.calibration import decoder_layers
+from compress.errors import CompressError
+from compress.quant import fake_quantize
+from compress.stages.base import LayerContext
+from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, target_linears
+
+
+@dataclass
+class AWQConfig(WeightQuantConfig):
+    grid: int = 20  # exponents a = 0, 1/grid, ..., (grid-1)/grid
+    duo_scaling: bool = True
+    clip: bool = True
+    clip_grid: int = 20  # shrink steps of 1/clip_grid ...
+    max_shrink: float = 0.5  # ... down to (1 - max_shrink) of the range
+    search_tokens: int = 4096  # tokens per mapping the scale search measures its loss on
+    clip_tokens: int = 512
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """``previous`` produces the input of every linear in ``linears``; scales fold into it."""
+
+    previous: str
+    linears: tuple[str, ...]
+
+
+LLAMA_MAPPINGS = (
+    Mapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    Mapping("self_attn.v_proj", ("self_attn.o_proj",)),
+    Mapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    Mapping("mlp.up_proj", ("mlp.down_proj",)),
+)
+MAPPINGS = {family: LLAMA_MAPPINGS for family in ("llama", "mistral", "qwen2", "qwen3")}
+NO_CLIP = ("q_proj", "k_proj")  # their error passes through softmax, where clipping outliers hurts
+
+
+@dataclass
+class _Activations:
+    mean_abs: torch.Tensor  # [in]
+    sample: torch.Tensor  # [tokens, in]
+
+
+class AWQStage(WeightQuantizerStage):
+    name = "awq"
+    Config = AWQConfig
+
+    def prepare(self, model: nn.Module) -> None:
+        family = getattr(model.config, "model_type", None)
+        if family not in MAPPINGS:
+            raise CompressError(
+                f"AWQ has no layer mappings for model type {family!r}; supported: {', '.join(sorted(MAPPINGS))}"
+            )
+        layer = decoder_layers(model)[0]
+        for mapping in MAPPINGS[family]:
+            for name in (mapping.previous, *mapping.linears):
+                try:
+                    layer.get_submodule(name)
+                except AttributeError as error:
+                    raise CompressError(f"AWQ mapping for {family!r} expects module {name!r} in each layer") from error
+        super().prepare(model)
+        self.mappings = MAPPINGS[family]
+        self.scaled_mappings = 0
+
+    def process_layer(self, ctx: LayerContext) -> None:
+        if ctx.inputs is None:
+            raise CompressError("AWQ needs calibration inputs")
+        targets = target_linears(ctx.layer, ctx.name, self.config.ignore)
+        activations = self._capture(ctx)
+        input_scale: dict[str, torch.Tensor] = {}
+        for mapping in self.mappings:
+            if not all(name in targets for name in mapping.linears):
+                continue  # an ignored linear stays dense; scaling it would buy nothing
+            scale = self._search_scale(ctx, mapping, activations[mapping.linears[0]])
+            if scale is not None:
+                self._apply_scale(ctx, mapping, scale)
+                self.scaled_mappings += 1
+                for name in mapping.linears:
+                    input_scale[name] = self._expand(ctx, mapping, scale)
+        for name in targets:
+            owner = next(m for m in self.mappings if name in m.linears)
+            clip = 1.0
+            if self.config.clip and not name.endswith(NO_CLIP):
+                x = activations[owner.linears[0]].sample[: self.config.clip_tokens]
+                if name in input_scale:
+                    x = x / input_scale[name]
+                clip = self._search_clip(ctx.layer.get_submodule(name).weight.data, x)
+            self.quantize_linear(ctx.layer, name, f"{ctx.name}.{name}", clip)
+
+    # -- calibration statistics -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _capture(self, ctx: LayerContext) -> dict[str, _Activations]:
+        """Mean |x| per input channel over all tokens, plus a seeded token subsample, for each mapping's input."""
+        batches = len(ctx.inputs.hidden)
+        keep = -(-self.config.search_tokens // batches)
+        generator = torch.Generator().manual_seed(self.config.seed + ctx.index)
+        sums: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
+        samples: dict[str, list[torch.Tensor]] = {}
+
+        def hook_for(name):
+            def hook(_module, args, _output):
+                x = args[0].reshape(-1, args[0].shape[-1]).float()
+                sums[name] = sums.get(name, 0) + x.abs().sum(0)
+                counts[name] = counts.get(name, 0) + x.shape[0]
+                rows = torch.randperm(x.shape[0], generator=generator)[:keep].to(x.device)
+                samples.setdefault(name, []).append(x[rows])
+
+            return hook
+
+        handles = [
+            ctx.layer.get_submodule(m.linears[0]).register_forward_hook(hook_for(m.linears[0])) for m in self.mappings
+        ]
+        try:
+            for hidden, kwargs in zip(ctx.inputs.hidden, ctx.inputs.kwargs, strict=True):
+                ctx.layer(hidden, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return {
+            name: _Activations(sums[name] / counts[name], torch.cat(samples[name])) for name in sums
+        }
+
+    # -- scale search ------------------------------------------------------------------------------------------
+    def _kv_groups(self, ctx: LayerContext, mapping: Mapping) -> tuple[int, int] | None:
+        """``(kv_heads, head_dim)`` when the previous op's outputs feed the linears through GQA head repetition."""
+        previous = ctx.layer.get_submodule(mapping.previous)
+        linear = ctx.layer.get_submodule(mapping.linears[0])
+        if not isinstance(previous, nn.Linear) or previous.out_features == linear.in_features:
+            return None
+        config = ctx.model_config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return previous.out_features // head_dim, head_dim
+
+    def _expand(self, ctx: LayerContext, mapping: Mapping, scale: torch.Tensor) -> torch.Tensor:
+        """Scale per previous-op output channel → per linear input channel (repeats KV heads under GQA)."""
+        groups = self._kv_groups(ctx, mapping)
+        if groups is None:
+            return scale
+        kv_heads, head_dim = groups
+        in_features = ctx.layer.get_submodule(mapping.linears[0]).in_features
+        repeat = in_features // (kv_heads * head_dim)
+        return scale.view(kv_heads, 1, head_dim).expand(kv_heads, repeat, head_dim).reshape(-1)
+
+    def _reduce(self, ctx: LayerContext, mapping: Mapping, per_input: torch.Tensor) -> torch.Tensor:
+        """Inverse direction of :meth:`_expand` for statistics: average over the query heads sharing a KV head."""
+        groups = self._kv_groups(ctx, mapping)
+        if groups is None:
+            return per_input
+        kv_heads, head_dim = groups
+        return per_input.view(kv_heads, -1, head_dim).mean(1).reshape(-1)
+
+    @torch.no_grad()
+    def _search_scale(self, ctx: LayerContext, mapping: Mapping, act: _Activations) -> torch.Tensor | None:
+        """Best per-channel scale for the mapping, or None when no scaling beats leaving it alone."""
+        scheme = self.config.scheme
+        weight = torch.cat([ctx.layer.get_submodule(n).weight.data.float() for n in mapping.linears])
+        x = act.sample
+        reference = x @ weight.T
+        group = scheme.group_for(weight.shape[1])
+        grouped = weight.abs().view(weight.shape[0], -1, group)
+        normalized = (grouped / (grouped.amax(-1, keepdim=True) + 1e-6)).view_as(weight)
+        w_mean = self._reduce(ctx, mapping, normalized.mean(0))
+        x_mean = self._reduce(ctx, mapping, act.mean_abs)
+
+        def loss(per_input: torch.Tensor) -> float:
+            quantized = fake_quantize(weight * per_input, scheme) / per_input
+            return (x @ quantized.T - reference).pow(2).mean().item()
+
+        best_loss, best_scale = loss(torch.ones_like(act.mean_abs)), None
+        for step in range(self.config.grid):
+            exponent = step / self.config.grid
+            scale = x_mean.pow(exponent)
+            if self.config.duo_scaling:
+                scale = scale / (w_mean.pow(1 - exponent) + 1e-4)
+            scale = scale.clamp(min=1e-4)
+            scale = scale / (scale.max() * scale.min()).sqrt()
+            candidate = loss(self._expand(ctx, mapping, scale))
+            if candidate < best_loss:
+                best_loss, best_scale = candidate, scale
+        if best_scale is not None and not torch.isfinite(best_scale).all():
+            raise CompressError(f"{ctx.name}: AWQ found non-finite scales for {mapping.linears}; check activations")
+        return best_scale
+
+    @torch.no_grad()
+    def _apply_scale(self, ctx: LayerContext, mapping: Mapping, scale: torch.Tensor) -> None:
+        """Fold ``1/s`` into the previous op and ``s`` into the linears: the float model is unchanged."""
+        previous = ctx.layer.get_submodule(mapping.previous)
+        if isinstance(previous, nn.Linear):
+            previous.weight.data = (previous.weight.data.float() / scale[:, None]).to(previous.weight.dtype)
+        else:
+            previous.weight.data = (previous.weight.data.float() / scale).to(previous.weight.dtype)
+        if getattr(previous, "bias", None) is not None:
+            previous.bias.data = (previous.bias.data.float() / scale).to(previous.bias.dtype)
+        per_input = self._expand(ctx, mapping, scale)
+        for name in mapping.linears:
+            linear = ctx.layer.get_submodule(name)
+            linear.weight.data = (linear.weight.data.float() * per_input).to(linear.weight.dtype)
+
+    # -- clipping search ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _search_clip(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Per (output channel, group) range ratio minimising the group's contribution to the output error."""
+        scheme = self.config.scheme
+        weight = weight.float()
+        out_features, in_features = weight.shape
+        group = scheme.group_for(in_features)
+        groups = in_features // group
+        x_grouped = x.view(-1, groups, group).transpose(0, 1)  # [G, tokens, g]
+        best_error = torch.full((out_features, groups), float("inf"), device=weight.device)
+        best_ratio = torch.ones(out_features, groups, device=weight.device)
+        steps = max(1, round(self.config.max_shrink * self.config.clip_grid))
+        for step in range(steps + 1):
+            ratio = 1.0 - step / self.config.clip_grid
+            delta = (fake_quantize(weight, scheme, ratio) - weight).view(out_features, groups, group)
+            error = torch.bmm(x_grouped, delta.permute(1, 2, 0)).pow(2).mean(1).T  # [out, G]
+            better = error < best_error
+            best_error = torch.where(better, error, best_error)
+            best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
+        return best_ratio

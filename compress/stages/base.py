@@ -1,0 +1,77 @@
+"""The one interface every compression algorithm implements, so a recipe can chain them in any legal order.
+
+Lifecycle, driven by ``compress.pipeline``:
+1. ``from_args`` validates the recipe's arguments (unknown keys are named with the valid ones);
+2. ``prepare(model)`` checks the model fits (shapes, group sizes, mappings) before any expensive work;
+3. ``process_layer(ctx)`` runs once per decoder layer, in order, with that layer's calibration inputs when
+   ``needs_calibration`` (several consecutive stages share one walk over the layers);
+4. ``finalize(model)`` returns a summary for the report (what was done, per-layer statistics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from compress.calibration import LayerInputs
+from compress.errors import CompressError
+
+
+@dataclass
+class LayerContext:
+    """What a stage sees of one decoder layer."""
+
+    index: int
+    name: str  # full module name, e.g. "model.layers.3"
+    layer: nn.Module
+    model_config: Any
+    inputs: LayerInputs | None
+    device: torch.device
+
+
+class Stage(ABC):
+    """One algorithm; subclasses set ``name``, ``Config`` (a dataclass of its recipe arguments) and the flags."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type]
+    needs_calibration: ClassVar[bool] = True
+    quantizes_weights: ClassVar[bool] = False  # a second weight quantizer after this one is illegal
+
+    def __init__(self, config):
+        self.config = config
+
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls.Config)]
+
+    @classmethod
+    def from_args(cls, args: dict, position: int) -> Stage:
+        valid = cls.valid_keys()
+        for key in args:
+            if key not in valid:
+                hint = difflib.get_close_matches(key, valid, n=1)
+                suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+                raise CompressError(
+                    f"stages.{position} ({cls.name}): unknown key {key!r}{suggestion}; valid keys: {', '.join(valid)}"
+                )
+        try:
+            return cls(cls.Config(**args))
+        except (TypeError, ValueError) as error:
+            raise CompressError(f"stages.{position} ({cls.name}): {error}") from error
+
+    def prepare(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
+        """Fail fast on a model this stage cannot handle."""
+
+    @abstractmethod
+    def process_layer(self, ctx: LayerContext) -> None:
+        """Transform one decoder layer in place."""
+
+    def finalize(self, model: nn.Module) -> dict:
+        """Summary for the report."""
+        return {}

@@ -1,0 +1,23 @@
+"""Round-to-nearest: every group's range mapped onto the integer grid, no calibration. The baseline to beat."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compress.stages.base import LayerContext
+from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, target_linears
+
+
+@dataclass
+class RTNConfig(WeightQuantConfig):
+    pass
+
+
+class RTNStage(WeightQuantizerStage):
+    name = "rtn"
+    Config = RTNConfig
+    needs_calibration = False
+
+    def process_layer(self, ctx: LayerContext) -> None:
+        for name in target_linears(ctx.layer, ctx.name, self.config.ignore):
+            self.quantize_linear(ctx.layer, name, f"{ctx.name}.{name}")
