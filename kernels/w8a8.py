@@ -58,6 +58,19 @@ def scaled_mm_reference(
 
 
 @triton.jit
+def _round_to_e4m3_grid(values):
+    """Round fp32 values (|v| <= 448) to the nearest e4m3 value, ties to even, with exact power-of-two steps,
+    so the cast that follows is exact on every GPU and in the interpreter (whose own fp8 rounding is wrong)."""
+    bits = values.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    step_exponent = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; below 2**-6 the subnormal step is 2**-9
+    step = ((step_exponent + 127) << 23).to(tl.float32, bitcast=True)
+    rounded = ((values / step + 12582912.0) - 12582912.0) * step
+    sign = bits & -2147483648  # sign bit; keep the sign of values that round to zero, as torch does (-0.0)
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, codes_ptr, scale_ptr, K, stride_xm, stride_cm,
     QMAX: tl.constexpr, EPS: tl.constexpr, TO_FP8: tl.constexpr, STATIC: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -80,7 +93,7 @@ def _quantize_rows_kernel(
         values = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         scaled = tl.minimum(tl.maximum(tl.math.div_rn(values, scale), -QMAX), QMAX)
         if TO_FP8:
-            codes = scaled.to(tl.float8e4nv)
+            codes = _round_to_e4m3_grid(scaled).to(tl.float8e4nv)
         else:
             codes = ((scaled + 12582912.0) - 12582912.0).to(tl.int8)  # ROUND_MAGIC: round half to even
         tl.store(codes_ptr + row * stride_cm + offs, codes, mask=offs < K)
@@ -153,11 +166,11 @@ def _scaled_mm_kernel(
         offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
         a = tl.load(
             a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
-            mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0,
+            mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0,
         )
         b = tl.load(
             b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-            mask=(offs_k < K)[:, None] & (offs_n < N)[None, :], other=0,
+            mask=(offs_k < K)[:, None] & (offs_n < N)[None, :], other=0.0,
         )
         if DECODE_FP8:
             a = _e4m3_bits_to_fp16(a)
