@@ -50,6 +50,20 @@ def quantize_per_token(
     return w8a8.quantize_per_token(x, dtype, static_scale)
 
 
+def scaled_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a @ b.T) * a_scale * b_scale.T + bias`` on already-quantized 8-bit operands (int8 or FP8)."""
+    if choose_backend(a.device) == "reference":
+        return w8a8.scaled_mm_reference(a, a_scale, b, b_scale, bias, out_dtype)
+    return w8a8.scaled_mm(a, a_scale, b, b_scale, bias, out_dtype)
+
+
 def _activation_quantized_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -59,10 +73,7 @@ def _activation_quantized_linear(
 ) -> torch.Tensor:
     rows = x.reshape(-1, weight.shape[1])
     codes, scale = quantize_per_token(rows, weight.dtype, input_scale)
-    if choose_backend(x.device) == "reference":
-        out = w8a8.scaled_mm_reference(codes, scale, weight, weight_scale, bias, x.dtype)
-    else:
-        out = w8a8.scaled_mm(codes, scale, weight, weight_scale, bias, x.dtype)
+    out = scaled_mm(codes, scale, weight, weight_scale, bias, x.dtype)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

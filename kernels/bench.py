@@ -1,0 +1,269 @@
+"""``python -m compress bench kernels``: our GEMM kernels against ``torch.matmul`` bf16, measured in one run.
+
+For Llama-8B/70B-like weights ``[N, K]`` and row counts M it times each op (median, L2 flushed, via
+``triton.testing.do_bench``) and reports TFLOP/s, GB/s of the bytes the op must move (weight + scales +
+activations + output), that bandwidth as a share of a device-to-device copy measured in the same run, the
+speedup over dense bf16 ``torch.matmul`` in the same run, and the float64 relative error. Writes
+``benchmarks/results/kernels-<device>.{json,md}``. Needs a CUDA GPU; ``--smoke`` runs tiny shapes on whatever
+device exists (CPU: torch references, or the interpreter with ``COMPRESS_KERNELS=triton TRITON_INTERPRET=1``)
+to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+from kernels import ops
+from kernels.accuracy import relative_error
+from kernels.packing import pack_int32
+from kernels.w4a16 import repack_n_contiguous
+
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]  # weight [N, K]
+ROWS = [1, 4, 16, 64, 128, 1024, 4096]
+SMOKE_SHAPES = [(96, 256)]
+SMOKE_ROWS = [1, 16, 40]
+KERNELS = ["w4a16", "w4a16-disk", "int8", "int8-gemm", "fp8", "fp8-gemm", "act-quant"]
+GROUP_SIZE = 128
+COPY_BYTES = 1 << 30
+
+# (description, kernel, rows predicate, metric, threshold): goals of issue 5, judged on the worst matching row.
+GOALS = [
+    ("W4A16 M=1 speedup >= 3.3x", "w4a16", lambda m: m == 1, "speedup", 3.3),
+    ("W4A16 M=1 >= 75% of copy bandwidth", "w4a16", lambda m: m == 1, "copy_bandwidth_pct", 75.0),
+    ("W4A16 M=16 speedup >= 3x", "w4a16", lambda m: m == 16, "speedup", 3.0),
+    ("W4A16 M=128 speedup >= 1x", "w4a16", lambda m: m == 128, "speedup", 1.0),
+    ("int8 W8A8 (with act quant) M>=1024 speedup >= 1.6x", "int8", lambda m: m >= 1024, "speedup", 1.6),
+    ("FP8 W8A8 (with act quant) M>=1024 speedup >= 1.5x", "fp8", lambda m: m >= 1024, "speedup", 1.5),
+    ("act-quant M>=1024 >= 70% of copy bandwidth", "act-quant", lambda m: m >= 1024, "copy_bandwidth_pct", 70.0),
+]
+
+
+@dataclass
+class Row:
+    kernel: str
+    n: int
+    k: int
+    m: int
+    time_us: float
+    tflops: float
+    gbps: float
+    copy_bandwidth_pct: float
+    torch_bf16_us: float | None
+    speedup: float | None
+    relative_error: float | None
+
+
+def timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """Median milliseconds of a call: CUDA events with L2 flushed on a GPU, wall clock on CPU (smoke only)."""
+    if device.type == "cuda":
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def cpu_median(fn: Callable[[], object]) -> float:
+        fn()
+        samples = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+
+    return cpu_median
+
+
+def device_slug(device: torch.device, smoke: bool) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine() or "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return f"{slug}-smoke" if smoke else slug
+
+
+def copy_bandwidth_gbps(device: torch.device, measure, size: int) -> float:
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    return 2 * size / (measure(lambda: target.copy_(source)) * 1e-3) / 1e9
+
+
+def weight_cases(kernel: str, n: int, k: int, device: torch.device, dtype: torch.dtype):
+    """(op taking x, float64 dense weight it computes with, bytes of weight + scales) for one kernel."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    if kernel.startswith("w4a16"):
+        codes = torch.randint(-8, 8, (n, k), device=device, dtype=torch.int8, generator=generator)
+        scale = (torch.rand(n, k // GROUP_SIZE, device=device, generator=generator) * 0.01 + 0.001).to(dtype)
+        packed = pack_int32(codes, 4)
+        repacked = repack_n_contiguous(packed) if kernel == "w4a16" else None
+
+        def op(x):
+            return ops.weight_only_linear(x, packed, scale, None, 4, k, GROUP_SIZE, None, None, repacked)
+
+        dense = codes.double() * scale.double().repeat_interleave(GROUP_SIZE, dim=1)
+        return op, dense, packed.numel() * 4 + scale.numel() * scale.element_size()
+    weight_dtype = torch.int8 if kernel.startswith("int8") else torch.float8_e4m3fn
+    qmax = 127 if weight_dtype == torch.int8 else 448
+    values = torch.randn(n, k, device=device, generator=generator) * 0.02
+    weight_scale = values.abs().amax(dim=1, keepdim=True) / qmax
+    scaled = (values / weight_scale).clamp(-qmax, qmax)
+    weight = torch.round(scaled).to(torch.int8) if weight_dtype == torch.int8 else scaled.to(weight_dtype)
+    dense = weight.double() * weight_scale.double()
+    if kernel.endswith("-gemm"):
+        cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def op(x):  # activations quantized once outside the timed call
+            if x.data_ptr() not in cache:
+                cache.clear()
+                cache[x.data_ptr()] = ops.quantize_per_token(x, weight_dtype)
+            codes, a_scale = cache[x.data_ptr()]
+            return ops.scaled_mm(codes, a_scale, weight, weight_scale, None, x.dtype)
+    elif weight_dtype == torch.int8:
+        def op(x):
+            return ops.int8_linear(x, weight, weight_scale)
+    else:
+        def op(x):
+            return ops.fp8_linear(x, weight, weight_scale)
+    return op, dense, weight.numel() + weight_scale.numel() * 4
+
+
+def run(args: argparse.Namespace, device: torch.device) -> tuple[list[Row], float]:
+    measure = timer(device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    copy_gbps = copy_bandwidth_gbps(device, measure, COPY_BYTES if device.type == "cuda" else 1 << 24)
+    rows: list[Row] = []
+    for n, k in args.shapes:
+        dense_weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        for kernel in args.kernels:
+            if kernel == "act-quant":
+                op, dense, weight_bytes = None, None, 0
+            else:
+                op, dense, weight_bytes = weight_cases(kernel, n, k, device, dtype)
+            for m in args.rows:
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                if kernel == "act-quant":
+                    if (n, k) != next(shape for shape in args.shapes if shape[1] == k):
+                        continue  # once per distinct K
+                    seconds = measure(lambda x=x: ops.quantize_per_token(x, torch.int8)) * 1e-3
+                    moved = m * k * (x.element_size() + 1) + m * 4
+                    rows.append(Row(kernel, 0, k, m, seconds * 1e6, 0.0, moved / seconds / 1e9,
+                                    100 * moved / seconds / 1e9 / copy_gbps, None, None, None))
+                    print(f"{kernel:>10} K={k:<6} M={m:<5} {seconds * 1e6:9.1f} us  "
+                          f"{rows[-1].copy_bandwidth_pct:5.1f}% copy BW", flush=True)
+                    continue
+                x_bf16 = x.to(torch.bfloat16)
+                baseline = measure(lambda a=x_bf16, w=dense_weight: torch.matmul(a, w.T)) * 1e-3
+                out = op(x)  # first call also autotunes, outside the timed region
+                seconds = measure(lambda x=x, op=op: op(x)) * 1e-3
+                moved = weight_bytes + m * k * x.element_size() + m * n * x.element_size()
+                error = relative_error(out, x.double() @ dense.T)
+                rows.append(Row(
+                    kernel, n, k, m, seconds * 1e6, 2 * m * n * k / seconds / 1e12, moved / seconds / 1e9,
+                    100 * moved / seconds / 1e9 / copy_gbps, baseline * 1e6, baseline / seconds, error,
+                ))
+                print(f"{kernel:>10} N={n:<6} K={k:<6} M={m:<5} {seconds * 1e6:9.1f} us  "
+                      f"x{baseline / seconds:5.2f} vs bf16  {rows[-1].copy_bandwidth_pct:5.1f}% copy BW", flush=True)
+        del dense_weight
+    return rows, copy_gbps
+
+
+def judge_goals(rows: list[Row]) -> list[dict]:
+    verdicts = []
+    for description, kernel, wanted_rows, metric, threshold in GOALS:
+        values = [getattr(row, metric) for row in rows if row.kernel == kernel and wanted_rows(row.m)]
+        worst = min(values) if values else None
+        verdicts.append(dict(goal=description, worst=worst, threshold=threshold,
+                             met=None if worst is None else worst >= threshold))
+    return verdicts
+
+
+def markdown(meta: dict, rows: list[Row], goals: list[dict]) -> str:
+    lines = [f"# Kernel benchmark: {meta['device_name']}", ""]
+    if meta["smoke"]:
+        lines += ["**Smoke run (tiny shapes): checks the script only; goals not judged.**", ""]
+    lines += [
+        f"torch {meta['torch']}, triton {meta['triton']}, activations {meta['dtype']}, W4A16 group size "
+        f"{GROUP_SIZE} (symmetric). Device-to-device copy: **{meta['copy_gbps']:.0f} GB/s** (same run). "
+        "Speedup = dense bf16 `torch.matmul` time / kernel time, same run. int8/fp8 include the dynamic "
+        "per-token activation quantization; `-gemm` rows exclude it; `w4a16-disk` reads the on-disk layout.",
+        "",
+        "| goal | worst row | threshold | met |",
+        "|---|---|---|---|",
+    ]
+    for goal in goals:
+        worst = "-" if goal["worst"] is None else f"{goal['worst']:.2f}"
+        met = "-" if goal["met"] is None else ("yes" if goal["met"] else "**no**")
+        lines.append(f"| {goal['goal']} | {worst} | {goal['threshold']} | {met} |")
+    lines += [
+        "",
+        "| kernel | N | K | M | time (us) | TFLOP/s | GB/s | % copy BW | torch bf16 (us) | speedup | rel. err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        baseline = "-" if row.torch_bf16_us is None else f"{row.torch_bf16_us:.1f}"
+        speedup = "-" if row.speedup is None else f"{row.speedup:.2f}x"
+        error = "-" if row.relative_error is None else f"{row.relative_error:.1e}"
+        lines.append(
+            f"| {row.kernel} | {row.n or '-'} | {row.k} | {row.m} | {row.time_us:.1f} | {row.tflops:.1f} | "
+            f"{row.gbps:.0f} | {row.copy_bandwidth_pct:.1f} | {baseline} | {speedup} | {error} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        return [tuple(int(v) for v in item.lower().split("x")) for item in text.split(",")]  # type: ignore[misc]
+    except ValueError:
+        message = f"shapes are N x K pairs like 4096x4096,4096x14336; got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m compress bench kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device: checks the script only")
+    parser.add_argument("--shapes", type=parse_shapes, help="weight shapes N x K, comma separated")
+    parser.add_argument("--rows", type=lambda t: [int(v) for v in t.split(",")], help="M values, comma separated")
+    parser.add_argument("--kernels", type=lambda t: t.split(","), default=KERNELS, help=",".join(KERNELS))
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="activation dtype")
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.kernels) - set(KERNELS))
+    if unknown:
+        parser.error(f"unknown kernels {unknown}; choose from {','.join(KERNELS)}")
+    args.shapes = args.shapes or (SMOKE_SHAPES if args.smoke else SHAPES)
+    args.rows = args.rows or (SMOKE_ROWS if args.smoke else ROWS)
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        print("error: the kernel benchmark needs a CUDA GPU and none is visible. GPU numbers are still missing; "
+              "run it on an H100 with `python -m compress bench kernels`, or check the script on CPU with "
+              "`--smoke`.", file=sys.stderr)
+        return 2
+    rows, copy_gbps = run(args, device)
+    goals = [] if args.smoke else judge_goals(rows)  # tiny shapes say nothing about the goals
+    meta = dict(
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
+        smoke=args.smoke, torch=torch.__version__, triton=triton.__version__, dtype=args.dtype,
+        copy_gbps=copy_gbps, group_size=GROUP_SIZE, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / f"kernels-{device_slug(device, args.smoke)}"
+    stem.with_suffix(".json").write_text(
+        json.dumps(dict(meta=meta, goals=goals, rows=[asdict(row) for row in rows]), indent=2) + "\n"
+    )
+    stem.with_suffix(".md").write_text(markdown(meta, rows, goals))
+    print(f"wrote {stem}.json and {stem}.md")
+    for goal in goals:
+        print(f"  {'MET ' if goal['met'] else 'MISS' if goal['met'] is False else '  - '} {goal['goal']}: "
+              f"worst {goal['worst'] if goal['worst'] is None else round(goal['worst'], 2)}")
+    return 0
