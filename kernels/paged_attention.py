@@ -149,7 +149,8 @@ def _paged_attention_kernel(
             k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
             scores = tl.dot(q, tl.trans(k))
             if SCALE_MODE == 2:
-                scores = scores * tl.load(k_scale_ptr + slots * NUM_KV_HEADS + kv_head, mask=key_valid, other=0.0)[None, :]
+                k_scale = tl.load(k_scale_ptr + slots * NUM_KV_HEADS + kv_head, mask=key_valid, other=0.0)
+                scores = scores * k_scale[None, :]
             scores = scores * qk_scale
             visible = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
             scores = tl.where(visible, scores, float("-inf"))

@@ -23,13 +23,13 @@ def make_cache(dtype, scale_mode, generator):
 
 
 def ragged_batch(query_lens, context_lens, generator):
-    """Block tables drawn from a shuffled pool (blocks out of order, as after churn) and the slots of the new
-    tokens, i.e. the last ``query_len`` positions of each context."""
+    """Block tables drawn from a shuffled pool (blocks out of order, as after churn) and the slot of every context
+    position (cached prefix and new tokens alike: attention runs after the new K/V are written)."""
     pool = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
     width = max(-(-c // BLOCK_SIZE) for c in context_lens)
     tables = torch.zeros(len(context_lens), width, dtype=torch.int32)
     slots = []
-    for b, (query_len, context_len) in enumerate(zip(query_lens, context_lens, strict=True)):
+    for b, context_len in enumerate(context_lens):
         for i in range(-(-context_len // BLOCK_SIZE)):
             tables[b, i] = pool.pop()
         for pos in range(context_len):

@@ -1,0 +1,45 @@
+"""Engine settings: one dataclass, checked once, so bad values fail at construction with a fix in the message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels.kv_cache import KV_CACHE_DTYPES
+
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    """Tokens per KV block; a power of two >= 16 for the Triton kernels."""
+    max_num_seqs: int = 64
+    """Most sequences in one step (running batch size)."""
+    max_num_batched_tokens: int = 1024
+    """Token budget per step: decodes first, prefill chunks fill the rest."""
+    max_model_len: int | None = None
+    """Longest prompt + output; default: the model's ``max_position_embeddings``, at most 8192."""
+    kv_cache_dtype: str = "auto"
+    """``auto`` (the model's dtype), ``bf16``, ``fp16``, ``fp32``, ``int8`` or ``fp8`` (e4m3)."""
+    kv_cache_memory_gb: float | None = None
+    """KV pool size; default: ``gpu_memory_utilization`` of free GPU memory, or 1 GiB on CPU."""
+    num_kv_blocks: int | None = None
+    """Exact pool size in blocks (overrides the memory budget; tests use it to force preemption)."""
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    """Skip CUDA graphs for decode steps."""
+    attention_backend: str = "auto"
+    """``auto``: Triton on CUDA or under TRITON_INTERPRET=1, torch elsewhere; or force ``triton``/``torch``."""
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose auto or one of {list(KV_CACHE_DTYPES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two (16 or more for Triton)")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be positive")
