@@ -138,6 +138,15 @@ def resolve_model_path(spec: ModelSpec) -> str:
     return spec.path
 
 
+def check_model_source(spec: ModelSpec) -> None:
+    """Cheap early check that ``spec`` can be loaded, without converting or downloading anything."""
+    if spec.path == DEFAULT_MODEL:
+        if not (artifacts_dir() / "models" / SMOLLM2_FOLDER / "config.json").is_file():
+            smollm2_gguf_path()
+        return
+    resolve_model_path(spec)
+
+
 def _check_weight_files(folder: Path, allow_pickle: bool) -> None:
     if any(folder.glob("*.safetensors")):
         return
@@ -164,7 +173,7 @@ def load_model(spec: ModelSpec):
             trust_remote_code=spec.trust_remote_code,
             use_safetensors=not spec.allow_pickle,
         )
-    except OSError as error:
-        raise CompressError(f"cannot load model {spec.path!r}: {error}") from error
+    except Exception as error:  # missing files, corrupt safetensors, bad config: all end the run the same way
+        raise CompressError(f"cannot load model {spec.path!r}: {type(error).__name__}: {error}") from error
     model.eval()
     return model, tokenizer

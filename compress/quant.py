@@ -111,9 +111,26 @@ def dequantize(
 
 
 def fake_quantize(weight: torch.Tensor, scheme: WeightScheme, clip: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """Quantize then dequantize in fp32: the weight the quantized layer will actually compute with."""
-    codes, scale, zero = quantize(weight, scheme, clip, scale_dtype=torch.float32)
-    return dequantize(codes, scale, zero, scheme.group_for(weight.shape[1]))
+    """Quantize then dequantize in fp32: the weight the quantized layer will compute with.
+
+    Same arithmetic as ``dequantize(*quantize(...))`` with fp32 scales, without the int8 round trip: searches call
+    this hundreds of times per layer.
+    """
+    group = scheme.group_for(weight.shape[1])
+    w = _grouped(weight.float(), group)
+    if isinstance(clip, torch.Tensor) and clip.ndim == 2:
+        clip = clip.unsqueeze(-1)
+    levels = (1 << scheme.bits) - 1
+    tiny = torch.finfo(torch.float16).tiny
+    if scheme.symmetric:
+        scale = (w.abs().amax(-1, keepdim=True) * clip / (levels / 2)).clamp_(min=tiny)
+        return (torch.round(w / scale).clamp_(scheme.qmin, scheme.qmax) * scale).reshape(weight.shape)
+    high = w.amax(-1, keepdim=True).clamp_(min=0) * clip
+    low = w.amin(-1, keepdim=True).clamp_(max=0) * clip
+    scale = ((high - low) / levels).clamp_(min=tiny)
+    zero = (scheme.qmin - torch.round(low / scale)).clamp_(scheme.qmin, scheme.qmax)
+    codes = (torch.round(w / scale) + zero).clamp_(scheme.qmin, scheme.qmax)
+    return ((codes - zero) * scale).reshape(weight.shape)
 
 
 def matches(name: str, patterns: list[str]) -> bool:

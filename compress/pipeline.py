@@ -1,0 +1,264 @@
+"""``compress run``: model → calibration → stages → checkpoint → evaluation → report and MLflow, one way only.
+
+Everything a run writes goes to a hidden staging folder that is renamed to ``artifacts/runs/<run-id>`` only when the
+run succeeds, so a failed or interrupted run never leaves something that looks like a result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import shutil
+import tempfile
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from compress.calibration import capture_first_layer_inputs, decoder_layers, run_layer
+from compress.checkpoint import load_checkpoint, save_checkpoint
+from compress.config import RunConfig
+from compress.data import calibration_samples, load_corpus, tokenize
+from compress.errors import CompressError
+from compress.models import check_model_source, load_model
+from compress.paths import artifacts_dir
+from compress.stages import LayerContext, Stage, build_chain
+from compress.stages.rtn import RTNConfig, RTNStage
+from compress.tracking import RunLog, flatten, tracking_uri
+from evals.perplexity import PerplexityResult, perplexity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    run_dir: Path
+    report: dict
+    mlflow_run_id: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def select_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CompressError(f"device={name} asked for, but no CUDA GPU is visible; use device=cpu")
+    return torch.device(name)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Timer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def apply_stages(
+    model: torch.nn.Module, stages: list[Stage], samples: torch.Tensor, device: torch.device, batch_size: int
+) -> None:
+    """One walk over the decoder layers; each layer goes to ``device``, gets every stage, and leaves again."""
+    calibrate = any(stage.needs_calibration for stage in stages)
+    inputs = capture_first_layer_inputs(model, samples, batch_size, device) if calibrate else None
+    layers = decoder_layers(model)
+    for index in tqdm(range(len(layers)), desc=f"compress [{'+'.join(s.name for s in stages)}]", unit="layer"):
+        layer = layers[index].to(device)
+        name = f"model.layers.{index}"
+        for stage in stages:
+            stage.process_layer(LayerContext(index, name, layer, model.config, inputs, device))
+        if calibrate:
+            inputs = run_layer(layer, inputs, name)
+        layers[index] = layer.to("cpu")
+
+
+def _evaluate(model, eval_ids: torch.Tensor, config: RunConfig, label: str, device: torch.device) -> PerplexityResult:
+    model.to(device)
+    try:
+        return perplexity(
+            model, eval_ids, config.eval.seq_len, config.eval.batch_size, config.eval.max_windows, label=label
+        )
+    except FloatingPointError as error:
+        raise CompressError(str(error)) from error
+    finally:
+        model.to("cpu")
+
+
+def _rtn_reference(stages: list[Stage]) -> RTNStage:
+    quantizer = next((s for s in stages if s.quantizes_weights), None)
+    if quantizer is None:
+        raise CompressError("eval.reference=rtn needs a weight quantizer stage in the recipe")
+    c = quantizer.config
+    return RTNStage(RTNConfig(bits=c.bits, group_size=c.group_size, symmetric=c.symmetric, ignore=list(c.ignore)))
+
+
+def _run_id(config: RunConfig) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{config.output.run_name or config.recipe}-{uuid.uuid4().hex[:6]}"
+
+
+def run(config: RunConfig) -> RunResult:
+    """Execute one recipe end to end; returns the report (also written to the run folder and MLflow)."""
+    stages = build_chain(config.stages)  # bad stage keys or orders fail here, before anything is loaded
+    save_dtype = getattr(torch, config.output.save_dtype) if config.output.save_dtype else None
+    device = select_device(config.device)
+    check_model_source(config.model)  # a missing model fails here, before a run folder or MLflow run exists
+    torch.manual_seed(config.seed)
+    run_id = _run_id(config)
+    runs_dir = Path(config.output.dir) if config.output.dir else artifacts_dir() / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{run_id}-", dir=runs_dir))
+    run_log = None
+    if config.tracking.enabled:
+        run_log = RunLog(
+            tracking_uri(config.tracking.uri), config.tracking.experiment, run_id,
+            tags={"compress.kind": "run", "compress.recipe": config.recipe, "compress.model": config.model.path},
+        )
+        run_log.params(flatten({k: v for k, v in config.raw.items() if k != "gate"}))
+    timer = Timer()
+    wall_start = time.perf_counter()
+    try:
+        report = _execute(config, stages, device, staging, save_dtype, timer)
+        report.update(run_id=run_id, wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb())
+        report["timings_s"] = timer.seconds
+        _write_report(report, staging)
+        final = runs_dir / run_id
+        os.replace(staging, final)
+        report["checkpoint"]["path"] = str(final / "checkpoint")
+        (final / "report.json").write_text(json.dumps(report, indent=2))
+        if run_log is not None:
+            run_log.metrics(_metrics(report))
+            run_log.tag("compress.run_dir", str(final))
+            for name in ("report.json", "report.md", "checkpoint/recipe.yaml"):
+                run_log.artifact(final / name)
+            run_log.finish(ok=True)
+    except BaseException as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        if run_log is not None:
+            run_log.tag("compress.error", str(error)[:4000])
+            run_log.finish(ok=False)
+        raise
+    return RunResult(run_id, final, report, run_log.run_id if run_log else None, timer.seconds)
+
+
+def _execute(config, stages, device, staging: Path, save_dtype, timer: Timer) -> dict:
+    with timer.phase("data"):
+        corpus = load_corpus(config.data)  # before the model: a bad data source fails in seconds
+    with timer.phase("load_model"):
+        model, tokenizer = load_model(config.model)
+        for stage in stages:
+            stage.prepare(model)
+    with timer.phase("data"):
+        calibration_ids = tokenize(tokenizer, corpus.calibration_text)
+        eval_ids = tokenize(tokenizer, corpus.evaluation_text)
+        samples = calibration_samples(calibration_ids, config.data.num_samples, config.data.seq_len, config.seed)
+    results: dict[str, PerplexityResult] = {}
+    if config.eval.perplexity:
+        with timer.phase("eval_baseline"):
+            results["baseline"] = _evaluate(model, eval_ids, config, "perplexity [baseline]", device)
+    with timer.phase("compress"):
+        apply_stages(model, stages, samples, device, config.calibration_batch_size)
+        summaries = {f"{i}:{stage.name}": stage.finalize(model) for i, stage in enumerate(stages)}
+    with timer.phase("save"):
+        recipe_yaml = yaml.safe_dump({"recipe": config.recipe, "stages": config.stages}, sort_keys=False)
+        summary = save_checkpoint(
+            model, tokenizer, staging / "checkpoint", dtype=save_dtype,
+            extra_files={
+                "recipe.yaml": recipe_yaml,
+                "config.yaml": yaml.safe_dump(config.raw, sort_keys=False),
+            },
+        )
+        (staging / "checkpoint" / "size.json").write_text(json.dumps(summary.to_dict(), indent=2))
+    del model
+    if config.eval.perplexity:
+        with timer.phase("eval_candidate"):
+            candidate, _ = load_checkpoint(staging / "checkpoint")
+            results["candidate"] = _evaluate(candidate, eval_ids, config, f"perplexity [{config.recipe}]", device)
+            del candidate
+        if config.eval.reference == "rtn":
+            with timer.phase("eval_reference"):
+                reference_model, _ = load_model(config.model)
+                rtn = _rtn_reference(stages)
+                rtn.prepare(reference_model)
+                apply_stages(reference_model, [rtn], samples, device, config.calibration_batch_size)
+                results["rtn_reference"] = _evaluate(reference_model, eval_ids, config, "perplexity [rtn]", device)
+    return {
+        "recipe": config.recipe,
+        "model": config.model.path,
+        "data": {
+            "source": config.data.source,
+            "calibration_tokens": int(samples.numel()),
+            "evaluation_tokens": int(eval_ids.numel()),
+        },
+        "stages": summaries,
+        "perplexity": {name: result.to_dict() for name, result in results.items()},
+        "checkpoint": summary.to_dict(),
+    }
+
+
+def _metrics(report: dict) -> dict[str, float]:
+    ppl = report["perplexity"]
+    metrics = {
+        "size_mb": report["checkpoint"]["size_mb"],
+        "bits_per_weight": report["checkpoint"]["bits_per_weight"],
+        "wall_time_s": report["wall_time_s"],
+        "peak_rss_mb": report["peak_rss_mb"],
+    }
+    if "baseline" in ppl and "candidate" in ppl:
+        metrics.update(
+            ppl_baseline=ppl["baseline"]["perplexity"],
+            ppl_candidate=ppl["candidate"]["perplexity"],
+            ppl_ratio=ppl["candidate"]["perplexity"] / ppl["baseline"]["perplexity"],
+        )
+    if "rtn_reference" in ppl:
+        metrics["ppl_rtn_reference"] = ppl["rtn_reference"]["perplexity"]
+    return metrics
+
+
+def summary_lines(report: dict) -> list[str]:
+    """The one-screen summary printed at the end of a run and written as report.md."""
+    ckpt = report["checkpoint"]
+    lines = [
+        f"# compress run {report['run_id']}",
+        "",
+        f"recipe `{report['recipe']}` on model `{report['model']}`; "
+        f"{report['data']['calibration_tokens']} calibration tokens, {report['data']['evaluation_tokens']} "
+        f"evaluation tokens ({report['data']['source']})",
+        "",
+        "| model | perplexity | vs baseline |",
+        "|---|---|---|",
+    ]
+    ppl = report["perplexity"]
+    base = ppl.get("baseline", {}).get("perplexity")
+    for name, result in ppl.items():
+        ratio = f"{result['perplexity'] / base:.4f}×" if base else "n/a"
+        lines.append(f"| {name} | {result['perplexity']:.4f} | {ratio} |")
+    lines += [
+        "",
+        f"checkpoint: {ckpt['size_mb']:.1f} MB, {ckpt['quantized_linears']} quantized linears at "
+        f"{ckpt['bits_per_weight']:.2f} stored bits/weight",
+        f"wall time {report['wall_time_s']:.1f} s, peak RSS {report['peak_rss_mb']:.0f} MB; phases: "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in report["timings_s"].items()),
+    ]
+    return lines
+
+
+def _write_report(report: dict, folder: Path) -> None:
+    (folder / "report.json").write_text(json.dumps(report, indent=2))
+    (folder / "report.md").write_text("\n".join(summary_lines(report)) + "\n")
