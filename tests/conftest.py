@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 def build_tiny_tokenizer(vocab_size: int = 320):
     """A real byte-level BPE tokenizer trained in a second on pydoc text (no hub, no download)."""
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

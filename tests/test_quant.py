@@ -33,7 +33,8 @@ def test_asymmetric_zero_point_is_exact_for_zero():
 
 
 def test_group_size_error_names_sizes_that_fit():
-    with pytest.raises(CompressError, match=r"model.layers.0.mlp.up_proj: input width 576 .* sizes that fit: \[16, 32, 64\]"):
+    message = r"model.layers.0.mlp.up_proj: input width 576 .* sizes that fit: \[16, 32, 64\]"
+    with pytest.raises(CompressError, match=message):
         check_group_size("model.layers.0.mlp.up_proj", 576, WeightScheme(4, 128))
     check_group_size("x", 576, WeightScheme(4, None))  # per-channel always fits
 
