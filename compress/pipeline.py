@@ -74,6 +74,22 @@ class Timer:
 def apply_stages(
     model: torch.nn.Module, stages: list[Stage], samples: torch.Tensor, device: torch.device, batch_size: int
 ) -> None:
+    """Run the chain in order: whole-model stages one by one, each run of consecutive layerwise stages in one walk."""
+    run: list[Stage] = []
+    for stage in [*stages, None]:
+        if stage is not None and stage.layerwise:
+            run.append(stage)
+            continue
+        if run:
+            walk_layers(model, run, samples, device, batch_size)
+            run = []
+        if stage is not None:
+            stage.process_model(model, samples, device)
+
+
+def walk_layers(
+    model: torch.nn.Module, stages: list[Stage], samples: torch.Tensor, device: torch.device, batch_size: int
+) -> None:
     """One walk over the decoder layers; each layer goes to ``device``, gets every stage, and leaves again."""
     calibrate = any(stage.needs_calibration for stage in stages)
     inputs = capture_first_layer_inputs(model, samples, batch_size, device) if calibrate else None

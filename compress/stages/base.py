@@ -4,7 +4,8 @@ Lifecycle, driven by ``compress.pipeline``:
 1. ``from_args`` validates the recipe's arguments (unknown keys are named with the valid ones);
 2. ``prepare(model)`` checks the model fits (shapes, group sizes, mappings) before any expensive work;
 3. ``process_layer(ctx)`` runs once per decoder layer, in order, with that layer's calibration inputs when
-   ``needs_calibration`` (several consecutive stages share one walk over the layers);
+   ``needs_calibration`` (several consecutive stages share one walk over the layers); a stage that must see the
+   whole model at once (``layerwise = False``: adapter merging, distillation) implements ``process_model`` instead;
 4. ``finalize(model)`` returns a summary for the report (what was done, per-layer statistics).
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -42,6 +43,7 @@ class Stage(ABC):
     Config: ClassVar[type]
     needs_calibration: ClassVar[bool] = True
     quantizes_weights: ClassVar[bool] = False  # a second weight quantizer after this one is illegal
+    layerwise: ClassVar[bool] = True
 
     def __init__(self, config):
         self.config = config
@@ -68,9 +70,13 @@ class Stage(ABC):
     def prepare(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
         """Fail fast on a model this stage cannot handle."""
 
-    @abstractmethod
     def process_layer(self, ctx: LayerContext) -> None:
-        """Transform one decoder layer in place."""
+        """Transform one decoder layer in place (layerwise stages)."""
+        raise NotImplementedError(f"{self.name} is a layerwise stage but does not implement process_layer")
+
+    def process_model(self, model: nn.Module, samples: torch.Tensor, device: torch.device) -> None:
+        """Transform the whole model in place (``layerwise = False`` stages); ``samples`` are calibration ids."""
+        raise NotImplementedError(f"{self.name} is a whole-model stage but does not implement process_model")
 
     def finalize(self, model: nn.Module) -> dict:
         """Summary for the report."""
