@@ -5,9 +5,10 @@ from __future__ import annotations
 from compress.errors import CompressError
 from compress.stages.awq import AWQStage
 from compress.stages.base import LayerContext, Stage
+from compress.stages.gptq import GPTQStage
 from compress.stages.rtn import RTNStage
 
-STAGES: dict[str, type[Stage]] = {stage.name: stage for stage in (RTNStage, AWQStage)}
+STAGES: dict[str, type[Stage]] = {stage.name: stage for stage in (RTNStage, AWQStage, GPTQStage)}
 
 
 def build_stage(args: dict, position: int) -> Stage:
