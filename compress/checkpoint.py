@@ -25,10 +25,16 @@ from safetensors.torch import save_file
 from torch import nn
 
 from compress.errors import CompressError
-from compress.qlinear import QuantizedLinear
+from compress.qlinear import Fp8Linear, Int8Linear, QuantizedLinear
 from kernels.packing import pack_int32, unpack_int32
 
 FORMAT = "pack-quantized"
+INT_FORMAT = "int-quantized"  # W8A8 int8: int8 `weight`, `weight_scale [out, 1]`, activations quantized per token
+FLOAT_FORMAT = "float-quantized"  # FP8 e4m3 `weight`, `weight_scale [out, 1]`, optional static `input_scale`
+MIXED_FORMAT = "mixed-precision"  # several of the above; each config group names its own format
+ACTIVATION_QUANTIZED = (Int8Linear, Fp8Linear)
+DENSE = "dense"  # a pruned but unquantized model: plain weights, sparsity recorded in sparsity_config
+READABLE_FORMATS = (FORMAT, INT_FORMAT, FLOAT_FORMAT, MIXED_FORMAT, DENSE)
 MAX_SHARD_BYTES = 2 * 1024**3
 
 
@@ -53,7 +59,8 @@ def _scheme_key(module: QuantizedLinear) -> tuple:
 def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -> dict | None:
     """The ``quantization_config`` block describing the model's ``QuantizedLinear`` modules."""
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    if not quantized and kv_cache_scheme is None:
+    activation_groups = _activation_groups(model)
+    if not quantized and not activation_groups and kv_cache_scheme is None:
         return None
     schemes: dict[tuple, list[str]] = {}
     for name, module in quantized.items():
@@ -76,10 +83,13 @@ def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -
             "output_activations": None,
             "format": FORMAT,
         }
+    for index, group in enumerate(activation_groups, start=len(groups)):
+        groups[f"group_{index}"] = group
+    formats = sorted({group["format"] for group in groups.values()})
     dense = [name for name, m in model.named_modules() if type(m) is nn.Linear]
     return {
         "quant_method": "compressed-tensors",
-        "format": FORMAT,
+        "format": formats[0] if len(formats) == 1 else (MIXED_FORMAT if formats else DENSE),
         "quantization_status": "compressed",
         "config_groups": groups,
         "ignore": dense,
@@ -87,8 +97,37 @@ def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -
     }
 
 
+def _activation_groups(model: nn.Module) -> list[dict]:
+    """Config groups of the W8A8 modules (int8 or fp8 weights per channel; dynamic per-token or static per-tensor
+    activations), one per distinct scheme."""
+    by_scheme: dict[tuple[str, bool], list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, ACTIVATION_QUANTIZED):
+            kind = "int" if isinstance(module, Int8Linear) else "float"
+            static = getattr(module, "input_scale", None) is not None
+            by_scheme.setdefault((kind, static), []).append(name)
+    single = len(by_scheme) == 1 and not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    groups = []
+    for (kind, static), names in sorted(by_scheme.items()):
+        groups.append({
+            "targets": ["Linear"] if single else [f"re:^{re.escape(n)}$" for n in names],
+            "weights": {
+                "num_bits": 8, "type": kind, "symmetric": True, "strategy": "channel", "group_size": None,
+                "dynamic": False, "actorder": None,
+            },
+            "input_activations": {
+                "num_bits": 8, "type": kind, "symmetric": True, "strategy": "tensor" if static else "token",
+                "group_size": None, "dynamic": not static, "actorder": None,
+            },
+            "output_activations": None,
+            "format": INT_FORMAT if kind == "int" else FLOAT_FORMAT,
+        })
+    return groups
+
+
 def _tensors(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    activation_quantized = {name for name, m in model.named_modules() if isinstance(m, ACTIVATION_QUANTIZED)}
     tied = getattr(model.config, "tie_word_embeddings", False)
     tensors: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
@@ -97,8 +136,8 @@ def _tensors(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Ten
         owner, _, leaf = key.rpartition(".")
         if owner in quantized and leaf == "weight_zero_point":
             value = pack_int32(value.cpu(), model.get_submodule(owner).num_bits, dim=0)
-        elif value.is_floating_point() and dtype is not None:
-            value = value.to(dtype)
+        elif value.is_floating_point() and dtype is not None and owner not in activation_quantized:
+            value = value.to(dtype)  # fp8 codes and their fp32 scales keep their dtypes
         tensors[key] = value.detach().cpu().contiguous().clone()
     for owner in quantized:
         module = model.get_submodule(owner)
@@ -176,6 +215,11 @@ def summarize(model: nn.Module, folder: Path) -> CheckpointSummary:
         stored_bits += m.weight_packed.numel() * 32 + m.weight_scale.numel() * m.weight_scale.element_size() * 8
         if m.weight_zero_point is not None:
             stored_bits += m.weight_zero_point.numel() * m.num_bits
+    eight_bit = [m for m in model.modules() if isinstance(m, ACTIVATION_QUANTIZED)]
+    for m in eight_bit:
+        stored_bits += m.weight.numel() * 8 + m.weight_scale.numel() * m.weight_scale.element_size() * 8
+    quantized_params += sum(m.in_features * m.out_features for m in eight_bit)
+    quantized += eight_bit
     total = sum(p.numel() for p in model.parameters()) + quantized_params
     return CheckpointSummary(
         path=str(folder),
@@ -242,6 +286,37 @@ def _quantized_module(name: str, weights: dict, tensors: dict[str, torch.Tensor]
     return module
 
 
+def _replace_activation_quantized(model: nn.Module, name: str, dense: nn.Linear, tensors: dict) -> None:
+    """An empty Int8Linear/Fp8Linear (chosen by the stored weight dtype) in place of ``dense``; load_state_dict
+    fills its buffers."""
+    stored = tensors[f"{name}.weight"].dtype
+    if stored == torch.int8:
+        module = Int8Linear(dense.in_features, dense.out_features, dense.bias is not None, dense.weight.dtype)
+    elif stored == torch.float8_e4m3fn:
+        module = Fp8Linear(
+            dense.in_features, dense.out_features, dense.bias is not None, dense.weight.dtype,
+            static_input_scale=f"{name}.input_scale" in tensors,
+        )
+    else:
+        raise CompressError(f"{name}: weight_scale stored with a {stored} weight; expected int8 or float8_e4m3fn")
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+def _attach_kv_scales(model: nn.Module, block: dict | None, tensors: dict, folder: Path) -> None:
+    """``k_scale``/``v_scale`` buffers on every attention module, with K/V quantized as a runtime would."""
+    if block is None:
+        return
+    from compress.kv_quant import KVCacheScheme, attention_modules, route_attention, set_scales
+
+    scheme = KVCacheScheme.from_dict(block)
+    for name, attention in attention_modules(model).items():
+        if f"{name}.k_scale" not in tensors or f"{name}.v_scale" not in tensors:
+            raise CompressError(f"{folder}: kv_cache_scheme is set but {name}.k_scale/v_scale are missing")
+        set_scales(attention, tensors[f"{name}.k_scale"], tensors[f"{name}.v_scale"], scheme)
+    route_attention(model)
+
+
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
     """``(model, tokenizer)`` from a compress checkpoint (or any plain safetensors HF folder)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -254,10 +329,10 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
     if qconfig is not None and not isinstance(qconfig, dict):
         qconfig = qconfig.to_dict()
     if qconfig is not None:
-        if qconfig.get("quant_method") != "compressed-tensors" or qconfig.get("format") != FORMAT:
+        if qconfig.get("quant_method") != "compressed-tensors" or qconfig.get("format") not in READABLE_FORMATS:
             raise CompressError(
                 f"{folder}: quantization {qconfig.get('quant_method')}/{qconfig.get('format')} is not readable here; "
-                f"compress loads compressed-tensors {FORMAT}"
+                f"compress loads compressed-tensors {', '.join(READABLE_FORMATS)}"
             )
         del config.quantization_config
     dtype = getattr(config, "dtype", None) or torch.float32
@@ -272,6 +347,9 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
                     raise CompressError(f"{folder}: {name} is packed but no config group targets it")
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent), child, _quantized_module(name, weights, tensors, module))
+            elif type(module) is nn.Linear and f"{name}.weight_scale" in tensors:
+                _replace_activation_quantized(model, name, module, tensors)
+        _attach_kv_scales(model, qconfig.get("kv_cache_scheme"), tensors, folder)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     allowed_missing = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     # QuantizedLinear buffers were filled directly above; everything else must come from the file.

@@ -193,8 +193,9 @@ def _execute(config, stages, device, staging: Path, save_dtype, timer: Timer) ->
         summaries = {f"{i}:{stage.name}": stage.finalize(model) for i, stage in enumerate(stages)}
     with timer.phase("save"):
         recipe_yaml = yaml.safe_dump({"recipe": config.recipe, "stages": config.stages}, sort_keys=False)
+        kv_cache_scheme = next((s.kv_cache_scheme for s in stages if hasattr(s, "kv_cache_scheme")), None)
         summary = save_checkpoint(
-            model, tokenizer, staging / "checkpoint", dtype=save_dtype,
+            model, tokenizer, staging / "checkpoint", dtype=save_dtype, kv_cache_scheme=kv_cache_scheme,
             extra_files={
                 "recipe.yaml": recipe_yaml,
                 "config.yaml": yaml.safe_dump(config.raw, sort_keys=False),

@@ -78,7 +78,7 @@ def test_unknown_stage_key_names_valid_ones():
     message = r"stages.0 \(awq\): unknown key 'gruop_size' \(did you mean 'group_size'\?\)"
     with pytest.raises(CompressError, match=message):
         build_chain([{"type": "awq", "gruop_size": 64}])
-    with pytest.raises(CompressError, match="available: awq, gptq, rtn"):
+    with pytest.raises(CompressError, match=r"type=.awk. is not a known stage; available: awq, "):
         build_chain([{"type": "awk"}])
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from compress.errors import CompressError
+from compress.stages.activations import FP8Stage, W8A8Stage
 from compress.stages.awq import AWQStage
 from compress.stages.base import LayerContext, Stage
 from compress.stages.gptq import GPTQStage
+from compress.stages.kv_cache import KVCacheStage
 from compress.stages.rtn import RTNStage
+from compress.stages.smoothquant import SmoothQuantStage
 
 STAGES: dict[str, type[Stage]] = {stage.name: stage for stage in (RTNStage, AWQStage, GPTQStage)}
+STAGES.update({s.name: s for s in (SmoothQuantStage, W8A8Stage, FP8Stage, KVCacheStage)})
 
 
 def build_stage(args: dict, position: int) -> Stage:
@@ -33,7 +37,30 @@ def build_chain(stage_args: list[dict]) -> list[Stage]:
                     f"({quantizer[1]}) already packed; keep one weight quantizer per recipe"
                 )
             quantizer = (position, stage.name)
+    check_quantization_order(stages)
     return stages
 
 
-__all__ = ["STAGES", "LayerContext", "Stage", "build_chain", "build_stage"]
+def check_quantization_order(stages: list[Stage]) -> None:
+    """Scale-folding stages (smoothquant) need dense weights, so they go before the weight quantizer; a KV-cache
+    quantizer may appear once."""
+    quantizer: tuple[int, str] | None = None
+    kv_stage: tuple[int, str] | None = None
+    for position, stage in enumerate(stages):
+        if getattr(stage, "needs_dense_weights", False) and quantizer is not None:
+            raise CompressError(
+                f"stages.{position} ({stage.name}) folds scales into dense weights, but stages.{quantizer[0]} "
+                f"({quantizer[1]}) already quantized them; put {stage.name} before {quantizer[1]}"
+            )
+        if getattr(stage, "quantizes_kv_cache", False):
+            if kv_stage is not None:
+                raise CompressError(
+                    f"stages.{position} ({stage.name}) would overwrite the KV-cache scales of stages.{kv_stage[0]} "
+                    f"({kv_stage[1]}); keep one KV-cache quantizer per recipe"
+                )
+            kv_stage = (position, stage.name)
+        if stage.quantizes_weights and quantizer is None:
+            quantizer = (position, stage.name)
+
+
+__all__ = ["STAGES", "LayerContext", "Stage", "build_chain", "build_stage", "check_quantization_order"]

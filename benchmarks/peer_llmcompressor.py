@@ -1,0 +1,70 @@
+"""One llm-compressor compression of a model on given calibration token ids; run inside the peer venv
+(``artifacts/peer-venv``, llm-compressor pins its own transformers), driven by ``benchmarks/peer_comparison.py``.
+
+Writes the compressed checkpoint (``save_compressed=True``) to ``--output`` and nothing else, so the driver's wall
+time and peak RSS of this process are the toolkit's cost: model load, calibration, quantization, save.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+W4A16_G64 = {
+    "group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64},
+    }
+}
+
+
+def recipe(scheme: str, alpha: float) -> list:
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+
+    if scheme == "rtn_w4a16":
+        return [QuantizationModifier(config_groups=W4A16_G64, ignore=["lm_head"])]
+    if scheme == "gptq_w4a16":
+        return [GPTQModifier(config_groups=W4A16_G64, ignore=["lm_head"])]
+    if scheme == "awq_w4a16":
+        from llmcompressor.modifiers.transform.awq import AWQModifier
+
+        return [AWQModifier(ignore=["lm_head"], config_groups=W4A16_G64)]
+    if scheme == "smoothquant_w8a8":
+        from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+
+        return [SmoothQuantModifier(smoothing_strength=alpha), GPTQModifier(scheme="W8A8", targets="Linear",
+                                                                           ignore=["lm_head"])]
+    if scheme == "fp8_dynamic":
+        return [QuantizationModifier(scheme="FP8_DYNAMIC", targets="Linear", ignore=["lm_head"])]
+    raise SystemExit(f"unknown scheme {scheme}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scheme", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--samples", required=True, help="torch file holding an int64 [N, L] tensor of token ids")
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--alpha", type=float, default=0.5)
+    args = parser.parse_args()
+
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    samples = torch.load(args.samples)
+    dataset = Dataset.from_dict({"input_ids": samples.tolist(), "attention_mask": torch.ones_like(samples).tolist()})
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    oneshot(
+        model=model, dataset=dataset, recipe=recipe(args.scheme, args.alpha), max_seq_length=samples.shape[1],
+        num_calibration_samples=len(samples), shuffle_calibration_samples=False,
+    )
+    model.save_pretrained(Path(args.output), save_compressed=True)
+    tokenizer.save_pretrained(Path(args.output))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""KV-cache quantization as a runtime sees it: K (after rotary) and V rounded to 8 bits with calibrated scales.
+
+A runtime that honours a checkpoint's ``kv_cache_scheme`` stores K/V as ``round(x / scale)`` in fp8 e4m3 or int8 and
+multiplies back when attending. ``enable_kv_fake_quant`` reproduces that in the transformers attention path
+(through a registered attention implementation that wraps SDPA), so perplexity measures the cache's real error.
+The scales live on each attention module as ``k_scale``/``v_scale`` buffers: shape ``[1]`` per tensor or
+``[kv_heads, 1, 1]`` per KV head, the compressed-tensors layout.
+
+Imports only torch and transformers: checkpoints carrying a KV scheme load on a bare GPU box.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from compress.errors import CompressError
+
+ATTENTION_NAME = "compress_kv_quant"
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+STRATEGIES = ("tensor", "attn_head")
+TYPES = ("float", "int")
+
+
+@dataclass(frozen=True)
+class KVCacheScheme:
+    type: str = "float"  # float: fp8 e4m3; int: int8 symmetric
+    strategy: str = "tensor"  # tensor: one scale per layer for K and one for V; attn_head: one per KV head
+
+    def __post_init__(self):
+        if self.type not in TYPES:
+            raise CompressError(f"kv cache type={self.type!r} is not supported; use one of {', '.join(TYPES)}")
+        if self.strategy not in STRATEGIES:
+            raise CompressError(
+                f"kv cache strategy={self.strategy!r} is not supported; use one of {', '.join(STRATEGIES)}"
+            )
+
+    @property
+    def qmax(self) -> float:
+        return FP8_MAX if self.type == "float" else INT8_MAX
+
+    def to_dict(self) -> dict:
+        """The ``kv_cache_scheme`` block of a compressed-tensors ``quantization_config``."""
+        return {
+            "num_bits": 8, "type": self.type, "symmetric": True, "strategy": self.strategy, "dynamic": False,
+            "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax",
+        }
+
+    @classmethod
+    def from_dict(cls, block: dict) -> KVCacheScheme:
+        if block.get("num_bits") != 8 or not block.get("symmetric", True) or block.get("dynamic"):
+            raise CompressError(f"kv_cache_scheme {block} is not supported; compress reads static symmetric 8-bit")
+        return cls(type=block.get("type", "float"), strategy=block.get("strategy", "tensor"))
+
+
+def fake_quantize_kv(states: torch.Tensor, scale: torch.Tensor, scheme: KVCacheScheme) -> torch.Tensor:
+    """Round ``states [batch, kv_heads, seq, head_dim]`` to the 8-bit grid given by ``scale`` and back."""
+    scaled = (states.float() / scale.float()).clamp(-scheme.qmax, scheme.qmax)
+    if scheme.type == "float":
+        rounded = scaled.to(torch.float8_e4m3fn).float()
+    else:
+        rounded = torch.round(scaled)
+    return (rounded * scale.float()).to(states.dtype)
+
+
+def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    observer: Callable | None = getattr(module, "kv_observer", None)
+    if observer is not None:
+        observer(key, value)
+    scheme: KVCacheScheme | None = getattr(module, "kv_scheme", None)
+    if scheme is not None:
+        key = fake_quantize_kv(key, module.k_scale, scheme)
+        value = fake_quantize_kv(value, module.v_scale, scheme)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(ATTENTION_NAME, _attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``name → self_attn`` of every decoder layer."""
+    found = {name: m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "k_proj")}
+    if not found:
+        raise CompressError(f"{type(model).__name__} has no `self_attn` modules with k_proj/v_proj to quantize K/V of")
+    return found
+
+
+def route_attention(model: nn.Module) -> None:
+    """Send every attention call through the KV-quantizing wrapper (a no-op until scales or observers are set)."""
+    model.config._attn_implementation = ATTENTION_NAME
+
+
+def set_scales(attention: nn.Module, k_scale: torch.Tensor, v_scale: torch.Tensor, scheme: KVCacheScheme) -> None:
+    """Attach calibrated scales and switch this attention module to quantized K/V."""
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not torch.isfinite(value).all() or not bool((value > 0).all()):
+            raise CompressError(f"{name} {value.flatten().tolist()} is not a positive finite scale")
+        if name in attention._buffers:
+            attention._buffers[name] = value.detach().clone()
+        else:
+            attention.register_buffer(name, value.detach().clone())
+    attention.kv_scheme = scheme
+
+
+def enable_kv_fake_quant(model: nn.Module, scheme: KVCacheScheme) -> None:
+    """Quantize K/V in every attention module that holds ``k_scale``/``v_scale`` buffers."""
+    modules = attention_modules(model)
+    missing = [name for name, m in modules.items() if not hasattr(m, "k_scale") or not hasattr(m, "v_scale")]
+    if missing:
+        raise CompressError(f"kv cache scales missing for {missing[:3]}; the checkpoint is incomplete")
+    for attention in modules.values():
+        set_scales(attention, attention.k_scale, attention.v_scale, scheme)
+    route_attention(model)

@@ -1,0 +1,168 @@
+"""Weight-and-activation quantizers: INT8 W8A8 (``w8a8``) and FP8 e4m3 (``fp8``).
+
+Both store 8-bit per-output-channel weights (compressed-tensors ``int-quantized`` / ``float-quantized``) and quantize
+activations per token at run time; FP8 can instead use one calibrated static scale per tensor. The int8 weights come
+from GPTQ (error compensation, the default) or round-to-nearest; at 8 bits the grid is fine enough that FP8 weights
+need nothing beyond round-to-nearest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from compress.errors import CompressError
+from compress.qlinear import Fp8Linear, Int8Linear
+from compress.quant import WeightScheme, quantize
+from compress.stages.base import LayerContext
+from compress.stages.gptq import GPTQStage
+from compress.stages.weights import WeightQuantizerStage, replace_module, target_linears
+from kernels.w8a8 import FP8_MAX
+
+
+@dataclass
+class W8A8Config:
+    weights: str = "gptq"  # gptq | rtn
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    block_size: int = 128
+    dampening: float = 0.01
+    max_damp_retries: int = 6
+    act_order: bool = False
+    clip_search: bool = False  # at 8 bits the absmax range is already right
+    true_sequential: bool = True
+
+    def __post_init__(self):
+        if self.weights not in ("gptq", "rtn"):
+            raise ValueError(f"weights={self.weights!r} must be 'gptq' or 'rtn'")
+        if not 0 < self.dampening <= 1:
+            raise ValueError(f"dampening={self.dampening} must be in (0, 1]")
+
+    # the fixed weight scheme (what GPTQ, the checkpoint summary and an RTN reference read)
+    bits = 8
+    group_size = None
+    symmetric = True
+
+    @property
+    def scheme(self) -> WeightScheme:
+        return WeightScheme(8, None, True)
+
+
+class W8A8Stage(GPTQStage):
+    """INT8 per-channel symmetric weights + dynamic per-token int8 activations."""
+
+    name = "w8a8"
+    Config = W8A8Config
+
+    def __init__(self, config: W8A8Config):
+        super().__init__(config)
+        self.needs_calibration = config.weights == "gptq"
+
+    def process_layer(self, ctx: LayerContext) -> None:
+        if self.config.weights == "gptq":
+            super().process_layer(ctx)
+            return
+        for name, linear in target_linears(ctx.layer, ctx.name, self.config.ignore).items():
+            if not torch.isfinite(linear.weight).all():
+                raise CompressError(f"{ctx.name}.{name}: weight holds NaN/inf; the model or an earlier stage is broken")
+            codes, scale, _ = quantize(linear.weight.data, self.config.scheme, scale_dtype=torch.float32)
+            module = self.build_module(linear, codes, scale, None)
+            dense = linear.weight.data.float()
+            error = (module.dequantized_weight() - dense).pow(2).mean() / dense.pow(2).mean()
+            self.stats[f"{ctx.name}.{name}"] = {"weight_rel_mse": float(error), "hessian_rel_error": float("nan")}
+            replace_module(ctx.layer, name, module)
+
+    def build_module(self, linear: nn.Linear, codes: torch.Tensor, scale: torch.Tensor,
+                     zero: torch.Tensor | None) -> nn.Module:
+        module = Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
+        module.weight.copy_(codes)
+        module.weight_scale.copy_(scale.float().reshape(-1, 1))
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.data)
+        return module.to(linear.weight.device)
+
+    def finalize(self, model: nn.Module) -> dict:
+        summary = super().finalize(model)
+        summary["scheme"] = f"w8a8 int8 per-channel weights ({self.config.weights}), dynamic per-token activations"
+        return summary
+
+
+@dataclass
+class FP8Config:
+    activations: str = "dynamic"  # dynamic (per token at run time) | static (one calibrated scale per tensor)
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+
+    def __post_init__(self):
+        if self.activations not in ("dynamic", "static"):
+            raise ValueError(f"activations={self.activations!r} must be 'dynamic' or 'static'")
+
+    scheme = WeightScheme(8, None, True)  # the group-size check in prepare: per channel, always fits
+
+
+class FP8Stage(WeightQuantizerStage):
+    """FP8 e4m3 per-channel weights; FP8_DYNAMIC (per-token activations) or static per-tensor activations."""
+
+    name = "fp8"
+    Config = FP8Config
+
+    def __init__(self, config: FP8Config):
+        super().__init__(config)
+        self.needs_calibration = config.activations == "static"
+
+    def prepare(self, model: nn.Module) -> None:
+        self.stats = {}
+
+    @torch.no_grad()
+    def process_layer(self, ctx: LayerContext) -> None:
+        targets = target_linears(ctx.layer, ctx.name, self.config.ignore)
+        input_max = self._input_maxima(ctx, list(targets)) if self.config.activations == "static" else {}
+        for name, linear in targets.items():
+            if not torch.isfinite(linear.weight).all():
+                raise CompressError(f"{ctx.name}.{name}: weight holds NaN/inf; the model or an earlier stage is broken")
+            input_scale = None
+            if name in input_max:
+                input_scale = (input_max[name] / FP8_MAX).clamp(min=1e-12)
+            module = Fp8Linear.from_float(linear, input_scale)
+            dense = linear.weight.data.float()
+            error = (module.dequantized_weight() - dense).pow(2).mean() / dense.pow(2).mean()
+            self.stats[f"{ctx.name}.{name}"] = {"weight_rel_mse": float(error)}
+            if input_scale is not None:
+                self.stats[f"{ctx.name}.{name}"]["input_scale"] = float(input_scale)
+            replace_module(ctx.layer, name, module)
+
+    def _input_maxima(self, ctx: LayerContext, names: list[str]) -> dict[str, torch.Tensor]:
+        """max |x| over every calibration token at each linear's input (the static per-tensor range)."""
+        if ctx.inputs is None:
+            raise CompressError("fp8 with activations=static needs calibration inputs")
+        maxima: dict[str, torch.Tensor] = {}
+
+        def hook_for(name):
+            def hook(_module, args, _output):
+                peak = args[0].abs().amax().float()
+                if not torch.isfinite(peak):
+                    raise CompressError(
+                        f"{ctx.name}.{name}: calibration activations hold NaN/inf; check the model weights and "
+                        "earlier stages"
+                    )
+                maxima[name] = torch.maximum(maxima.get(name, peak), peak)
+
+            return hook
+
+        handles = [ctx.layer.get_submodule(n).register_forward_hook(hook_for(n)) for n in names]
+        try:
+            for hidden, kwargs in zip(ctx.inputs.hidden, ctx.inputs.kwargs, strict=True):
+                ctx.layer(hidden, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return maxima
+
+    def finalize(self, model: nn.Module) -> dict:
+        errors = [s["weight_rel_mse"] for s in self.stats.values()]
+        return {
+            "scheme": f"fp8 e4m3 per-channel weights, {self.config.activations} activations",
+            "quantized_linears": len(self.stats),
+            "mean_weight_rel_mse": sum(errors) / max(len(errors), 1),
+            "per_layer": self.stats,
+        }

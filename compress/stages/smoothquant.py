@@ -1,0 +1,124 @@
+"""SmoothQuant (Xiao et al. 2022): move activation outliers into the weights before W8A8 quantization.
+
+Per-token int8 activations lose the small channels of a token whose few outlier channels set the scale. Dividing
+input channel ``j`` by ``s_j = max|X_j|^α / max|W_j|^(1-α)`` and multiplying the weights reading it by ``s_j``
+leaves the float model unchanged but evens out activation ranges (α → 1 pushes more difficulty into the weights).
+The division is folded into the RMSNorm feeding the linears, so inference pays nothing. This stage changes no
+module types: a weight/activation quantizer (``w8a8``, ``fp8``) must follow it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from compress.calibration import decoder_layers
+from compress.errors import CompressError
+from compress.quant import matches
+from compress.stages.awq import Mapping
+from compress.stages.base import LayerContext, Stage
+
+NORM_MAPPINGS = (
+    Mapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    Mapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+)
+MAPPINGS = {family: NORM_MAPPINGS for family in ("llama", "mistral", "qwen2", "qwen3")}
+
+
+@dataclass
+class SmoothQuantConfig:
+    alpha: float = 0.5  # migration strength
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+
+    def __post_init__(self):
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"alpha={self.alpha} must be in [0, 1]")
+
+
+def supported_mappings(model: nn.Module, stage: str) -> tuple[Mapping, ...]:
+    """The norm→linears mappings of the model's family, checked against its first decoder layer."""
+    family = getattr(model.config, "model_type", None)
+    if family not in MAPPINGS:
+        raise CompressError(
+            f"{stage} has no layer mappings for model type {family!r}; supported: {', '.join(sorted(MAPPINGS))}"
+        )
+    layer = decoder_layers(model)[0]
+    for mapping in MAPPINGS[family]:
+        for name in (mapping.previous, *mapping.linears):
+            try:
+                layer.get_submodule(name)
+            except AttributeError as error:
+                raise CompressError(f"{stage} mapping for {family!r} expects module {name!r} in each layer") from error
+    return MAPPINGS[family]
+
+
+class SmoothQuantStage(Stage):
+    name = "smoothquant"
+    Config = SmoothQuantConfig
+    needs_dense_weights = True  # folds scales into weights: illegal once they are quantized
+
+    def prepare(self, model: nn.Module) -> None:
+        self.mappings = supported_mappings(model, "SmoothQuant")
+        self.smoothed: dict[str, dict] = {}
+
+    @torch.no_grad()
+    def process_layer(self, ctx: LayerContext) -> None:
+        if ctx.inputs is None:
+            raise CompressError("SmoothQuant needs calibration inputs")
+        mappings = [
+            m for m in self.mappings
+            if not any(matches(f"{ctx.name}.{n}", self.config.ignore) for n in m.linears)
+        ]
+        maxima = self._activation_maxima(ctx, [m.linears[0] for m in mappings])
+        for mapping in mappings:
+            linears = [ctx.layer.get_submodule(n) for n in mapping.linears]
+            if not all(type(linear) is nn.Linear for linear in linears):
+                raise CompressError(
+                    f"{ctx.name}.{mapping.linears[0]} is already quantized; put smoothquant before the quantizer"
+                )
+            weight_max = torch.stack([lin.weight.abs().amax(0) for lin in linears]).amax(0).float()
+            act_max = maxima[mapping.linears[0]]
+            alpha = self.config.alpha
+            scale = (act_max.pow(alpha) / weight_max.pow(1 - alpha).clamp(min=1e-5)).clamp(min=1e-5)
+            scale = torch.where(act_max > 0, scale, torch.ones_like(scale))  # a silent channel keeps its scale
+            norm = ctx.layer.get_submodule(mapping.previous)
+            norm.weight.data = (norm.weight.data.float() / scale).to(norm.weight.dtype)
+            if getattr(norm, "bias", None) is not None:
+                norm.bias.data = (norm.bias.data.float() / scale).to(norm.bias.dtype)
+            for linear in linears:
+                linear.weight.data = (linear.weight.data.float() * scale).to(linear.weight.dtype)
+            before = act_max.max() / act_max.clamp(min=1e-8).median()
+            after = (act_max / scale).max() / (act_max / scale).clamp(min=1e-8).median()
+            self.smoothed[f"{ctx.name}.{mapping.previous}"] = {
+                "activation_max_over_median_before": float(before), "after": float(after)
+            }
+
+    def _activation_maxima(self, ctx: LayerContext, names: list[str]) -> dict[str, torch.Tensor]:
+        """Per-input-channel max |x| of each named linear over every calibration token."""
+        maxima: dict[str, torch.Tensor] = {}
+
+        def hook_for(name):
+            def hook(_module, args, _output):
+                x = args[0].reshape(-1, args[0].shape[-1]).abs().float().amax(0)
+                if not torch.isfinite(x).all():
+                    raise CompressError(
+                        f"{ctx.name}.{name}: calibration activations hold NaN/inf; check the model weights and "
+                        "earlier stages"
+                    )
+                maxima[name] = x if name not in maxima else torch.maximum(maxima[name], x)
+
+            return hook
+
+        handles = [ctx.layer.get_submodule(n).register_forward_hook(hook_for(n)) for n in names]
+        try:
+            for hidden, kwargs in zip(ctx.inputs.hidden, ctx.inputs.kwargs, strict=True):
+                ctx.layer(hidden, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return maxima
+
+    def finalize(self, model: nn.Module) -> dict:
+        return {"alpha": self.config.alpha, "smoothed_norms": len(self.smoothed), "per_norm": self.smoothed}
