@@ -1,0 +1,580 @@
+"""The release gate: a regressed checkpoint must not ship.
+
+Layers run cheapest first (perplexity, lm-eval, JSON validity, needle-in-a-haystack, latency); each compares the
+candidate with the baseline under limits from ``recipes/gate/*.yaml``, either hard (``needle.min_accuracy``) or
+relative to the baseline (``perplexity.max_ratio``). The first blocking failure stops the gate, and the gate fails
+closed: an evaluator that raises blocks the release. Outputs: ``gate.json``, ``gate.md`` (the table a reviewer reads),
+the needle heatmap, MLflow metrics, and on pass a new registry version aliased ``candidate``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compress.data import DataSpec, load_corpus, tokenize
+from compress.errors import CompressError
+from evals import generation, latency, loading, needle
+from evals.json_validity import evaluate_json
+from evals.perplexity import perplexity
+
+log = logging.getLogger(__name__)
+
+LAYER_ORDER = ["perplexity", "lm_eval", "json", "needle", "latency"]
+
+
+@dataclass
+class PerplexityPolicy:
+    enabled: bool = True
+    blocking: bool = True
+    seq_len: int = 512
+    max_windows: int | None = 32
+    batch_size: int = 4
+    max_ratio: float | None = 1.05  # candidate ppl ≤ max_ratio × baseline ppl
+    max_value: float | None = None  # hard ceiling on candidate ppl
+
+
+@dataclass
+class LmEvalPolicy:
+    enabled: bool = True
+    blocking: bool = True
+    local_task: bool = True  # rolling loglikelihood over our evaluation split
+    tasks: list[str] = field(default_factory=list)  # any lm-eval task names the machine has data for
+    include_path: str | None = None  # a folder of the user's own task YAMLs
+    limit: int | None = 16
+    batch_size: int = 1
+    max_length: int = 512
+    max_perplexity_ratio: float | None = 1.05  # for lower-is-better *perplexity metrics
+    max_drop_points: float | None = 2.0  # for higher-is-better metrics (accuracy, exact match, ...)
+
+
+@dataclass
+class JsonPolicy:
+    enabled: bool = True
+    blocking: bool = True
+    constrained: bool = False
+    max_new_tokens: int = 96
+    num_prompts: int | None = None
+    max_validity_drop_points: float | None = 2.0
+    max_compliance_drop_points: float | None = 2.0
+    min_validity: float | None = None
+
+
+@dataclass
+class NeedlePolicy:
+    enabled: bool = True
+    blocking: bool = True
+    context_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096, 8192])
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    trials: int = 4
+    max_drop_points: float | None = 2.0
+    min_accuracy: float | None = None
+
+
+@dataclass
+class LatencyPolicy:
+    enabled: bool = True
+    blocking: bool = True
+    prompt_tokens: int = 256
+    new_tokens: int = 32
+    repeats: int = 7
+    warmup: int = 1
+    max_ttft_ratio: float | None = None
+    max_tpot_ratio: float | None = 1.05
+
+
+@dataclass
+class RegistryPolicy:
+    register: bool = True
+    name: str | None = None  # default: compress-<baseline name>
+    promote: bool = False  # also move the ``champion`` alias to the new version
+
+
+@dataclass
+class GatePolicy:
+    enabled: bool = True
+    layers: list[str] = field(default_factory=lambda: list(LAYER_ORDER))
+    backend: str = "auto"  # auto | engine | transformers
+    engine: dict[str, Any] = field(default_factory=dict)  # compress.engine.EngineConfig options
+    kv_cache_dtype: str | None = None  # null: the candidate's kv_cache_scheme, else the model dtype
+    seed: int = 0
+    experiment: str = "compress"
+    data: DataSpec = field(default_factory=DataSpec)
+    perplexity: PerplexityPolicy = field(default_factory=PerplexityPolicy)
+    lm_eval: LmEvalPolicy = field(default_factory=LmEvalPolicy)
+    json: JsonPolicy = field(default_factory=JsonPolicy)
+    needle: NeedlePolicy = field(default_factory=NeedlePolicy)
+    latency: LatencyPolicy = field(default_factory=LatencyPolicy)
+    registry: RegistryPolicy = field(default_factory=RegistryPolicy)
+
+
+def resolve_policy(policy: dict | None) -> GatePolicy:
+    """``policy`` (e.g. ``cfg.gate``) over the defaults; unknown keys and wrong types are user errors."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(GatePolicy), policy or {})
+        resolved = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise CompressError(f"bad gate policy: {error}".splitlines()[0] + " (see recipes/gate/default.yaml)") from error
+    unknown = [layer for layer in resolved.layers if layer not in LAYER_ORDER]
+    if unknown:
+        raise CompressError(f"gate.layers has unknown layers {unknown}; choose from {LAYER_ORDER}")
+    return resolved
+
+
+@dataclass
+class Check:
+    """One limit applied to one metric."""
+
+    layer: str
+    metric: str
+    candidate: float
+    baseline: float | None
+    limit: str
+    passed: bool
+
+    def describe(self) -> str:
+        against = f" (baseline {self.baseline:.4g})" if self.baseline is not None else ""
+        return f"{self.layer}: {self.metric} = {self.candidate:.4g}{against}, limit {self.limit}"
+
+
+def ratio_check(layer, metric, candidate, baseline, max_ratio) -> Check:
+    return Check(layer, metric, candidate, baseline, f"≤ {max_ratio:g} × baseline", candidate <= max_ratio * baseline)
+
+
+def drop_check(layer, metric, candidate, baseline, max_drop_points) -> Check:
+    """Fractions compared in percentage points: 0.90 vs 0.93 is a 3-point drop."""
+    passed = candidate * 100 >= baseline * 100 - max_drop_points
+    return Check(layer, metric, candidate, baseline, f"≥ baseline − {max_drop_points:g} points", passed)
+
+
+def hard_check(layer, metric, candidate, bound, at_most: bool) -> Check:
+    passed = candidate <= bound if at_most else candidate >= bound
+    return Check(layer, metric, candidate, None, f"{'≤' if at_most else '≥'} {bound:g}", passed)
+
+
+@dataclass
+class LayerResult:
+    name: str
+    status: str  # pass | fail | warn | error | skipped
+    seconds: float = 0.0
+    metrics: dict = field(default_factory=dict)
+    checks: list[Check] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class GateResult:
+    passed: bool
+    reasons: list[str]
+    layers: list[LayerResult]
+    candidate: str
+    baseline: str
+    backend: str
+    kv_cache_dtype: str | None
+    policy: dict
+    registry: dict | None = None
+    mlflow_run_id: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def metric(self, layer: str, name: str, model: str = "candidate") -> float | None:
+        for result in self.layers:
+            if result.name == layer and model in result.metrics:
+                return result.metrics[model].get(name)
+        return None
+
+
+@dataclass
+class Subject:
+    """One side of the comparison: a loaded model, its tokenizer, where it came from, and how it generates."""
+
+    label: str
+    model: Any
+    tokenizer: Any
+    path: Path | None
+    generator: generation.Generator | None = None
+
+
+@dataclass
+class GateContext:
+    policy: GatePolicy
+    candidate: Subject
+    baseline: Subject
+    evaluation_texts: list[str]
+    evaluation_ids: torch.Tensor
+    out_dir: Path
+    files: list[Path] = field(default_factory=list)
+
+
+# --- layers: each returns (metrics per model, checks) ---
+
+
+def perplexity_layer(context: GateContext):
+    policy = context.policy.perplexity
+    metrics = {}
+    for subject in (context.candidate, context.baseline):
+        result = perplexity(
+            subject.model, context.evaluation_ids, policy.seq_len, policy.batch_size, policy.max_windows,
+            label=f"perplexity ({subject.label})", progress=False,
+        )
+        metrics[subject.label] = result.to_dict()
+    candidate, baseline = metrics["candidate"]["perplexity"], metrics["baseline"]["perplexity"]
+    metrics["ppl_ratio"] = candidate / baseline
+    checks = []
+    if policy.max_ratio is not None:
+        checks.append(ratio_check("perplexity", "perplexity", candidate, baseline, policy.max_ratio))
+    if policy.max_value is not None:
+        checks.append(hard_check("perplexity", "perplexity", candidate, policy.max_value, at_most=True))
+    return metrics, checks
+
+
+def lm_eval_layer(context: GateContext):
+    from evals.lm_eval_tasks import LOCAL_TASK, run_lm_eval, write_local_task
+
+    policy = context.policy.lm_eval
+    tasks, include_paths = list(policy.tasks), []
+    if policy.local_task:
+        include_paths.append(write_local_task(context.evaluation_texts, context.out_dir / "lm_eval_tasks"))
+        tasks.insert(0, LOCAL_TASK)
+    if policy.include_path:
+        include_paths.append(Path(policy.include_path).expanduser())
+    if not tasks:
+        raise CompressError("the lm_eval layer has no tasks: set gate.lm_eval.local_task=true or gate.lm_eval.tasks")
+    metrics = {
+        subject.label: run_lm_eval(
+            subject.model, subject.tokenizer, tasks, include_paths, policy.limit, policy.batch_size, policy.max_length
+        )
+        for subject in (context.candidate, context.baseline)
+    }
+    checks = []
+    for task, result in metrics["candidate"].items():
+        for name, value in result["metrics"].items():
+            baseline_value = metrics["baseline"][task]["metrics"][name]
+            higher_is_better = result["higher_is_better"].get(name)
+            metric = f"{task}/{name}"
+            if higher_is_better and policy.max_drop_points is not None:
+                checks.append(drop_check("lm_eval", metric, value, baseline_value, policy.max_drop_points))
+            elif higher_is_better is False and "perplexity" in name and policy.max_perplexity_ratio is not None:
+                checks.append(ratio_check("lm_eval", metric, value, baseline_value, policy.max_perplexity_ratio))
+    return metrics, checks
+
+
+def json_layer(context: GateContext):
+    policy = context.policy.json
+    metrics = {}
+    for subject in (context.candidate, context.baseline):
+        # Constrained decoding needs per-step logits: always the transformers loop, whatever the backend.
+        generator = (
+            generation.TransformersGenerator(subject.model, subject.tokenizer)
+            if policy.constrained else subject.generator
+        )
+        metrics[subject.label] = evaluate_json(
+            generator, subject.tokenizer, subject.model.config.vocab_size, policy.max_new_tokens,
+            policy.num_prompts, policy.constrained,
+        )
+    checks = []
+    for name, max_drop in (
+        ("json_validity", policy.max_validity_drop_points),
+        ("json_schema_compliance", policy.max_compliance_drop_points),
+    ):
+        if max_drop is not None:
+            checks.append(drop_check("json", name, metrics["candidate"][name], metrics["baseline"][name], max_drop))
+    if policy.min_validity is not None:
+        checks.append(
+            hard_check("json", "json_validity", metrics["candidate"]["json_validity"], policy.min_validity, False)
+        )
+    return metrics, checks
+
+
+def needle_layer(context: GateContext):
+    policy = context.policy.needle
+    max_context = min(
+        getattr(subject.model.config, "max_position_embeddings", 2048)
+        for subject in (context.candidate, context.baseline)
+    )
+    lengths = needle.context_lengths(list(policy.context_lengths), max_context)
+    if not lengths:
+        raise CompressError(f"no gate.needle.context_lengths fit the model's context of {max_context} tokens")
+    filler = context.evaluation_ids.tolist()
+    metrics = {
+        subject.label: needle.evaluate_needle(
+            subject.generator, subject.tokenizer, filler, lengths, list(policy.depths), policy.trials,
+            context.policy.seed,
+        )
+        for subject in (context.candidate, context.baseline)
+    }
+    heatmap = needle.plot_heatmaps(metrics, context.out_dir / "needle_heatmap.png")
+    context.files.append(heatmap)
+    candidate, baseline = metrics["candidate"]["needle_accuracy"], metrics["baseline"]["needle_accuracy"]
+    checks = []
+    if policy.max_drop_points is not None:
+        checks.append(drop_check("needle", "needle_accuracy", candidate, baseline, policy.max_drop_points))
+    if policy.min_accuracy is not None:
+        checks.append(hard_check("needle", "needle_accuracy", candidate, policy.min_accuracy, at_most=False))
+    return metrics, checks
+
+
+def latency_layer(context: GateContext):
+    policy = context.policy.latency
+    prompt = context.evaluation_ids[: policy.prompt_tokens].tolist()
+    result = latency.measure_latency(
+        context.candidate.generator, context.baseline.generator, prompt, policy.new_tokens, policy.repeats,
+        policy.warmup,
+    )
+    checks = []
+    for name, max_ratio in (("ttft", policy.max_ttft_ratio), ("tpot", policy.max_tpot_ratio)):
+        if max_ratio is not None:
+            candidate = result["candidate"][f"{name}_p50_ms"]
+            baseline = result["baseline"][f"{name}_p50_ms"]
+            checks.append(ratio_check("latency", f"{name}_p50_ms", candidate, baseline, max_ratio))
+    return result, checks
+
+
+LAYERS = {
+    "perplexity": perplexity_layer,
+    "lm_eval": lm_eval_layer,
+    "json": json_layer,
+    "needle": needle_layer,
+    "latency": latency_layer,
+}
+
+
+def run_layer(name: str, context: GateContext) -> LayerResult:
+    """Run one layer; an exception is an ``error`` (which blocks), never a silent pass."""
+    policy = getattr(context.policy, name)
+    start = time.perf_counter()
+    try:
+        metrics, checks = LAYERS[name](context)
+    except Exception as error:  # fail closed: whatever went wrong, the checkpoint does not ship
+        log.error("gate layer %s raised:\n%s", name, traceback.format_exc())
+        return LayerResult(name, "error", time.perf_counter() - start, error=f"{type(error).__name__}: {error}")
+    failed = not all(check.passed for check in checks)
+    status = ("fail" if policy.blocking else "warn") if failed else "pass"
+    return LayerResult(name, status, time.perf_counter() - start, metrics, checks)
+
+
+# --- loading ---
+
+
+def _subject(label: str, source, tokenizer) -> Subject:
+    if isinstance(source, str | Path):
+        model, loaded_tokenizer = loading.load_for_eval(source)
+        path = Path(source).expanduser()
+        return Subject(label, model, tokenizer or loaded_tokenizer, path if path.is_dir() else None)
+    if tokenizer is None:
+        raise CompressError(f"the {label} was passed as a model in memory; pass its tokenizer too")
+    return Subject(label, source.eval(), tokenizer, None)
+
+
+def _evaluation_text(policy: GatePolicy, tokenizer) -> tuple[list[str], torch.Tensor]:
+    corpus = load_corpus(policy.data)
+    return corpus.evaluation, tokenize(tokenizer, corpus.evaluation_text)
+
+
+# --- the gate ---
+
+
+def run_gate(
+    candidate,
+    baseline,
+    policy: dict | None,
+    out_dir: Path,
+    *,
+    candidate_tokenizer=None,
+    baseline_tokenizer=None,
+    candidate_path: Path | None = None,
+    mlflow_run_id: str | None = None,
+) -> GateResult:
+    """Judge ``candidate`` against ``baseline`` (paths, model names or loaded models); write the report, log to
+    MLflow and, on pass, register the candidate checkpoint (``candidate_path`` when the model is in memory)."""
+    resolved = resolve_policy(policy)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    candidate_label = str(candidate) if isinstance(candidate, str | Path) else str(candidate_path or "<in memory>")
+    baseline_label = str(baseline) if isinstance(baseline, str | Path) else "<in memory>"
+    result = GateResult(
+        passed=False, reasons=[], layers=[], candidate=candidate_label, baseline=baseline_label,
+        backend="none", kv_cache_dtype=None, policy=_policy_dict(resolved),
+    )
+    if not resolved.enabled:
+        result.passed, result.reasons = True, ["gate disabled by policy (gate.enabled=false): nothing was checked"]
+        write_report(result, out_dir)
+        return result
+    context = _prepare(result, resolved, candidate, baseline, candidate_tokenizer, baseline_tokenizer,
+                       candidate_path, out_dir)
+    if context is not None:
+        for name in resolved.layers:
+            if not getattr(resolved, name).enabled:
+                continue
+            if result.reasons:  # a blocking failure already decided the verdict: skip the costlier layers
+                result.layers.append(LayerResult(name, "skipped"))
+                continue
+            log.info("gate: %s", name)
+            layer = run_layer(name, context)
+            result.layers.append(layer)
+            if layer.status == "error":
+                result.reasons.append(f"{name}: evaluator error (fail closed): {layer.error}")
+            elif layer.status == "fail":
+                result.reasons += [check.describe() for check in layer.checks if not check.passed]
+        result.passed = not result.reasons
+    files = [*write_report(result, out_dir), *(context.files if context else [])]
+    _track(result, resolved, context, files, mlflow_run_id)
+    return result
+
+
+def _policy_dict(policy: GatePolicy) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(policy))
+
+
+def _prepare(result, policy, candidate, baseline, candidate_tokenizer, baseline_tokenizer, candidate_path, out_dir):
+    """Load both sides and their generators; a failure here blocks like any evaluator error."""
+    try:
+        candidate_subject = _subject("candidate", candidate, candidate_tokenizer)
+        candidate_subject.path = candidate_subject.path or (Path(candidate_path) if candidate_path else None)
+        baseline_subject = _subject("baseline", baseline, baseline_tokenizer or candidate_subject.tokenizer)
+        kv_cache_dtype = policy.kv_cache_dtype or loading.kv_cache_dtype_of(candidate_subject.path)
+        backend = generation.choose_backend(policy.backend)
+        result.backend, result.kv_cache_dtype = backend, kv_cache_dtype
+        for subject in (candidate_subject, baseline_subject):
+            # The baseline keeps its own cache dtype: it is the reference the candidate's KV quantization is judged by.
+            subject_kv = kv_cache_dtype if subject is candidate_subject else loading.kv_cache_dtype_of(subject.path)
+            subject.generator = generation.make_generator(
+                backend, subject.model, subject.tokenizer, subject_kv, dict(policy.engine)
+            )
+        texts, ids = _evaluation_text(policy, candidate_subject.tokenizer)
+    except Exception as error:  # fail closed
+        log.error("gate could not prepare its inputs:\n%s", traceback.format_exc())
+        result.reasons.append(f"setup: evaluator error (fail closed): {type(error).__name__}: {error}")
+        return None
+    return GateContext(policy, candidate_subject, baseline_subject, texts, ids, out_dir)
+
+
+GATE_METRICS = {
+    ("perplexity", "perplexity"): "ppl",
+    ("needle", "needle_accuracy"): "needle_accuracy",
+    ("json", "json_validity"): "json_validity",
+    ("json", "json_schema_compliance"): "json_schema_compliance",
+    ("latency", "ttft_p50_ms"): "ttft_p50_ms",
+    ("latency", "tpot_p50_ms"): "tpot_p50_ms",
+}
+
+
+def summary_metrics(result: GateResult) -> dict[str, float]:
+    """The metric names runs log and ``compress compare`` reads back."""
+    metrics = {"gate_passed": float(result.passed)}
+    for (layer, name), key in GATE_METRICS.items():
+        candidate, baseline = result.metric(layer, name), result.metric(layer, name, "baseline")
+        if key == "ppl":
+            if candidate is not None:
+                metrics["ppl_candidate"], metrics["ppl_baseline"] = candidate, baseline
+                metrics["ppl_ratio"] = candidate / baseline
+        elif candidate is not None:
+            metrics[key] = candidate
+            metrics[f"{key}_baseline"] = baseline
+    for layer in result.layers:
+        if layer.name == "latency" and layer.status != "error" and layer.metrics:
+            metrics["ttft_ratio"], metrics["tpot_ratio"] = layer.metrics["ttft_ratio"], layer.metrics["tpot_ratio"]
+    return metrics
+
+
+def _size_mb(path: Path | None) -> float | None:
+    if path is None or not path.is_dir():
+        return None
+    return sum(file.stat().st_size for file in path.glob("*.safetensors")) / 2**20
+
+
+def _track(result: GateResult, policy: GatePolicy, context, files: list[Path], mlflow_run_id: str | None) -> None:
+    """Log to MLflow and register on pass; a tracking failure blocks too (an unrecorded pass is not a release)."""
+    from compress.tracking import flatten
+    from evals import tracking
+
+    metrics = summary_metrics(result)
+    candidate_path = context.candidate.path if context else None
+    size = _size_mb(candidate_path)
+    if size is not None and mlflow_run_id is None:
+        metrics["size_mb"] = size
+    params = {"candidate": result.candidate, "baseline": result.baseline, "gate.backend": result.backend,
+              "gate.kv_cache_dtype": str(result.kv_cache_dtype)}
+    params.update(flatten({k: v for k, v in result.policy.items() if k != "data"}, "gate."))
+    tags = {"compress.gate": "pass" if result.passed else "block", "compress.gate.backend": result.backend}
+    try:
+        result.mlflow_run_id = tracking.log_gate(metrics, params, tags, files, mlflow_run_id, policy.experiment)
+        if result.passed and policy.registry.register:
+            if candidate_path is None:
+                result.registry = {"skipped": "the candidate was passed in memory without candidate_path"}
+                return
+            name = policy.registry.name or tracking.registered_name(result.baseline)
+            registry_tags = {key: f"{value:.6g}" for key, value in metrics.items()}
+            result.registry = tracking.register_checkpoint(
+                candidate_path, name, result.mlflow_run_id, registry_tags, policy.registry.promote
+            )
+    except Exception as error:  # fail closed
+        log.error("gate could not record its verdict:\n%s", traceback.format_exc())
+        result.passed = False
+        result.reasons.append(f"mlflow: could not record the verdict (fail closed): {type(error).__name__}: {error}")
+    finally:
+        write_report(result, files[0].parent)
+
+
+# --- report ---
+
+
+def _format(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_report(result: GateResult, out_dir: Path) -> list[Path]:
+    """gate.json for machines, gate.md for the reviewer."""
+    verdict = "PASSED" if result.passed else "BLOCKED"
+    lines = [
+        f"# Release gate: {verdict}",
+        "",
+        f"- candidate: `{result.candidate}`",
+        f"- baseline: `{result.baseline}`",
+        f"- generation backend: `{result.backend}`"
+        + (" (transformers greedy loop; the compress engine was not used)" if result.backend == "transformers" else ""),
+        f"- candidate KV cache: `{result.kv_cache_dtype or 'model dtype'}`",
+    ]
+    if result.registry and "version" in result.registry:
+        registry = result.registry
+        aliases = ", ".join(registry["aliases"])
+        lines.append(f"- registered: `{registry['name']}` version {registry['version']} ({aliases})")
+    if result.reasons:
+        lines += ["", "## Why", ""] + [f"- {reason}" for reason in result.reasons]
+    if result.layers:
+        lines += ["", "## Layers", "", "| layer | status | seconds |", "|---|---|---|"]
+        lines += [f"| {layer.name} | {layer.status} | {layer.seconds:.1f} |" for layer in result.layers]
+    checks = [check for layer in result.layers for check in layer.checks]
+    if checks:
+        lines += ["", "## Checks", "", "| layer | metric | candidate | baseline | limit | result |"]
+        lines.append("|---|---|---|---|---|---|")
+        lines += [
+            f"| {check.layer} | {check.metric} | {_format(check.candidate)} | {_format(check.baseline)} "
+            f"| {check.limit} | {'pass' if check.passed else '**FAIL**'} |"
+            for check in checks
+        ]
+    if (out_dir / "needle_heatmap.png").exists() and any(layer.name == "needle" and layer.metrics
+                                                         for layer in result.layers):
+        lines += ["", "## Needle in a haystack", "", "![needle accuracy](needle_heatmap.png)"]
+    markdown = out_dir / "gate.md"
+    markdown.write_text("\n".join(lines) + "\n")
+    data = out_dir / "gate.json"
+    data.write_text(json.dumps(result.to_dict(), indent=2, default=str))
+    return [data, markdown]

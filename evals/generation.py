@@ -1,0 +1,199 @@
+"""Greedy generation for the gate's generation layers, behind a small ``Generator`` protocol.
+
+Two backends: the compress engine (``compress.engine.LLM``) when it is installed, otherwise a plain greedy loop
+over the transformers model's forward with a KV cache. gate.json records which one ran. Both run the candidate with
+its checkpoint's KV-cache dtype: the engine natively, the transformers loop by quantizing every key and value as it
+enters the cache, per token and KV head (the engine's scheme when it has no calibrated scale). KV quantization is
+what hurts long-context retrieval first, so the needle layer must see it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Protocol
+
+import torch
+
+from compress.errors import CompressError
+
+KV_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+}
+QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+MIN_AMAX = 1e-6
+
+
+class TokenConstraint(Protocol):
+    """Restricts which token may come next (e.g. only tokens that keep the output valid JSON)."""
+
+    def allowed(self, tokens_left: int) -> torch.Tensor:
+        """Boolean mask over the vocabulary; ``tokens_left`` counts this token too."""
+        ...
+
+    def advance(self, token_id: int) -> None: ...
+
+
+class Generator(Protocol):
+    backend: str
+
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, constraint: TokenConstraint | None = None
+    ) -> list[int]:
+        """Greedy continuation of ``prompt_ids``, stopping at end-of-sequence."""
+        ...
+
+    def time_generation(self, prompt_ids: list[int], new_tokens: int) -> tuple[float, float]:
+        """``(time to first token, mean time per later token)`` in seconds for exactly ``new_tokens`` tokens."""
+        ...
+
+
+def fake_quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` ``[..., head_dim]`` after a round trip through ``dtype`` storage with one scale per token and head."""
+    if dtype not in QUANT_MAX:
+        return x.to(dtype).to(x.dtype)
+    qmax = QUANT_MAX[dtype]
+    scale = x.float().abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX) / qmax
+    y = x.float() / scale
+    if dtype == torch.int8:
+        y = torch.floor(y + 0.5)
+    codes = y.clamp(-qmax, qmax).to(dtype)
+    return (codes.float() * scale).to(x.dtype)
+
+
+def _quantized_cache_class():
+    from transformers import DynamicCache
+
+    class QuantizedKVCache(DynamicCache):
+        """A DynamicCache whose stored keys and values went through the checkpoint's KV-cache dtype."""
+
+        def __init__(self, config, kv_dtype: torch.dtype):
+            super().__init__(config=config)
+            self.kv_dtype = kv_dtype
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            key_states = fake_quantize(key_states, self.kv_dtype)
+            value_states = fake_quantize(value_states, self.kv_dtype)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    return QuantizedKVCache
+
+
+class TransformersGenerator:
+    """Greedy decoding with the model's own forward pass; one sequence at a time, so timings are per request."""
+
+    backend = "transformers"
+
+    def __init__(self, model: torch.nn.Module, tokenizer, kv_cache_dtype: str | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        if kv_cache_dtype is not None and kv_cache_dtype not in KV_DTYPES:
+            raise CompressError(f"gate.kv_cache_dtype={kv_cache_dtype!r} is unknown; use one of {sorted(KV_DTYPES)}")
+        self.kv_cache_dtype = kv_cache_dtype
+        eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.device = next(model.parameters()).device
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        if self.kv_cache_dtype is None:
+            return DynamicCache(config=self.model.config)
+        return _quantized_cache_class()(self.model.config, KV_DTYPES[self.kv_cache_dtype])
+
+    @torch.no_grad()
+    def _decode(self, prompt_ids, max_new_tokens, constraint=None, stop_at_eos=True, clock=None) -> list[int]:
+        cache = self._new_cache()
+        input_ids = torch.tensor([prompt_ids], device=self.device)
+        generated: list[int] = []
+        for step in range(max_new_tokens):
+            logits = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = logits[0, -1].float()
+            if constraint is not None:
+                mask = constraint.allowed(max_new_tokens - step).to(logits.device)
+                logits[: mask.numel()].masked_fill_(~mask, float("-inf"))
+                logits[mask.numel() :] = float("-inf")
+            token = int(logits.argmax())
+            if clock is not None:
+                clock.append(time.perf_counter())
+            generated.append(token)
+            if constraint is not None:
+                constraint.advance(token)
+            if stop_at_eos and token in self.eos_ids:
+                break
+            input_ids = torch.tensor([[token]], device=self.device)
+        return generated
+
+    def generate(self, prompt_ids, max_new_tokens, constraint=None):
+        return self._decode(prompt_ids, max_new_tokens, constraint)
+
+    def time_generation(self, prompt_ids, new_tokens):
+        if new_tokens < 2:
+            raise CompressError("gate.latency.new_tokens must be ≥ 2 to measure time per output token")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        clock = [time.perf_counter()]
+        self._decode(prompt_ids, new_tokens, stop_at_eos=False, clock=clock)
+        ttft = clock[1] - clock[0]
+        tpot = (clock[-1] - clock[1]) / (len(clock) - 2)
+        return ttft, tpot
+
+
+class EngineGenerator:
+    """The compress engine (paged KV cache in the checkpoint's KV dtype, our kernels) behind the same protocol.
+
+    Constrained decoding needs per-step logits, which the engine does not expose; the JSON layer's constrained mode
+    therefore always runs on the transformers backend.
+    """
+
+    backend = "engine"
+
+    def __init__(self, model, tokenizer, kv_cache_dtype: str | None, engine_options: dict):
+        from compress.engine import LLM, SamplingParams
+
+        self.sampling_params = SamplingParams
+        self.llm = LLM(model, tokenizer, kv_cache_dtype=kv_cache_dtype or "auto", **engine_options)
+
+    def _run(self, prompt_ids, max_new_tokens, ignore_eos=False):
+        params = self.sampling_params(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos)
+        (output,) = self.llm.generate([list(prompt_ids)], params)
+        return output
+
+    def generate(self, prompt_ids, max_new_tokens, constraint=None):
+        if constraint is not None:
+            raise CompressError("the engine backend cannot constrain decoding; the gate uses transformers for that")
+        return list(self._run(prompt_ids, max_new_tokens).token_ids)
+
+    def time_generation(self, prompt_ids, new_tokens):
+        if new_tokens < 2:
+            raise CompressError("gate.latency.new_tokens must be ≥ 2 to measure time per output token")
+        output = self._run(prompt_ids, new_tokens, ignore_eos=True)
+        times = output.token_times
+        return times[0] - output.arrival_time, (times[-1] - times[0]) / (len(times) - 1)
+
+
+def engine_available() -> bool:
+    try:
+        return hasattr(importlib.import_module("compress.engine"), "LLM")
+    except ModuleNotFoundError:
+        return False
+
+
+def choose_backend(requested: str) -> str:
+    """``auto`` means the engine when it is installed, else transformers."""
+    if requested not in {"auto", "engine", "transformers"}:
+        raise CompressError(f"gate.backend={requested!r} is unknown; use auto, engine or transformers")
+    if requested == "auto":
+        return "engine" if engine_available() else "transformers"
+    if requested == "engine" and not engine_available():
+        raise CompressError("gate.backend=engine, but compress.engine is not installed; use gate.backend=transformers")
+    return requested
+
+
+def make_generator(backend: str, model, tokenizer, kv_cache_dtype: str | None, engine_options: dict) -> Generator:
+    if backend == "engine":
+        return EngineGenerator(model, tokenizer, kv_cache_dtype, engine_options)
+    return TransformersGenerator(model, tokenizer, kv_cache_dtype)

@@ -1,0 +1,58 @@
+"""Load what the gate judges: a compressed-tensors checkpoint, a plain HF folder, or a model name."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+from compress.errors import CompressError
+from compress.models import ModelSpec, load_model
+
+
+def quantization_config(path: Path) -> dict:
+    """The ``quantization_config`` of a model folder's config.json (empty when there is none)."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return {}
+    return json.loads(config_file.read_text()).get("quantization_config") or {}
+
+
+def is_compressed_tensors(path: Path) -> bool:
+    return quantization_config(path).get("quant_method") == "compressed-tensors"
+
+
+def load_for_eval(source: str | Path):
+    """``(model, tokenizer)`` for a checkpoint path or a model name, in eval mode.
+
+    Our compressed-tensors checkpoints go through ``compress.checkpoint.load_checkpoint`` (it rebuilds our packed
+    ``QuantizedLinear`` modules); everything else through ``compress.models.load_model``.
+    """
+    path = Path(source).expanduser()
+    if path.is_dir() and is_compressed_tensors(path):
+        try:
+            checkpoint = importlib.import_module("compress.checkpoint")
+        except ModuleNotFoundError as error:
+            raise CompressError(
+                f"{path} is a compressed-tensors checkpoint but this version has no compress.checkpoint loader"
+            ) from error
+        model, tokenizer = checkpoint.load_checkpoint(path)
+    else:
+        model, tokenizer = load_model(ModelSpec(path=str(source)))
+    model.eval()
+    return model, tokenizer
+
+
+def kv_cache_dtype_of(path: Path | None) -> str | None:
+    """The KV-cache storage dtype a checkpoint asks for (``int8``/``fp8``), from its ``kv_cache_scheme``."""
+    if path is None:
+        return None
+    scheme = quantization_config(path).get("kv_cache_scheme") or {}
+    if not scheme:
+        return None
+    kind, bits = scheme.get("type", "float"), scheme.get("num_bits")
+    if bits == 8 and kind == "int":
+        return "int8"
+    if bits == 8 and kind == "float":
+        return "fp8"
+    raise CompressError(f"{path}: kv_cache_scheme {scheme} is not one the gate can simulate (int8 or fp8 only)")
