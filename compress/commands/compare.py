@@ -1,0 +1,157 @@
+"""``python -m compress compare [model=<text>] [recipe=<name>] [since=YYYY-MM-DD] [kind=run|gate] [limit=N]
+[plot=<file.png>]``: a table of logged runs and a Pareto plot of quality against size, coloured by latency."""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from compress.errors import CompressError
+from compress.paths import artifacts_dir
+
+USAGE = __doc__.split(":", 1)[0].strip("`")
+FILTERS = {"model", "recipe", "since", "kind", "limit", "plot"}
+COLUMNS = [
+    # header, how to read it from a Row
+    ("run", lambda row: row.run_id[:8]),
+    ("date", lambda row: row.started.strftime("%Y-%m-%d %H:%M")),
+    ("kind", lambda row: row.kind),
+    ("recipe", lambda row: row.recipe),
+    ("bits/w", lambda row: row.metric("bits_per_weight", "{:.2f}")),
+    ("size MB", lambda row: row.metric("size_mb", "{:.1f}")),
+    ("ppl", lambda row: row.metric("ppl_candidate", "{:.3f}")),
+    ("ppl ×", lambda row: row.metric("ppl_ratio", "{:.3f}")),
+    ("needle", lambda row: row.metric("needle_accuracy", "{:.0%}")),
+    ("JSON", lambda row: row.metric("json_validity", "{:.0%}")),
+    ("TTFT ms", lambda row: row.metric("ttft_p50_ms", "{:.1f}")),
+    ("TPOT ms", lambda row: row.metric("tpot_p50_ms", "{:.2f}")),
+    ("gate", lambda row: row.verdict),
+]
+
+
+@dataclass
+class Row:
+    run_id: str
+    started: dt.datetime
+    kind: str
+    recipe: str
+    model: str
+    metrics: dict[str, float]
+    verdict: str
+
+    def metric(self, name: str, style: str) -> str:
+        return style.format(self.metrics[name]) if name in self.metrics else "–"
+
+
+def _row(run) -> Row:
+    params, tags, metrics = run.data.params, run.data.tags, run.data.metrics
+    if "gate_passed" in metrics:
+        verdict = "pass" if metrics["gate_passed"] else "BLOCK"
+    else:
+        verdict = {"pass": "pass", "block": "BLOCK"}.get(tags.get("compress.gate", ""), "–")
+    return Row(
+        run_id=run.info.run_id,
+        started=dt.datetime.fromtimestamp(run.info.start_time / 1000),
+        kind=tags.get("compress.kind", "?"),
+        recipe=params.get("recipe") or tags.get("compress.recipe") or "–",
+        model=params.get("model.path") or tags.get("compress.model") or params.get("candidate") or "–",
+        metrics=dict(metrics),
+        verdict=verdict,
+    )
+
+
+def load_rows(model: str | None, recipe: str | None, since: dt.date | None, kind: str | None, limit: int) -> list[Row]:
+    """Runs of every experiment in the store, newest first, filtered."""
+    from evals.tracking import client
+
+    tracking = client()
+    experiment_ids = [experiment.experiment_id for experiment in tracking.search_experiments()]
+    if not experiment_ids:
+        return []
+    runs = tracking.search_runs(experiment_ids, order_by=["attributes.start_time DESC"], max_results=limit)
+    rows = [_row(run) for run in runs]
+    return [
+        row for row in rows
+        if (model is None or model in row.model)
+        and (recipe is None or row.recipe == recipe)
+        and (since is None or row.started.date() >= since)
+        and (kind is None or row.kind == kind)
+    ]
+
+
+def format_table(rows: list[Row]) -> str:
+    cells = [[header for header, _ in COLUMNS]] + [[read(row) for _, read in COLUMNS] for row in rows]
+    widths = [max(len(line[column]) for line in cells) for column in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)) for line in cells]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of points no other point beats on both size and perplexity (lower is better for both)."""
+    return [
+        index for index, (size, ppl) in enumerate(points)
+        if not any(
+            other_size <= size and other_ppl <= ppl and (other_size, other_ppl) != (size, ppl)
+            for other_size, other_ppl in points
+        )
+    ]
+
+
+def plot_pareto(rows: list[Row], path: Path) -> Path | None:
+    """Perplexity against size, colour = TPOT; the Pareto front is joined. None when no run has both numbers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plotted = [row for row in rows if "size_mb" in row.metrics and "ppl_candidate" in row.metrics]
+    if not plotted:
+        return None
+    points = [(row.metrics["size_mb"], row.metrics["ppl_candidate"]) for row in plotted]
+    latency = [row.metrics.get("tpot_p50_ms", float("nan")) for row in plotted]
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    scatter = axis.scatter(*zip(*points, strict=True), c=latency, cmap="viridis", s=60, plotnonfinite=True)
+    front = sorted(points[index] for index in pareto_front(points))
+    axis.plot(*zip(*front, strict=True), color="tab:red", linewidth=1, label="Pareto front")
+    for row, (size, ppl) in zip(plotted, points, strict=True):
+        axis.annotate(f"{row.recipe} ({row.verdict})", (size, ppl), fontsize=7, xytext=(4, 4),
+                      textcoords="offset points")
+    axis.set_xlabel("checkpoint size (MB)")
+    axis.set_ylabel("perplexity (lower is better)")
+    figure.colorbar(scatter, ax=axis, label="TPOT p50 (ms; grey: not measured)")
+    axis.legend(loc="upper right")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return path
+
+
+def parse_arguments(argv: list[str]) -> dict[str, str]:
+    arguments = {}
+    for argument in argv:
+        key, separator, value = argument.partition("=")
+        if not separator or key not in FILTERS:
+            raise CompressError(f"unexpected argument {argument!r}; usage: {USAGE}")
+        arguments[key] = value
+    return arguments
+
+
+def main(argv: list[str]) -> int:
+    try:
+        arguments = parse_arguments(argv)
+        since = dt.date.fromisoformat(arguments["since"]) if "since" in arguments else None
+        rows = load_rows(arguments.get("model"), arguments.get("recipe"), since, arguments.get("kind"),
+                         int(arguments.get("limit", 200)))
+    except (CompressError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not rows:
+        print("no runs match; run `python -m compress run ...` or `python -m compress gate ...` first")
+        return 0
+    print(format_table(rows))
+    plot = plot_pareto(rows, Path(arguments.get("plot", artifacts_dir() / "compare" / "pareto.png")))
+    print(f"\nPareto plot: {plot}" if plot else "\nno run has both size_mb and ppl_candidate: no Pareto plot")
+    return 0
