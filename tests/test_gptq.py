@@ -102,3 +102,14 @@ def test_three_bit_group_that_does_not_divide_the_width_fails_before_work():
 def test_bad_dampening_is_a_config_error():
     with pytest.raises(CompressError, match=r"stages.0 \(gptq\): dampening=0 must be in \(0, 1\]"):
         build_chain([{"type": "gptq", "dampening": 0}])
+
+
+@pytest.mark.parametrize("recipe", ["gptq_int4", "gptq_int3", "smoothquant_w8a8", "smoothquant_gptq_w8a8",
+                                    "fp8_dynamic", "fp8_static", "kv_fp8", "kv_int8", "awq_int4_kv_int8"])
+def test_quantization_recipes_build_legal_chains(recipe):
+    import yaml
+
+    from compress.paths import recipes_dir
+
+    stages = build_chain(yaml.safe_load((recipes_dir() / f"{recipe}.yaml").read_text())["stages"])
+    assert stages and sum(s.quantizes_weights for s in stages) <= 1

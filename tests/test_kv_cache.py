@@ -85,3 +85,18 @@ def test_awq_then_kv_int8_chain_writes_both():
     )
     assert [s.name for s in stages] == ["awq", "kv_cache"]
     assert hasattr(model.model.layers[0].self_attn, "k_scale")
+
+
+def test_cli_run_with_kv_cache_writes_scheme_and_scores_with_quantized_kv(tiny_model_dir, artifacts):
+    from compress.__main__ import main
+
+    small = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "tracking.enabled=false",
+             "stages.0.group_size=32", "stages.0.grid=2", "stages.0.clip=false", "eval.reference=null"]
+    assert main(["run", "recipe=awq_int4_kv_int8", f"model={tiny_model_dir}", *small]) == 0
+    [run_dir] = (artifacts / "runs").iterdir()
+    report = json.loads((run_dir / "report.json").read_text())
+    qconfig = json.loads((run_dir / "checkpoint" / "config.json").read_text())["quantization_config"]
+    assert qconfig["format"] == "pack-quantized" and qconfig["kv_cache_scheme"]["type"] == "int"
+    assert report["stages"]["1:kv_cache"]["calibrated_layers"] == 2
+    candidate, _ = load_checkpoint(run_dir / "checkpoint")
+    assert candidate.model.layers[0].self_attn.kv_scheme.type == "int"  # the candidate was scored with int8 K/V
