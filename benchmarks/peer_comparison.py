@@ -5,7 +5,7 @@
 
 Per scheme, each toolkit compresses the default model in its own subprocess (llm-compressor in
 ``artifacts/peer-venv``: ``python3 -m venv artifacts/peer-venv && artifacts/peer-venv/bin/pip install llmcompressor``)
-reading the same calibration ids from one file; wall time and peak RSS are that subprocess's (``os.wait4``), so both
+reading the same calibration ids from one file; wall time and peak RSS are that subprocess's (GNU time), so both
 include model load, calibration, quantization and save. Both checkpoints are then loaded by ``compress`` and scored
 by ``evals/perplexity.py`` on the evaluation split of ``compress.data``. Results: ``benchmarks/results/peer-*.json``
 and ``.md``. A peer that refuses a scheme (llm-compressor's AWQ without an accelerator) is recorded with its error.
@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -44,26 +45,29 @@ PEER_PYTHON = ROOT / "artifacts" / "peer-venv" / "bin" / "python"
 
 
 def measured_run(command: list[str], log: Path, timeout: float) -> dict:
-    """Wall time and peak RSS of one subprocess (its own rusage, not the sum of all children)."""
+    """Wall time and peak RSS of one subprocess. RSS comes from GNU time (``%M``): the rusage a Python parent gets
+    for an exec'd child starts from the parent's own high-water mark, which would charge our driver's memory to both
+    toolkits."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
     env["PYTHONPATH"] = str(ROOT)
+    rss_file = log.with_suffix(".rss")
     start = time.perf_counter()
     with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        deadline = start + timeout
-        while True:
-            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
-                process.kill()
-                pid, status, usage = os.wait4(process.pid, 0)
-                return {"ok": False, "error": f"timed out after {timeout:.0f} s", "wall_s": timeout}
-            time.sleep(0.2)
+        process = subprocess.Popen(
+            ["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *command],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True,
+        )
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return {"ok": False, "error": f"timed out after {timeout:.0f} s", "wall_s": timeout}
     wall = time.perf_counter() - start
-    code = os.waitstatus_to_exitcode(status)
-    result = {"ok": code == 0, "wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024}
-    if code != 0:
+    result = {"ok": code == 0, "wall_s": wall}
+    if code == 0:
+        result["peak_rss_mb"] = int(rss_file.read_text().split()[-1]) / 1024
+    else:
         tail = log.read_text().strip().splitlines()[-3:]
         result["error"] = f"exit {code}: " + " | ".join(line.strip()[:300] for line in tail)
     return result
