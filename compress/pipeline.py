@@ -6,6 +6,7 @@ run succeeds, so a failed or interrupted run never leaves something that looks l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.config import RunConfig
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
-from compress.models import check_model_source, load_model
+from compress.models import check_model_source, load_model, resolve_model_path
 from compress.paths import artifacts_dir
 from compress.stages import LayerContext, Stage, build_chain
 from compress.stages.rtn import RTNConfig, RTNStage
@@ -74,17 +75,29 @@ class Timer:
 def apply_stages(
     model: torch.nn.Module, stages: list[Stage], samples: torch.Tensor, device: torch.device, batch_size: int
 ) -> None:
-    """Run the chain in order: whole-model stages one by one, each run of consecutive layerwise stages in one walk."""
-    run: list[Stage] = []
-    for stage in [*stages, None]:
+    """Run the chain in order: whole-model stages one by one, each run of consecutive layerwise stages in one walk.
+    Every stage hears ``before_stage`` for each position as its turn comes (all of a walk's stages before it starts).
+    """
+    run: list[int] = []
+    for position, stage in enumerate([*stages, None]):
         if stage is not None and stage.layerwise:
-            run.append(stage)
+            run.append(position)
             continue
         if run:
-            walk_layers(model, run, samples, device, batch_size)
+            _announce(stages, model, run)
+            walk_layers(model, [stages[p] for p in run], samples, device, batch_size)
             run = []
         if stage is not None:
+            _announce(stages, model, [position])
+            start = time.perf_counter()
             stage.process_model(model, samples, device)
+            stage.seconds += time.perf_counter() - start
+
+
+def _announce(stages: list[Stage], model: torch.nn.Module, positions: list[int]) -> None:
+    for position in positions:
+        for stage in stages:
+            stage.before_stage(model, position)
 
 
 def walk_layers(
@@ -98,7 +111,9 @@ def walk_layers(
         layer = layers[index].to(device)
         name = f"model.layers.{index}"
         for stage in stages:
+            start = time.perf_counter()
             stage.process_layer(LayerContext(index, name, layer, model.config, inputs, device))
+            stage.seconds += time.perf_counter() - start
         if calibrate:
             inputs = run_layer(layer, inputs, name)
         layers[index] = layer.to("cpu")
@@ -147,6 +162,8 @@ def run(config: RunConfig) -> RunResult:
             tags={"compress.kind": "run", "compress.recipe": config.recipe, "compress.model": config.model.path},
         )
         run_log.params(flatten({k: v for k, v in config.raw.items() if k != "gate"}))
+        for stage in stages:
+            stage.metrics_sink = run_log.metrics
     timer = Timer()
     wall_start = time.perf_counter()
     try:
@@ -158,6 +175,12 @@ def run(config: RunConfig) -> RunResult:
         os.replace(staging, final)
         report["checkpoint"]["path"] = str(final / "checkpoint")
         (final / "report.json").write_text(json.dumps(report, indent=2))
+        if config.gate.get("enabled", True):
+            with timer.phase("gate"):
+                report["gate"] = _gate(config, final, run_log)
+            report["timings_s"] = timer.seconds
+            (final / "report.json").write_text(json.dumps(report, indent=2))
+            (final / "report.md").write_text("\n".join(summary_lines(report)) + "\n")
         if run_log is not None:
             run_log.metrics(_metrics(report))
             run_log.tag("compress.run_dir", str(final))
@@ -190,7 +213,9 @@ def _execute(config, stages, device, staging: Path, save_dtype, timer: Timer) ->
             results["baseline"] = _evaluate(model, eval_ids, config, "perplexity [baseline]", device)
     with timer.phase("compress"):
         apply_stages(model, stages, samples, device, config.calibration_batch_size)
-        summaries = {f"{i}:{stage.name}": stage.finalize(model) for i, stage in enumerate(stages)}
+        summaries = {
+            f"{i}:{stage.name}": {**stage.finalize(model), "seconds": stage.seconds} for i, stage in enumerate(stages)
+        }
     with timer.phase("save"):
         recipe_yaml = yaml.safe_dump({"recipe": config.recipe, "stages": config.stages}, sort_keys=False)
         kv_cache_scheme = next((s.kv_cache_scheme for s in stages if hasattr(s, "kv_cache_scheme")), None)
@@ -227,6 +252,18 @@ def _execute(config, stages, device, staging: Path, save_dtype, timer: Timer) ->
         "perplexity": {name: result.to_dict() for name, result in results.items()},
         "checkpoint": summary.to_dict(),
     }
+
+
+def _gate(config: RunConfig, run_dir: Path, run_log: RunLog | None) -> dict:
+    """The release gate on the saved checkpoint against the original model, logged into this run."""
+    from evals.gate import run_gate
+
+    policy = {**config.gate, "data": dataclasses.asdict(config.data)}
+    verdict = run_gate(
+        run_dir / "checkpoint", resolve_model_path(config.model), policy, run_dir / "gate",
+        candidate_path=run_dir / "checkpoint", mlflow_run_id=run_log.run_id if run_log else None,
+    )
+    return {"passed": verdict.passed, "reasons": verdict.reasons, "report": str(run_dir / "gate" / "gate.md")}
 
 
 def _metrics(report: dict) -> dict[str, float]:
@@ -270,6 +307,12 @@ def summary_lines(report: dict) -> list[str]:
         "",
         f"checkpoint: {ckpt['size_mb']:.1f} MB, {ckpt['quantized_linears']} quantized linears at "
         f"{ckpt['bits_per_weight']:.2f} stored bits/weight",
+        *(
+            [f"release gate: {'PASSED' if report['gate']['passed'] else 'BLOCKED'}"
+             + "".join(f"\n  - {reason}" for reason in report["gate"]["reasons"])
+             + f" (details: {report['gate']['report']})"]
+            if "gate" in report else []
+        ),
         f"wall time {report['wall_time_s']:.1f} s, peak RSS {report['peak_rss_mb']:.0f} MB; phases: "
         + ", ".join(f"{k} {v:.1f} s" for k, v in report["timings_s"].items()),
     ]

@@ -80,3 +80,16 @@ def test_corrupt_model_weights_fail_cleanly(tiny_model_dir, artifacts, tmp_path,
     assert main(["run", "recipe=rtn_int4", f"model={broken}", *SMALL]) == 1
     assert "cannot load model" in capsys.readouterr().err
     assert [p for p in (artifacts / "runs").iterdir()] == []
+
+
+@pytest.mark.parametrize(("max_ratio", "code"), [(100.0, 0), (0.5, 1)])
+def test_run_ends_with_the_release_gate(tiny_model_dir, artifacts, max_ratio, code):
+    args = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", *SMALL, "gate=quick", "gate.layers=[perplexity]",
+            f"gate.perplexity.max_ratio={max_ratio}", "gate.registry.register=false"]
+    assert main(args) == code
+    [run_dir] = (artifacts / "runs").iterdir()
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["gate"]["passed"] is (code == 0)
+    assert "gate" in report["timings_s"]
+    verdict = (run_dir / "gate" / "gate.md").read_text()
+    assert ("perplexity" in verdict) and ((code == 1) == ("BLOCK" in verdict.upper()))

@@ -103,6 +103,9 @@ def check_overrides(recipe: str, overrides: list[str]) -> list[str]:
                 if stage_keys is not None and part in stage_keys and len(path) == 2:
                     override = "+" + override  # a stage argument the recipe file leaves at its default
                     break
+                if path[:1] == ["gate"]:
+                    override = "+" + override  # gate policies are partial; evals.gate checks the keys
+                    break
                 valid = stage_keys if stage_keys is not None else list(node) if isinstance(node, dict) else []
                 raise unknown_key_error(where, part, valid)
             path.append(part)
@@ -126,6 +129,8 @@ def _task(cfg) -> None:
     print(f"\nrun folder: {result.run_dir}")
     if result.mlflow_run_id:
         print(f"MLflow run: {result.mlflow_run_id} (browse with `mlflow ui --backend-store-uri {config_uri(config)}`)")
+    if not result.report.get("gate", {}).get("passed", True):
+        raise SystemExit(1)  # the release gate blocked this checkpoint
 
 
 def config_uri(config) -> str:
