@@ -14,6 +14,7 @@ O(in²) per candidate instead of a forward pass: that is what lets AWQ run on 2 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, tar
 @dataclass
 class AWQConfig(WeightQuantConfig):
     grid: int = 20  # exponents a = 0, 1/grid, ..., (grid-1)/grid
-    duo_scaling: bool = True
+    duo_scaling: bool | str = "both"  # true: mean|x|^a / mean|w|^(1-a); false: mean|x|^a; both: search both
     clip: bool = True
     clip_grid: int = 20  # shrink steps of 1/clip_grid ...
     max_shrink: float = 0.5  # ... down to (1 - max_shrink) of the range
@@ -71,6 +72,8 @@ class AWQStage(WeightQuantizerStage):
     Config = AWQConfig
 
     def prepare(self, model: nn.Module) -> None:
+        if self.config.duo_scaling not in (True, False, "both"):
+            raise CompressError(f"awq: duo_scaling={self.config.duo_scaling!r}; use true, false or both")
         family = getattr(model.config, "model_type", None)
         if family not in MAPPINGS:
             raise CompressError(
@@ -190,11 +193,12 @@ class AWQStage(WeightQuantizerStage):
             quantized = fake_quantize(weight * per_input, scheme) / per_input
             return output_error(quantized - weight, act.gram).item()
 
+        duo_modes = {True: (True,), False: (False,), "both": (True, False)}[self.config.duo_scaling]
         best_loss, best_scale = loss(torch.ones_like(act.mean_abs)), None
-        for step in range(self.config.grid):
+        for duo, step in itertools.product(duo_modes, range(self.config.grid)):
             exponent = step / self.config.grid
             scale = x_mean.pow(exponent)
-            if self.config.duo_scaling:
+            if duo:
                 scale = scale / (w_mean.pow(1 - exponent) + 1e-4)
             scale = scale.clamp(min=1e-4)
             scale = scale / (scale.max() * scale.min()).sqrt()
