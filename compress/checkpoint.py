@@ -26,6 +26,7 @@ from torch import nn
 
 from compress.errors import CompressError
 from compress.qlinear import Fp8Linear, Int8Linear, QuantizedLinear
+from compress.sparsity import sparsity_config
 from kernels.packing import pack_int32, unpack_int32
 
 FORMAT = "pack-quantized"
@@ -190,6 +191,13 @@ def save_checkpoint(
         if dtype is not None:
             config["dtype"] = str(dtype).removeprefix("torch.")
         qconfig = quantization_config(model, kv_cache_scheme)
+        sparsity = sparsity_config(model)
+        if sparsity is not None:  # compressed-tensors records sparsity inside quantization_config
+            qconfig = qconfig or {
+                "quant_method": "compressed-tensors", "format": DENSE, "quantization_status": "compressed",
+                "config_groups": {}, "ignore": [], "kv_cache_scheme": None,
+            }
+            qconfig["sparsity_config"] = sparsity
         if qconfig is not None:
             config["quantization_config"] = qconfig
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

@@ -58,13 +58,13 @@ class RunLog:
         for start in range(0, len(entries), 100):
             self.client.log_batch(self.run_id, params=entries[start : start + 100])
 
-    def metrics(self, values: dict[str, float]) -> None:
+    def metrics(self, values: dict[str, float], step: int = 0) -> None:
         import time
 
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        entries = [Metric(key, float(value), now, 0) for key, value in values.items() if value is not None]
+        entries = [Metric(key, float(value), now, step) for key, value in values.items() if value is not None]
         self.client.log_batch(self.run_id, metrics=entries)
 
     def tag(self, key: str, value: str) -> None:

@@ -6,13 +6,17 @@ from compress.errors import CompressError
 from compress.stages.activations import FP8Stage, W8A8Stage
 from compress.stages.awq import AWQStage
 from compress.stages.base import LayerContext, Stage
+from compress.stages.distill import DistillStage
 from compress.stages.gptq import GPTQStage
 from compress.stages.kv_cache import KVCacheStage
+from compress.stages.lora import LoRAMergeStage
+from compress.stages.prune import MagnitudePruneStage, SparseGPTStage, WandaStage
 from compress.stages.rtn import RTNStage
 from compress.stages.smoothquant import SmoothQuantStage
 
 STAGES: dict[str, type[Stage]] = {stage.name: stage for stage in (RTNStage, AWQStage, GPTQStage)}
 STAGES.update({s.name: s for s in (SmoothQuantStage, W8A8Stage, FP8Stage, KVCacheStage)})
+STAGES.update({s.name: s for s in (LoRAMergeStage, MagnitudePruneStage, WandaStage, SparseGPTStage, DistillStage)})
 
 
 def build_stage(args: dict, position: int) -> Stage:
@@ -37,6 +41,7 @@ def build_chain(stage_args: list[dict]) -> list[Stage]:
                     f"({quantizer[1]}) already packed; keep one weight quantizer per recipe"
                 )
             quantizer = (position, stage.name)
+    check_compression_order(stages)
     check_quantization_order(stages)
     return stages
 
@@ -63,4 +68,37 @@ def check_quantization_order(stages: list[Stage]) -> None:
             quantizer = (position, stage.name)
 
 
-__all__ = ["STAGES", "LayerContext", "Stage", "build_chain", "build_stage", "check_quantization_order"]
+def check_compression_order(stages: list[Stage]) -> None:
+    """Adapters merge into dense weights, pruning precedes quantization (codes cannot be re-pruned), and
+    distillation needs something compressed to heal; its teacher is the model just before the first compression."""
+    compressed: tuple[int, str] | None = None
+    pruner: tuple[int, str] | None = None
+    for position, stage in enumerate(stages):
+        if isinstance(stage, LoRAMergeStage) and compressed is not None:
+            raise CompressError(
+                f"stages.{position} (lora_merge) comes after stages.{compressed[0]} ({compressed[1]}); merge adapters "
+                "first, into the dense weights, then prune/quantize"
+            )
+        if stage.prunes_weights:
+            if pruner is not None:
+                raise CompressError(f"stages.{position} ({stage.name}): stages.{pruner[0]} already prunes; keep one")
+            if compressed is not None:
+                raise CompressError(
+                    f"stages.{position} ({stage.name}) would prune weights that stages.{compressed[0]} "
+                    f"({compressed[1]}) already quantized; put the pruner before the quantizer"
+                )
+            pruner = (position, stage.name)
+        if isinstance(stage, DistillStage):
+            if compressed is None:
+                raise CompressError(
+                    f"stages.{position} (distill) has nothing to heal: put it after a pruning or quantizing stage"
+                )
+            stage.teacher_position = compressed[0]
+        if compressed is None and (stage.prunes_weights or stage.quantizes_weights):
+            compressed = (position, stage.name)
+
+
+__all__ = [
+    "STAGES", "LayerContext", "Stage", "build_chain", "build_stage", "check_compression_order",
+    "check_quantization_order",
+]

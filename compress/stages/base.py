@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from abc import ABC
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -44,6 +45,9 @@ class Stage(ABC):
     needs_calibration: ClassVar[bool] = True
     quantizes_weights: ClassVar[bool] = False  # a second weight quantizer after this one is illegal
     layerwise: ClassVar[bool] = True
+    prunes_weights: ClassVar[bool] = False  # sets N:M masks that every later stage must keep
+    metrics_sink: Callable[[dict[str, float], int], None] | None = None  # step metrics (loss curves) → MLflow
+    seconds: float = 0.0  # wall time spent in this stage's own work (the pipeline adds it up for the report)
 
     def __init__(self, config):
         self.config = config
@@ -69,6 +73,9 @@ class Stage(ABC):
 
     def prepare(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
         """Fail fast on a model this stage cannot handle."""
+
+    def before_stage(self, model: nn.Module, position: int) -> None:  # noqa: B027 - optional hook
+        """Called on every stage just before the chain's stage ``position`` runs (distillation copies its teacher)."""
 
     def process_layer(self, ctx: LayerContext) -> None:
         """Transform one decoder layer in place (layerwise stages)."""

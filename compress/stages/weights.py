@@ -11,6 +11,7 @@ from compress.calibration import decoder_layers
 from compress.errors import CompressError
 from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, check_group_size, matches, quantize, validate_scheme
+from compress.sparsity import carry_mask
 from compress.stages.base import Stage
 
 
@@ -36,6 +37,9 @@ def target_linears(layer: nn.Module, prefix: str, ignore: list[str]) -> dict[str
 
 
 def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Swap ``root.<name>`` for ``new``; an N:M mask on the old module moves over and is re-applied to ``new``'s
+    weights, so a quantizer cannot refill pruned weights (its compensation or rounding may have)."""
+    carry_mask(root.get_submodule(name), new)
     parent_name, _, child = name.rpartition(".")
     setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
 

@@ -1,0 +1,186 @@
+"""Default-model pruning measurements: 2:4 magnitude vs Wanda vs SparseGPT, what distillation recovers, the full chain.
+
+    python -m benchmarks.pruning --part compare   # dense baseline, then magnitude / Wanda / SparseGPT 2:4
+    python -m benchmarks.pruning --part chain     # LoRA merge → SparseGPT 2:4 → distill (ppl) → GPTQ int4 (ppl)
+
+The parts run in separate processes (in parallel on a busy machine) and merge their numbers into
+``benchmarks/results/pruning-<model>.{json,md}``. Everything runs in-process through the pipeline's own pieces
+(``build_chain``, ``apply_stages``, the perplexity protocol of evals/perplexity.py on the same evaluation split), so
+the dense model is loaded and evaluated once per part instead of once per recipe. The chain's LoRA adapter is a
+freshly initialised PEFT adapter (B = 0, as peft creates it): the merge is an exact no-op on the weights, so the
+perplexities compare with the compare part, and its cost is still paid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
+from compress.models import ModelSpec, default_model_dir, load_model
+from compress.pipeline import apply_stages
+from compress.stages import build_chain
+from compress.stages.lora import save_adapter
+from evals.perplexity import perplexity
+
+RESULTS = Path(__file__).parent / "results"
+CPU = torch.device("cpu")
+GPTQ = {"type": "gptq", "bits": 4, "group_size": 64, "symmetric": True}
+
+
+def fresh_adapter(folder: Path, config, rank: int = 8) -> Path:
+    """A PEFT-initialised adapter on q/v: A random, B zero."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    generator = torch.Generator().manual_seed(0)
+    factors = {}
+    for index in range(config.num_hidden_layers):
+        for name, out_features in (("q_proj", config.hidden_size), ("v_proj", config.num_key_value_heads * head_dim)):
+            a = torch.randn(rank, config.hidden_size, generator=generator) / config.hidden_size**0.5
+            factors[f"model.layers.{index}.self_attn.{name}"] = (a, torch.zeros(out_features, rank))
+    return save_adapter(folder, factors, rank, alpha=2 * rank)
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.model, tokenizer = load_model(ModelSpec(path=str(default_model_dir())))
+        corpus = load_corpus(DataSpec())
+        self.eval_ids = tokenize(tokenizer, corpus.evaluation_text)
+        calibration = tokenize(tokenizer, corpus.calibration_text)
+        self.samples = calibration_samples(calibration, args.num_samples, 512, seed=0)
+        self.settings = {
+            "calibration": f"{args.num_samples} x 512 tokens (pydoc calibration split)",
+            "evaluation": f"{args.max_windows or 'all'} windows x 512 tokens (pydoc evaluation split)",
+            "sequential": args.sequential,
+        }
+
+    def ppl(self, model, label: str) -> float:
+        return perplexity(model, self.eval_ids, 512, 4, self.args.max_windows, label=label).perplexity
+
+    def compress(self, model, chain: list[dict]) -> tuple[list, dict]:
+        stages = build_chain(chain)
+        for stage in stages:
+            stage.prepare(model)
+        apply_stages(model, stages, self.samples, CPU, batch_size=8)
+        return stages, {f"{i}:{s.name}": s.seconds for i, s in enumerate(stages)}
+
+
+def compare(bench: Bench) -> dict:
+    runs = {"dense": {"ppl": bench.ppl(bench.model, "dense")}}
+    for kind in ("magnitude_prune", "wanda", "sparsegpt"):
+        model = copy.deepcopy(bench.model)
+        args = {"type": kind} if kind == "magnitude_prune" else {"type": kind, "sequential": bench.args.sequential}
+        stages, seconds = bench.compress(model, [args])
+        summary = stages[0].finalize(model)
+        runs[kind] = {
+            "ppl": bench.ppl(model, kind), "stage_seconds": seconds, "mean_sparsity": summary["mean_sparsity"],
+            "per_layer_sparsity": summary["per_layer_sparsity"],
+        }
+        del model
+    return runs
+
+
+def chain(bench: Bench) -> dict:
+    model = bench.model
+    with tempfile.TemporaryDirectory() as folder:
+        adapter = fresh_adapter(Path(folder) / "adapter", model.config)
+        distill = {"type": "distill", "max_minutes": bench.args.distill_minutes, "steps": bench.args.distill_steps}
+        stages = build_chain([
+            {"type": "lora_merge", "adapters": [str(adapter)]},
+            {"type": "sparsegpt", "sequential": bench.args.sequential},
+            distill,
+            {**GPTQ, "true_sequential": bench.args.sequential},
+        ])
+        for stage in stages:
+            stage.prepare(model)
+        apply_stages(model, stages[:3], bench.samples, CPU, batch_size=8)
+    distilled = bench.ppl(model, "distilled")
+    distill_summary = stages[2].finalize(model)
+    apply_stages(model, stages[3:], bench.samples, CPU, batch_size=8)
+    full = bench.ppl(model, "full chain")
+    pruner = stages[1].finalize(model)  # checks the 2:4 mask survived distillation and GPTQ
+    return {
+        "sparsegpt_distill": {"ppl": distilled, "distill": distill_summary},
+        "full_chain": {
+            "ppl": full,
+            "stage_seconds": {f"{i}:{s.name}": s.seconds for i, s in enumerate(stages)},
+            "mean_sparsity_after_gptq": pruner["mean_sparsity"],
+        },
+    }
+
+
+def analysis(runs: dict) -> dict:
+    """The issue's goals from whatever runs are present."""
+    out: dict = {}
+    if {"dense", "magnitude_prune", "wanda", "sparsegpt"} <= set(runs):
+        increase = {k: runs[k]["ppl"] - runs["dense"]["ppl"] for k in ("magnitude_prune", "wanda", "sparsegpt")}
+        out["sparsegpt_increase_over_wanda"] = increase["sparsegpt"] / increase["wanda"]
+        out["sparsegpt_increase_over_magnitude"] = increase["sparsegpt"] / increase["magnitude_prune"]
+        out["goal_sparsegpt_le_0.7x_wanda"] = out["sparsegpt_increase_over_wanda"] <= 0.7
+        out["goal_sparsegpt_le_0.5x_magnitude"] = out["sparsegpt_increase_over_magnitude"] <= 0.5
+    if {"dense", "sparsegpt", "sparsegpt_distill"} <= set(runs):
+        lost = runs["sparsegpt"]["ppl"] - runs["dense"]["ppl"]
+        recovered = runs["sparsegpt"]["ppl"] - runs["sparsegpt_distill"]["ppl"]
+        seconds = runs["sparsegpt_distill"]["distill"]["seconds"]
+        out["distill_recovery"] = recovered / lost
+        out["distill_seconds"] = seconds
+        out["goal_distill_recovers_30pct_in_15min"] = recovered / lost >= 0.3 and seconds <= 15 * 60
+    return out
+
+
+def markdown(model: str, stored: dict) -> str:
+    runs, settings = stored["runs"], stored.get("settings", {})
+    dense = runs.get("dense", {}).get("ppl")
+    lines = [
+        f"# Pruning on `{model}`", "",
+        "2:4 semi-structured sparsity on every decoder linear (lm_head dense). "
+        + "; ".join(f"{k}: {v}" for k, v in settings.items())
+        + ". Seconds are wall time on a shared, heavily loaded 2-core CPU.", "",
+        "| run | perplexity | Δ vs dense | stage seconds |", "|---|---|---|---|",
+    ]
+    for label, r in runs.items():
+        delta = f"{r['ppl'] - dense:+.3f}" if dense else "n/a"
+        seconds = r.get("stage_seconds") or ({"distill": r["distill"]["seconds"]} if "distill" in r else {})
+        timing = ", ".join(f"{k} {v:.0f}" for k, v in seconds.items())
+        lines.append(f"| {label} | {r['ppl']:.3f} | {delta} | {timing} |")
+    if stored.get("analysis"):
+        lines += ["", "| measure | value |", "|---|---|"]
+        for key, value in stored["analysis"].items():
+            lines.append(f"| {key} | {value:.3f} |" if isinstance(value, float) else f"| {key} | {value} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("compare", "chain"), required=True)
+    parser.add_argument("--num-samples", type=int, default=64, help="calibration samples of 512 tokens")
+    parser.add_argument("--max-windows", type=int, default=None, help="evaluation windows (default: all)")
+    parser.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--distill-minutes", type=float, default=15.0)
+    parser.add_argument("--distill-steps", type=int, default=200)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bench = Bench(args)
+    start = time.perf_counter()
+    runs = compare(bench) if args.part == "compare" else chain(bench)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = default_model_dir().name
+    path = RESULTS / f"pruning-{name}.json"
+    stored = json.loads(path.read_text()) if path.exists() else {"runs": {}}  # the other part may have written
+    stored["runs"].update(runs)
+    stored["settings"] = bench.settings
+    stored.setdefault("part_seconds", {})[args.part] = time.perf_counter() - start
+    stored["analysis"] = analysis(stored["runs"])
+    path.write_text(json.dumps(stored, indent=2))
+    (RESULTS / f"pruning-{name}.md").write_text(markdown(name, stored))
+    print(json.dumps(stored["analysis"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

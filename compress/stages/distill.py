@@ -1,0 +1,266 @@
+"""Knowledge distillation: the model as it was before compression teaches the compressed student.
+
+The teacher is a copy of the model taken just before the chain's first pruning or quantizing stage (after any LoRA
+merge, so it is the fine-tuned model). The student's decoder linears learn, for a bounded number of steps and wall
+time, to match the teacher's softened next-token distribution on the calibration corpus — KL(teacher ‖ student) at
+temperature T, scaled by T² so gradients keep their size — plus, optionally, the mean squared error of every decoder
+layer's hidden state (normalised by the teacher's). Embeddings, norms and the head stay frozen.
+
+Compression survives training: pruned weights are multiplied by their mask after every optimizer step, and a
+quantized student trains a latent float weight through fake quantization with a straight-through estimator against
+its *fixed* scales and zero points, so at the end it rounds back to codes on the same grid and exports as before.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from compress.calibration import decoder_layers
+from compress.errors import CompressError
+from compress.qlinear import QuantizedLinear
+from compress.sparsity import mask_of
+from compress.stages.base import Stage
+from compress.stages.weights import replace_module
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DistillConfig:
+    steps: int = 200
+    max_minutes: float | None = 15.0  # stop early when the wall time runs out
+    learning_rate: float = 1e-4
+    warmup_steps: int = 5
+    temperature: float = 2.0
+    hidden_weight: float = 0.0  # weight of the per-layer hidden-state MSE next to the logit KL
+    batch_size: int = 2
+    seq_len: int = 256  # calibration samples are cut into sequences of this length
+    held_out: int = 4  # sequences kept out of training to report the KL before and after
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
+
+    def __post_init__(self):
+        if self.steps < 1 or self.batch_size < 1 or self.seq_len < 2:
+            raise ValueError("steps and batch_size must be ≥ 1 and seq_len ≥ 2")
+        if self.temperature <= 0 or self.learning_rate <= 0:
+            raise ValueError("temperature and learning_rate must be positive")
+        if self.hidden_weight < 0 or self.held_out < 0:
+            raise ValueError("hidden_weight and held_out must be ≥ 0")
+
+
+class FakeQuantLinear(nn.Module):
+    """A ``QuantizedLinear`` made trainable: a latent float weight, rounded to the layer's fixed grid in the forward
+    pass and passed straight through in the backward pass (STE)."""
+
+    def __init__(self, source: QuantizedLinear):
+        super().__init__()
+        self.source = [source]  # a list: not a submodule, so its buffers are neither trained nor moved twice
+        weight = source.dequantized_weight().float()
+        columns = torch.arange(source.in_features, device=weight.device)
+        group_of = columns // source.group_size if source.weight_g_idx is None else source.weight_g_idx.long()
+        self.register_buffer("scale", source.weight_scale.float()[:, group_of])
+        zero = source.weight_zero_point
+        self.register_buffer("zero", torch.zeros_like(self.scale) if zero is None else zero.float()[:, group_of])
+        self.weight = nn.Parameter(weight)
+        self.bias = None if source.bias is None else nn.Parameter(source.bias.data.float(), requires_grad=False)
+        self.qmin, self.qmax = -(1 << (source.num_bits - 1)), (1 << (source.num_bits - 1)) - 1
+
+    def codes(self) -> torch.Tensor:
+        return (torch.round(self.weight / self.scale) + self.zero).clamp(self.qmin, self.qmax)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rounded = (self.codes() - self.zero) * self.scale
+        weight = self.weight + (rounded - self.weight).detach()
+        return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    @torch.no_grad()
+    def to_quantized(self) -> QuantizedLinear:
+        source = self.source[0]
+        bias = None if source.bias is None else source.bias.data
+        return QuantizedLinear.from_codes(
+            self.codes().to(torch.int8).cpu(), source.weight_scale.cpu(),
+            None if source.weight_zero_point is None else source.weight_zero_point.cpu(),
+            source.num_bits, source.group_size, None if bias is None else bias.cpu(),
+            None if source.weight_g_idx is None else source.weight_g_idx.cpu(),
+        )
+
+
+def distillation_loss(student_out, teacher_out, temperature: float, hidden_weight: float) -> dict[str, torch.Tensor]:
+    """``{"loss", "kl", "hidden_mse"}``: T²·KL(teacher ‖ student) per token (+ weighted hidden-state MSE)."""
+    vocab = student_out.logits.shape[-1]
+    student = F.log_softmax(student_out.logits.float().reshape(-1, vocab) / temperature, -1)
+    teacher = F.log_softmax(teacher_out.logits.float().reshape(-1, vocab) / temperature, -1)
+    kl = F.kl_div(student, teacher, log_target=True, reduction="batchmean") * temperature**2
+    parts = {"kl": kl, "loss": kl}
+    if hidden_weight > 0:
+        pairs = list(zip(student_out.hidden_states[1:], teacher_out.hidden_states[1:], strict=True))
+        mse = sum(F.mse_loss(s.float(), t.float()) / t.float().pow(2).mean().clamp(min=1e-12) for s, t in pairs)
+        parts["hidden_mse"] = mse / len(pairs)
+        parts["loss"] = kl + hidden_weight * parts["hidden_mse"]
+    return parts
+
+
+@torch.no_grad()
+def mean_kl(student: nn.Module, teacher: nn.Module, sequences: torch.Tensor, batch_size: int,
+            temperature: float = 1.0) -> float:
+    """KL(teacher ‖ student) per token on ``sequences``: what distillation lowers."""
+    total, count = 0.0, 0
+    for start in range(0, len(sequences), batch_size):
+        batch = sequences[start : start + batch_size]
+        kl = distillation_loss(student(input_ids=batch), teacher(input_ids=batch), temperature, 0.0)["kl"]
+        total += float(kl) * batch.numel()
+        count += batch.numel()
+    return total / max(count, 1)
+
+
+class DistillStage(Stage):
+    name = "distill"
+    Config = DistillConfig
+    layerwise = False
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.teacher: nn.Module | None = None
+        self.teacher_position: int | None = None  # set by build_chain: the first stage that compresses
+
+    def before_stage(self, model: nn.Module, position: int) -> None:
+        if position == self.teacher_position:
+            self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def prepare(self, model: nn.Module) -> None:
+        self.summary: dict = {}
+
+    def process_model(self, model: nn.Module, samples: torch.Tensor, device: torch.device) -> None:
+        if self.teacher is None:
+            raise CompressError("distill has no teacher: it must come after a pruning or quantizing stage")
+        c = self.config
+        sequences = _cut(samples, c.seq_len)
+        if len(sequences) <= c.held_out:
+            raise CompressError(
+                f"distill: {len(sequences)} calibration sequences of {c.seq_len} tokens leave none for training after "
+                f"{c.held_out} held out; raise data.num_samples or lower distill seq_len/held_out"
+            )
+        held_out, train = sequences[: c.held_out].to(device), sequences[c.held_out :]
+        teacher = self.teacher.to(device)
+        fake_quant = _make_trainable(model)
+        model.to(device)
+        trainable = _trainable_linears(model)
+        params = [module.weight for module in trainable.values()]
+        masks = {name: mask_of(module) for name, module in trainable.items() if mask_of(module) is not None}
+        model.requires_grad_(False)
+        for param in params:
+            param.requires_grad_(True)
+        kl_before = mean_kl(model, teacher, held_out, c.batch_size) if c.held_out else None
+        optimizer = torch.optim.AdamW(params, lr=c.learning_rate, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, c.warmup_steps, c.steps))
+        if c.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        generator = torch.Generator().manual_seed(0)
+        order = torch.randperm(len(train), generator=generator)
+        deadline = None if c.max_minutes is None else time.perf_counter() + 60 * c.max_minutes
+        start, losses, step = time.perf_counter(), [], 0
+        try:
+            progress = tqdm(range(c.steps), desc="distill", unit="step")
+            for step in progress:
+                picks = [order[(step * c.batch_size + k) % len(order)].item() for k in range(c.batch_size)]
+                batch = train[picks].to(device)
+                with torch.no_grad():
+                    teacher_out = teacher(input_ids=batch, output_hidden_states=c.hidden_weight > 0, use_cache=False)
+                student_out = model(input_ids=batch, output_hidden_states=c.hidden_weight > 0, use_cache=False)
+                parts = distillation_loss(student_out, teacher_out, c.temperature, c.hidden_weight)
+                if not torch.isfinite(parts["loss"]):
+                    raise CompressError(
+                        f"distill: loss became {parts['loss'].item()} at step {step}; lower learning_rate"
+                    )
+                optimizer.zero_grad(set_to_none=True)
+                parts["loss"].backward()
+                optimizer.step()
+                schedule.step()
+                with torch.no_grad():
+                    for name, keep in masks.items():
+                        trainable[name].weight.mul_(keep.to(trainable[name].weight.dtype))
+                values = {f"distill_{k}": float(v.detach()) for k, v in parts.items()}
+                losses.append(values["distill_loss"])
+                progress.set_postfix(loss=f"{losses[-1]:.4f}")
+                if self.metrics_sink is not None:
+                    self.metrics_sink({**values, "distill_lr": schedule.get_last_lr()[0]}, step)
+                if deadline is not None and time.perf_counter() > deadline:
+                    log.info("distill: %.1f-minute budget reached after %d steps", c.max_minutes, step + 1)
+                    break
+        finally:
+            model.eval()
+            if c.gradient_checkpointing:
+                model.gradient_checkpointing_disable()
+            model.requires_grad_(False)
+        kl_after = mean_kl(model, teacher, held_out, c.batch_size) if c.held_out else None
+        _restore_quantized(model, fake_quant)
+        model.to("cpu")
+        self.teacher = None  # free it: the teacher is as large as the student
+        self.summary = {
+            "steps": len(losses),
+            "seconds": time.perf_counter() - start,
+            "train_sequences": len(train),
+            "seq_len": c.seq_len,
+            "first_loss": losses[0],
+            "last_loss": sum(losses[-10:]) / len(losses[-10:]),
+            "held_out_kl_before": kl_before,
+            "held_out_kl_after": kl_after,
+            "trained_linears": len(params),
+            "fake_quantized_linears": len(fake_quant),
+        }
+
+    def finalize(self, model: nn.Module) -> dict:
+        return self.summary
+
+
+def _cut(samples: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Calibration samples ``[n, L]`` → ``[n·⌊L/seq_len⌋, seq_len]``."""
+    per_sample = samples.shape[1] // seq_len
+    if per_sample == 0:
+        raise CompressError(f"distill seq_len={seq_len} is longer than the calibration samples ({samples.shape[1]})")
+    return samples[:, : per_sample * seq_len].reshape(-1, seq_len)
+
+
+def _lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to zero at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def _trainable_linears(model: nn.Module) -> dict[str, nn.Module]:
+    return {
+        f"model.layers.{index}.{name}": module
+        for index, layer in enumerate(decoder_layers(model))
+        for name, module in layer.named_modules()
+        if type(module) in (nn.Linear, FakeQuantLinear)
+    }
+
+
+def _make_trainable(model: nn.Module) -> list[str]:
+    """Swap every packed quantized linear for a ``FakeQuantLinear``; returns their names."""
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantizedLinear):
+            replace_module(model, name, FakeQuantLinear(module))  # carries the sparsity mask
+            swapped.append(name)
+        elif hasattr(module, "dequantized_weight") and not isinstance(module, FakeQuantLinear):
+            raise CompressError(
+                f"distill cannot train {name} ({type(module).__name__}); put distill before that quantizer"
+            )
+    return swapped
+
+
+def _restore_quantized(model: nn.Module, names: list[str]) -> None:
+    """Round every ``FakeQuantLinear`` back to codes on its original grid."""
+    for name in names:
+        replace_module(model, name, model.get_submodule(name).to_quantized())
