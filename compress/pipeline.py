@@ -133,8 +133,11 @@ def _evaluate(model, eval_ids: torch.Tensor, config: RunConfig, label: str, devi
 
 def _rtn_reference(stages: list[Stage]) -> RTNStage:
     quantizer = next((s for s in stages if s.quantizes_weights), None)
-    if quantizer is None:
-        raise CompressError("eval.reference=rtn needs a weight quantizer stage in the recipe")
+    if quantizer is None or not all(hasattr(quantizer.config, k) for k in ("bits", "group_size", "symmetric")):
+        raise CompressError(
+            "eval.reference=rtn needs an integer weight quantizer in the recipe (awq, gptq, rtn) to copy its scheme; "
+            "set eval.reference=null"
+        )
     c = quantizer.config
     return RTNStage(RTNConfig(bits=c.bits, group_size=c.group_size, symmetric=c.symmetric, ignore=list(c.ignore)))
 
@@ -147,6 +150,10 @@ def _run_id(config: RunConfig) -> str:
 def run(config: RunConfig) -> RunResult:
     """Execute one recipe end to end; returns the report (also written to the run folder and MLflow)."""
     stages = build_chain(config.stages)  # bad stage keys or orders fail here, before anything is loaded
+    if config.eval.reference not in (None, "rtn"):
+        raise CompressError(f"eval.reference={config.eval.reference!r} is unknown; use rtn or null")
+    if config.eval.reference == "rtn":
+        _rtn_reference(stages)  # fail now, not after the compression, when the recipe has no integer scheme
     save_dtype = getattr(torch, config.output.save_dtype) if config.output.save_dtype else None
     device = select_device(config.device)
     check_model_source(config.model)  # a missing model fails here, before a run folder or MLflow run exists

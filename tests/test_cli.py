@@ -93,3 +93,9 @@ def test_run_ends_with_the_release_gate(tiny_model_dir, artifacts, max_ratio, co
     assert "gate" in report["timings_s"]
     verdict = (run_dir / "gate" / "gate.md").read_text()
     assert ("perplexity" in verdict) and ((code == 1) == ("BLOCK" in verdict.upper()))
+
+
+def test_rtn_reference_without_an_integer_quantizer_fails_before_work(tiny_model_dir, artifacts, capsys):
+    assert main(["run", "recipe=fp8_dynamic", f"model={tiny_model_dir}", *SMALL[:-1], "eval.reference=rtn"]) == 1
+    assert "eval.reference=rtn needs an integer weight quantizer" in capsys.readouterr().err
+    assert not (artifacts / "runs").exists() or not any((artifacts / "runs").iterdir())
