@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from compress.__main__ import main
 from compress.stages.lora import save_adapter
 
-SMALL = ["data.num_samples=8", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3"]
+SMALL = ["data.num_samples=8", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "gate=none"]
 
 
 def _random_adapter(folder, model_dir, rank=4, seed=0):

@@ -8,10 +8,11 @@ from transformers import AutoModelForCausalLM
 from compress.__main__ import main
 
 SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "stages.0.group_size=32"]
+FAST = [*SMALL, "gate=none"]  # the release gate has its own test below
 
 
 def test_awq_run_writes_checkpoint_report_and_mlflow(tiny_model_dir, artifacts, capsys):
-    assert main(["run", "recipe=awq_int4", f"model={tiny_model_dir}", *SMALL, "stages.0.grid=4"]) == 0
+    assert main(["run", "recipe=awq_int4", f"model={tiny_model_dir}", *FAST, "stages.0.grid=4"]) == 0
     [run_dir] = (artifacts / "runs").iterdir()
     report = json.loads((run_dir / "report.json").read_text())
     assert set(report["perplexity"]) == {"baseline", "candidate", "rtn_reference"}
@@ -33,7 +34,7 @@ def test_awq_run_writes_checkpoint_report_and_mlflow(tiny_model_dir, artifacts, 
 
 
 def test_multirun_sweep(tiny_model_dir, artifacts):
-    args = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", *SMALL, "stages.0.bits=3,4", "-m",
+    args = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", *FAST, "stages.0.bits=3,4", "-m",
             "tracking.enabled=false"]
     assert main(args) == 0
     reports = [json.loads((d / "report.json").read_text()) for d in (artifacts / "runs").iterdir()]
@@ -60,13 +61,13 @@ def test_bad_input_gives_one_clear_error_and_no_output(args, message, artifacts,
 def test_empty_calibration_text_fails_cleanly(tiny_model_dir, artifacts, tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
-    assert main(["run", "recipe=rtn_int4", f"model={tiny_model_dir}", f"data={empty}", *SMALL]) == 1
+    assert main(["run", "recipe=rtn_int4", f"model={tiny_model_dir}", f"data={empty}", *FAST]) == 1
     assert "calibration split of data source 'file' is empty" in capsys.readouterr().err
     assert [p for p in (artifacts / "runs").iterdir()] == []  # the staging folder is gone too
 
 
 def test_unknown_dataset_fails_before_the_model_loads(artifacts, capsys):
-    assert main(["run", "recipe=rtn_int4", "data=no-such-dataset", *SMALL]) == 1
+    assert main(["run", "recipe=rtn_int4", "data=no-such-dataset", *FAST]) == 1
     assert "cannot load dataset 'no-such-dataset'" in capsys.readouterr().err
     assert not (artifacts / "models").exists()  # the default model was never converted for a doomed run
 
@@ -77,7 +78,7 @@ def test_corrupt_model_weights_fail_cleanly(tiny_model_dir, artifacts, tmp_path,
     for file in tiny_model_dir.iterdir():
         (broken / file.name).write_bytes(file.read_bytes())
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    assert main(["run", "recipe=rtn_int4", f"model={broken}", *SMALL]) == 1
+    assert main(["run", "recipe=rtn_int4", f"model={broken}", *FAST]) == 1
     assert "cannot load model" in capsys.readouterr().err
     assert [p for p in (artifacts / "runs").iterdir()] == []
 
@@ -96,6 +97,7 @@ def test_run_ends_with_the_release_gate(tiny_model_dir, artifacts, max_ratio, co
 
 
 def test_rtn_reference_without_an_integer_quantizer_fails_before_work(tiny_model_dir, artifacts, capsys):
-    assert main(["run", "recipe=fp8_dynamic", f"model={tiny_model_dir}", *SMALL[:-1], "eval.reference=rtn"]) == 1
+    args = ["run", "recipe=fp8_dynamic", f"model={tiny_model_dir}", *SMALL[:-1], "gate=none", "eval.reference=rtn"]
+    assert main(args) == 1
     assert "eval.reference=rtn needs an integer weight quantizer" in capsys.readouterr().err
     assert not (artifacts / "runs").exists() or not any((artifacts / "runs").iterdir())

@@ -91,7 +91,7 @@ def test_cli_run_with_kv_cache_writes_scheme_and_scores_with_quantized_kv(tiny_m
     from compress.__main__ import main
 
     small = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "tracking.enabled=false",
-             "stages.0.group_size=32", "stages.0.grid=2", "stages.0.clip=false", "eval.reference=null"]
+             "stages.0.group_size=32", "stages.0.grid=2", "stages.0.clip=false", "eval.reference=null", "gate=none"]
     assert main(["run", "recipe=awq_int4_kv_int8", f"model={tiny_model_dir}", *small]) == 0
     [run_dir] = (artifacts / "runs").iterdir()
     report = json.loads((run_dir / "report.json").read_text())
