@@ -111,6 +111,14 @@ def test_unreadable_or_unsupported_adapters_name_the_problem(tmp_path):
         build_chain([{"type": "lora_merge"}])
 
 
+def test_adapter_on_a_tied_head_is_refused(tmp_path):
+    model = build_tiny_llama()  # tie_word_embeddings=True
+    factors = {"lm_head": (torch.randn(2, 64), torch.randn(320, 2))}
+    folder = save_adapter(tmp_path / "head", factors, 2, 4)
+    with pytest.raises(CompressError, match="lm_head shares its weight with the input embeddings"):
+        _merge(model, [str(folder)])
+
+
 def test_merge_must_come_before_pruning_and_quantization():
     message = r"stages.1 \(lora_merge\) comes after stages.0 \(sparsegpt\); merge adapters first"
     with pytest.raises(CompressError, match=message):

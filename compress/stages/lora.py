@@ -133,6 +133,12 @@ def check_adapter(adapter: LoRAAdapter, model: nn.Module) -> None:
                 f"LoRA adapter {adapter.path}: {module} is a {type(linear).__name__}, not a dense Linear; merge "
                 "adapters before any pruning or quantization stage"
             )
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if embeddings is not None and linear.weight is embeddings.weight:
+            raise CompressError(
+                f"LoRA adapter {adapter.path}: {module} shares its weight with the input embeddings (tied); merging "
+                "would change both. Untie them in the model config or train the adapter without that module"
+            )
         expected = (linear.out_features, linear.in_features)
         if (b.shape[0], a.shape[1]) != expected:
             raise CompressError(
