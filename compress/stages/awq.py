@@ -54,6 +54,23 @@ MAPPINGS = {family: LLAMA_MAPPINGS for family in ("llama", "mistral", "qwen2", "
 NO_CLIP = ("q_proj", "k_proj")  # their error passes through softmax, where clipping outliers hurts
 
 
+def supported_mappings(model: nn.Module, stage: str, mappings: dict[str, tuple[Mapping, ...]]) -> tuple[Mapping, ...]:
+    """``mappings`` for the model's family, checked against its first decoder layer (shared by AWQ and SmoothQuant)."""
+    family = getattr(model.config, "model_type", None)
+    if family not in mappings:
+        raise CompressError(
+            f"{stage} has no layer mappings for model type {family!r}; supported: {', '.join(sorted(mappings))}"
+        )
+    layer = decoder_layers(model)[0]
+    for mapping in mappings[family]:
+        for name in (mapping.previous, *mapping.linears):
+            try:
+                layer.get_submodule(name)
+            except AttributeError as error:
+                raise CompressError(f"{stage} mapping for {family!r} expects module {name!r} in each layer") from error
+    return mappings[family]
+
+
 @dataclass
 class _Activations:
     """First and second moments of a linear's input over every calibration token."""
@@ -74,20 +91,8 @@ class AWQStage(WeightQuantizerStage):
     def prepare(self, model: nn.Module) -> None:
         if self.config.duo_scaling not in (True, False, "both"):
             raise CompressError(f"awq: duo_scaling={self.config.duo_scaling!r}; use true, false or both")
-        family = getattr(model.config, "model_type", None)
-        if family not in MAPPINGS:
-            raise CompressError(
-                f"AWQ has no layer mappings for model type {family!r}; supported: {', '.join(sorted(MAPPINGS))}"
-            )
-        layer = decoder_layers(model)[0]
-        for mapping in MAPPINGS[family]:
-            for name in (mapping.previous, *mapping.linears):
-                try:
-                    layer.get_submodule(name)
-                except AttributeError as error:
-                    raise CompressError(f"AWQ mapping for {family!r} expects module {name!r} in each layer") from error
+        self.mappings = supported_mappings(model, "AWQ", MAPPINGS)
         super().prepare(model)
-        self.mappings = MAPPINGS[family]
         self.scaled_mappings = 0
 
     def process_layer(self, ctx: LayerContext) -> None:

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compress.calibration import decoder_layers
 from compress.errors import CompressError
 from compress.quant import matches
-from compress.stages.awq import Mapping
+from compress.stages.awq import Mapping, supported_mappings
 from compress.stages.base import LayerContext, Stage
 
 NORM_MAPPINGS = (
@@ -37,30 +36,13 @@ class SmoothQuantConfig:
             raise ValueError(f"alpha={self.alpha} must be in [0, 1]")
 
 
-def supported_mappings(model: nn.Module, stage: str) -> tuple[Mapping, ...]:
-    """The norm→linears mappings of the model's family, checked against its first decoder layer."""
-    family = getattr(model.config, "model_type", None)
-    if family not in MAPPINGS:
-        raise CompressError(
-            f"{stage} has no layer mappings for model type {family!r}; supported: {', '.join(sorted(MAPPINGS))}"
-        )
-    layer = decoder_layers(model)[0]
-    for mapping in MAPPINGS[family]:
-        for name in (mapping.previous, *mapping.linears):
-            try:
-                layer.get_submodule(name)
-            except AttributeError as error:
-                raise CompressError(f"{stage} mapping for {family!r} expects module {name!r} in each layer") from error
-    return MAPPINGS[family]
-
-
 class SmoothQuantStage(Stage):
     name = "smoothquant"
     Config = SmoothQuantConfig
     needs_dense_weights = True  # folds scales into weights: illegal once they are quantized
 
     def prepare(self, model: nn.Module) -> None:
-        self.mappings = supported_mappings(model, "SmoothQuant")
+        self.mappings = supported_mappings(model, "SmoothQuant", MAPPINGS)
         self.smoothed: dict[str, dict] = {}
 
     @torch.no_grad()
