@@ -7,6 +7,7 @@ feed the next layer, so later layers calibrate against the errors earlier layers
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -92,3 +93,44 @@ def run_layer(layer: nn.Module, inputs: LayerInputs, name: str) -> LayerInputs:
             )
         outputs.append(out)
     return LayerInputs(hidden=outputs, kwargs=inputs.kwargs)
+
+
+@torch.no_grad()
+def observe_inputs(
+    layer: nn.Module,
+    inputs: LayerInputs,
+    prefix: str,
+    observers: dict[str, Callable[[torch.Tensor], None]],
+    stop_after: str | None = None,
+) -> None:
+    """Run ``layer`` over every calibration batch and hand each named submodule's input, flattened to
+    ``[tokens, in]`` in fp32, to its observer. With ``stop_after``, each batch's forward ends once that submodule has
+    run (nothing after it is needed). NaN/inf inputs are refused, naming the submodule."""
+
+    def hook_for(name: str, observe: Callable[[torch.Tensor], None]):
+        def hook(_module, args, _output):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            if not torch.isfinite(x).all():
+                raise CompressError(
+                    f"{prefix}.{name}: calibration activations hold NaN/inf; check the model weights, the calibration "
+                    "text and earlier stages"
+                )
+            observe(x)
+
+        return hook
+
+    def stop(_module, _args, _output):
+        raise _StopForward
+
+    handles = [layer.get_submodule(n).register_forward_hook(hook_for(n, fn)) for n, fn in observers.items()]
+    if stop_after is not None:
+        handles.append(layer.get_submodule(stop_after).register_forward_hook(stop))
+    try:
+        for hidden, kwargs in zip(inputs.hidden, inputs.kwargs, strict=True):
+            try:
+                layer(hidden, **kwargs)
+            except _StopForward:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from compress.calibration import observe_inputs
 from compress.errors import CompressError
 from compress.qlinear import Fp8Linear, Int8Linear
 from compress.quant import WeightScheme, quantize
@@ -137,25 +138,14 @@ class FP8Stage(WeightQuantizerStage):
             raise CompressError("fp8 with activations=static needs calibration inputs")
         maxima: dict[str, torch.Tensor] = {}
 
-        def hook_for(name):
-            def hook(_module, args, _output):
-                peak = args[0].abs().amax().float()
-                if not torch.isfinite(peak):
-                    raise CompressError(
-                        f"{ctx.name}.{name}: calibration activations hold NaN/inf; check the model weights and "
-                        "earlier stages"
-                    )
+        def observer(name):
+            def observe(x: torch.Tensor) -> None:
+                peak = x.abs().amax()
                 maxima[name] = torch.maximum(maxima.get(name, peak), peak)
 
-            return hook
+            return observe
 
-        handles = [ctx.layer.get_submodule(n).register_forward_hook(hook_for(n)) for n in names]
-        try:
-            for hidden, kwargs in zip(ctx.inputs.hidden, ctx.inputs.kwargs, strict=True):
-                ctx.layer(hidden, **kwargs)
-        finally:
-            for handle in handles:
-                handle.remove()
+        observe_inputs(ctx.layer, ctx.inputs, ctx.name, {n: observer(n) for n in names})
         return maxima
 
     def finalize(self, model: nn.Module) -> dict:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compress.calibration import decoder_layers
+from compress.calibration import decoder_layers, observe_inputs
 from compress.errors import CompressError
 from compress.quant import fake_quantize
 from compress.stages.base import LayerContext
@@ -130,9 +130,8 @@ class AWQStage(WeightQuantizerStage):
         grams: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
 
-        def hook_for(name):
-            def hook(_module, args, _output):
-                x = args[0].reshape(-1, args[0].shape[-1]).float()
+        def observer(name):
+            def observe(x: torch.Tensor) -> None:
                 if name not in sums:
                     sums[name] = torch.zeros(x.shape[1], device=x.device)
                     grams[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
@@ -141,17 +140,9 @@ class AWQStage(WeightQuantizerStage):
                 grams[name].addmm_(x.T, x)
                 counts[name] += x.shape[0]
 
-            return hook
+            return observe
 
-        handles = [
-            ctx.layer.get_submodule(m.linears[0]).register_forward_hook(hook_for(m.linears[0])) for m in self.mappings
-        ]
-        try:
-            for hidden, kwargs in zip(ctx.inputs.hidden, ctx.inputs.kwargs, strict=True):
-                ctx.layer(hidden, **kwargs)
-        finally:
-            for handle in handles:
-                handle.remove()
+        observe_inputs(ctx.layer, ctx.inputs, ctx.name, {m.linears[0]: observer(m.linears[0]) for m in self.mappings})
         return {name: _Activations(sums[name] / counts[name], grams[name] / counts[name]) for name in sums}
 
     # -- scale search ------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from compress.calibration import observe_inputs
 from compress.errors import CompressError
 from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, quantize
@@ -204,61 +205,25 @@ def _dequant_grouped(codes, scales, zeros, group):
     return (values * scales.float().unsqueeze(-1)).view(out_features, columns)
 
 
-class HessianCollector:
-    """E[x xᵀ] of the inputs of some linears of one layer, gathered by forward hooks; refuses NaN/inf inputs."""
-
-    def __init__(self, layer: nn.Module, names: list[str], prefix: str):
-        self.sums: dict[str, torch.Tensor] = {}
-        self.counts: dict[str, int] = {}
-        self.handles = [layer.get_submodule(n).register_forward_hook(self._hook(n, f"{prefix}.{n}")) for n in names]
-
-    def _hook(self, name: str, full_name: str):
-        def hook(_module, args, _output):
-            x = args[0].reshape(-1, args[0].shape[-1]).float()
-            if not torch.isfinite(x).all():
-                raise CompressError(
-                    f"{full_name}: calibration activations hold NaN/inf; check the model weights, the calibration "
-                    "text and earlier stages"
-                )
-            if name not in self.sums:
-                self.sums[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
-                self.counts[name] = 0
-            self.sums[name].addmm_(x.T, x)
-            self.counts[name] += x.shape[0]
-
-        return hook
-
-    def remove(self) -> dict[str, torch.Tensor]:
-        for handle in self.handles:
-            handle.remove()
-        return {name: total / self.counts[name] for name, total in self.sums.items()}
-
-
-class _StopLayer(Exception):
-    pass
-
-
 @torch.no_grad()
 def collect_hessians(ctx: LayerContext, names: list[str], stop_at: str | None) -> dict[str, torch.Tensor]:
-    """Run the layer on its calibration inputs and return each named linear's Hessian; the forward stops at
+    """Run the layer on its calibration inputs and return each named linear's Hessian E[x xᵀ]; the forward stops at
     ``stop_at`` once that module's input has been seen (nothing after it is needed)."""
-    collector = HessianCollector(ctx.layer, names, ctx.name)
-    stop = None
-    if stop_at is not None:
-        def raise_stop(_module, _args, _output):
-            raise _StopLayer
-        stop = ctx.layer.get_submodule(stop_at).register_forward_hook(raise_stop)
-    try:
-        for hidden, kwargs in zip(ctx.inputs.hidden, ctx.inputs.kwargs, strict=True):
-            try:
-                ctx.layer(hidden, **kwargs)
-            except _StopLayer:
-                pass
-    finally:
-        if stop is not None:
-            stop.remove()
-        hessians = collector.remove()
-    return hessians
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def observer(name):
+        def observe(x: torch.Tensor) -> None:
+            if name not in sums:
+                sums[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+                counts[name] = 0
+            sums[name].addmm_(x.T, x)
+            counts[name] += x.shape[0]
+
+        return observe
+
+    observe_inputs(ctx.layer, ctx.inputs, ctx.name, {n: observer(n) for n in names}, stop_after=stop_at)
+    return {name: total / counts[name] for name, total in sums.items()}
 
 
 class GPTQStage(WeightQuantizerStage):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compress.calibration import decoder_layers
+from compress.calibration import decoder_layers, observe_inputs
 from compress.errors import CompressError
 from compress.sparsity import NMPattern, attach_mask, check_masks_held, mask_of, nm_keep_mask
 from compress.stages.base import LayerContext, Stage
@@ -64,10 +64,6 @@ class SparseGPTConfig(CalibratedPruneConfig):
             raise ValueError(f"dampening={self.dampening} must be in (0, 1]")
 
 
-class _StopLayer(Exception):
-    pass
-
-
 @torch.no_grad()
 def input_statistics(ctx: LayerContext, name: str, full_gram: bool) -> torch.Tensor:
     """E[x xᵀ] (``full_gram``) or E[x²] per channel of the input of ``ctx.layer.<name>`` over every calibration
@@ -75,31 +71,16 @@ def input_statistics(ctx: LayerContext, name: str, full_gram: bool) -> torch.Ten
     total: list[torch.Tensor] = []
     count = 0
 
-    def hook(_module, args, _output):
+    def observe(x: torch.Tensor) -> None:
         nonlocal count
-        x = args[0].reshape(-1, args[0].shape[-1]).float()
-        if not torch.isfinite(x).all():
-            raise CompressError(
-                f"{ctx.name}.{name}: calibration activations hold NaN/inf; check the model weights, the calibration "
-                "text and earlier stages"
-            )
         value = x.T @ x if full_gram else x.pow(2).sum(0)
         if total:
             total[0] += value
         else:
             total.append(value)
         count += x.shape[0]
-        raise _StopLayer
 
-    handle = ctx.layer.get_submodule(name).register_forward_hook(hook)
-    try:
-        for hidden, kwargs in zip(ctx.inputs.hidden, ctx.inputs.kwargs, strict=True):
-            try:
-                ctx.layer(hidden, **kwargs)
-            except _StopLayer:
-                pass
-    finally:
-        handle.remove()
+    observe_inputs(ctx.layer, ctx.inputs, ctx.name, {name: observe}, stop_after=name)
     return total[0] / count
 
 

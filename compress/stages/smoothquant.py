@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from compress.calibration import observe_inputs
 from compress.errors import CompressError
 from compress.quant import matches
 from compress.stages.awq import Mapping, supported_mappings
@@ -81,25 +82,14 @@ class SmoothQuantStage(Stage):
         """Per-input-channel max |x| of each named linear over every calibration token."""
         maxima: dict[str, torch.Tensor] = {}
 
-        def hook_for(name):
-            def hook(_module, args, _output):
-                x = args[0].reshape(-1, args[0].shape[-1]).abs().float().amax(0)
-                if not torch.isfinite(x).all():
-                    raise CompressError(
-                        f"{ctx.name}.{name}: calibration activations hold NaN/inf; check the model weights and "
-                        "earlier stages"
-                    )
-                maxima[name] = x if name not in maxima else torch.maximum(maxima[name], x)
+        def observer(name):
+            def observe(x: torch.Tensor) -> None:
+                peak = x.abs().amax(0)
+                maxima[name] = peak if name not in maxima else torch.maximum(maxima[name], peak)
 
-            return hook
+            return observe
 
-        handles = [ctx.layer.get_submodule(n).register_forward_hook(hook_for(n)) for n in names]
-        try:
-            for hidden, kwargs in zip(ctx.inputs.hidden, ctx.inputs.kwargs, strict=True):
-                ctx.layer(hidden, **kwargs)
-        finally:
-            for handle in handles:
-                handle.remove()
+        observe_inputs(ctx.layer, ctx.inputs, ctx.name, {n: observer(n) for n in names})
         return maxima
 
     def finalize(self, model: nn.Module) -> dict:
