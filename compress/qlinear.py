@@ -60,11 +60,12 @@ class QuantizedLinear(nn.Module):
     ) -> QuantizedLinear:
         """Build from int8 codes ``[out, in]`` and per-group ``scale``/``zero_point`` ``[out, groups]``."""
         out_features, in_features = codes.shape
-        module = cls(
-            in_features, out_features, num_bits, group_size, symmetric=zero_point is None,
-            bias=bias is not None, dtype=scale.dtype, act_order=g_idx is not None,
-        )
-        module.weight_packed.copy_(pack_int32(codes.to(torch.int8).cpu(), num_bits))
+        with torch.device(scale.device):  # build where the codes live: no host round trip for large models
+            module = cls(
+                in_features, out_features, num_bits, group_size, symmetric=zero_point is None,
+                bias=bias is not None, dtype=scale.dtype, act_order=g_idx is not None,
+            )
+        module.weight_packed.copy_(pack_int32(codes.to(torch.int8), num_bits))
         module.weight_scale.copy_(scale)
         if zero_point is not None:
             module.weight_zero_point.copy_(zero_point.to(torch.int8))
@@ -72,7 +73,7 @@ class QuantizedLinear(nn.Module):
             module.weight_g_idx.copy_(g_idx)
         if bias is not None:
             module.bias.data.copy_(bias)
-        return module.to(scale.device)
+        return module
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_packed(
@@ -155,9 +156,10 @@ class Int8Linear(_ActivationQuantizedLinear):
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Int8Linear:
         """Quantize a dense linear (round to nearest, per-channel absmax scale)."""
-        module = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
+        with torch.device(linear.weight.device):
+            module = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
         module._load_dense(linear)
-        return module.to(linear.weight.device)
+        return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.int8_linear(x, self.weight, self.weight_scale, self.bias)
@@ -189,17 +191,18 @@ class Fp8Linear(_ActivationQuantizedLinear):
     def from_float(cls, linear: nn.Linear, input_scale: float | torch.Tensor | None = None) -> Fp8Linear:
         """Quantize a dense linear (round to nearest, per-channel absmax); ``input_scale`` makes activations
         static per-tensor (``x / input_scale`` must fit in +-448)."""
-        module = cls(
-            linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
-            static_input_scale=input_scale is not None,
-        )
+        with torch.device(linear.weight.device):
+            module = cls(
+                linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
+                static_input_scale=input_scale is not None,
+            )
         module._load_dense(linear)
         if input_scale is not None:
             scale = torch.as_tensor(input_scale, dtype=torch.float32).reshape(1)
             if not bool(scale > 0):
                 raise ValueError(f"input_scale must be positive, got {scale.item()}")
             module.input_scale.copy_(scale)
-        return module.to(linear.weight.device)
+        return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.input_scale)

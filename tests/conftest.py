@@ -10,6 +10,11 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+if os.environ.get("COMPRESS_TEST_DEVICE") == "cuda":  # the kernel tests against the compiled kernels on a GPU
+    from cuda_shim import install
+
+    install()
+
 
 def build_tiny_tokenizer(vocab_size: int = 320):
     """A real byte-level BPE tokenizer trained in a second on pydoc text (no hub, no download)."""

@@ -6,6 +6,11 @@ random token ids, EOS ignored so both systems produce exactly the requested toke
 percentiles, throughput and goodput (requests/s meeting the TTFT and TPOT objectives), the prefix-cache TTFT gain
 for a shared system prompt, and perplexity with each KV cache dtype. Results go to
 ``benchmarks/results/engine-<device>.{json,md}``.
+
+``mode=decode`` instead times batch-1 decoding of the model as loaded (dense) against the same model with its
+decoder linears converted on the fly (``decode_weights=w4a16,int8,fp8``, round to nearest: speed only, not
+quality), in our engine, in the same run. ``checkpoint=random:<preset>`` builds a random-weight model of a real
+architecture on the device (no download; the speed of a forward pass does not depend on the weight values).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import re
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,10 +32,82 @@ from compress.engine.loading import load_model
 from compress.engine.sequence import SamplingParams
 
 DEFAULTS = {
-    "checkpoint": "artifacts/models/smollm2-135m-instruct", "requests": "48", "rate": "2", "batch": "8",
+    "checkpoint": "artifacts/models/smollm2-135m-instruct", "mode": "serve", "dtype": "auto",
+    "requests": "48", "rate": "2", "batch": "8",
     "max_num_seqs": "32", "seed": "0", "slo_ttft": "2.0", "slo_tpot": "0.25", "system_tokens": "1024",
     "kv_dtypes": "bf16,int8,fp8", "text": "docs/engine.md", "out": "benchmarks/results",
+    "decode_weights": "w4a16,int8,fp8", "decode_tokens": "256", "group_size": "128",
 }
+MODES = ("serve", "decode")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Real architectures with random weights (``checkpoint=random:<name>``).
+PRESETS = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
+}
+
+
+def log(message: str) -> None:
+    print(f"[bench engine {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def random_model(preset: str, device: str, dtype: torch.dtype):
+    """A ``LlamaForCausalLM`` of a preset's shape with random weights, built directly on ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset random:{preset}; choose one of {', '.join(PRESETS)}")
+    config = LlamaConfig(max_position_embeddings=8192, **PRESETS[preset])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def convert_linears(model, weights: str, group_size: int) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+    """Replace every decoder ``nn.Linear`` with our quantized module (round to nearest). For speed measurements:
+    quality comes from the pipeline's stages. Returns ``(parent, name, dense)`` so :func:`restore` can undo it."""
+    from compress.qlinear import Fp8Linear, Int8Linear, QuantizedLinear
+    from compress.quant import WeightScheme, quantize
+
+    if weights not in ("w4a16", "int8", "fp8"):
+        raise ValueError(f"decode_weights: unknown format {weights!r}; choose w4a16, int8 or fp8")
+    scheme = WeightScheme(bits=4, group_size=group_size, symmetric=True)
+    replaced = []
+    for layer in model.model.layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                if weights == "w4a16":
+                    group = group_size
+                    while child.in_features % group:  # 576-wide SmolLM2 layers take group 64
+                        group //= 2
+                    codes, scale, _ = quantize(child.weight.data, replace(scheme, group_size=group))
+                    bias = None if child.bias is None else child.bias.data
+                    replacement = QuantizedLinear.from_codes(codes, scale, None, 4, group, bias)
+                elif weights == "int8":
+                    replacement = Int8Linear.from_float(child)
+                else:
+                    replacement = Fp8Linear.from_float(child)
+                setattr(parent, name, replacement)
+                replaced.append((parent, name, child))
+    return replaced
+
+
+def restore(replaced: list[tuple[torch.nn.Module, str, torch.nn.Module]]) -> None:
+    for parent, name, dense in replaced:
+        setattr(parent, name, dense)
 
 
 def workload(count: int, rate: float, vocab: int, seed: int) -> list[tuple[float, list[int], int]]:
@@ -132,18 +210,50 @@ def prefix_cache_gain(llm: LLM, system_tokens: int, vocab: int) -> dict:
     return {"cold_ttft_s": ttfts[0], "warm_ttft_s": warm, "speedup": ttfts[0] / warm, "hit_rate": hits}
 
 
-def main(argv: list[str]) -> int:
+def parse_options(argv: list[str]) -> dict[str, str] | None:
     options = dict(DEFAULTS)
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep or key not in DEFAULTS:
             print(f"error: bad argument {arg!r}; options: {', '.join(f'{k}={v}' for k, v in DEFAULTS.items())}",
                   file=sys.stderr)
-            return 2
+            return None
         options[key] = value
-    model, tokenizer = load_model(options["checkpoint"])
+    if options["mode"] not in MODES or options["dtype"] not in ("auto", *DTYPES):
+        print(f"error: mode must be one of {MODES} and dtype auto or one of {list(DTYPES)}", file=sys.stderr)
+        return None
+    return options
+
+
+def load(options: dict[str, str], device: str):
+    """``(model, tokenizer)`` on ``device`` in the requested dtype (auto: bf16 on a GPU, as stored on CPU)."""
+    dtype = DTYPES.get(options["dtype"]) or (torch.bfloat16 if device == "cuda" else None)
+    checkpoint = options["checkpoint"]
+    if checkpoint.startswith("random:"):
+        return random_model(checkpoint.removeprefix("random:"), device, dtype or torch.float32), None
+    model, tokenizer = load_model(checkpoint)
+    model = model.to(device)
+    return (model.to(dtype) if dtype else model).eval(), tokenizer
+
+
+def main(argv: list[str]) -> int:
+    options = parse_options(argv)
+    if options is None:
+        return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = model.to(device).eval()
+    log(f"loading {options['checkpoint']} on {device}")
+    model, tokenizer = load(options, device)
+    if options["mode"] == "decode":
+        results = decode_speed(model, tokenizer, options, device)
+    else:
+        results = serve(model, tokenizer, options, device)
+    write_results(results, Path(options["out"]))
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+def serve(model, tokenizer, options: dict[str, str], device: str) -> dict:
+    """Poisson workload through the engine, then through transformers ``generate``; prefix cache; KV dtypes."""
     vocab = model.config.vocab_size
     requests = workload(int(options["requests"]), float(options["rate"]), vocab, int(options["seed"]))
     slo = float(options["slo_ttft"]), float(options["slo_tpot"])
@@ -152,23 +262,67 @@ def main(argv: list[str]) -> int:
     def params_for(tokens):
         return SamplingParams(max_tokens=tokens, ignore_eos=True)
 
+    log("engine warm-up (kernels, CUDA graphs, allocator)")
     llm = LLM(model, tokenizer, **engine_options)
-    run_engine(llm, requests[:4], params_for)  # warm-up (kernels, allocator)
+    run_engine(llm, requests[:4], params_for)
+    del llm
+    log(f"engine: {len(requests)} requests at {options['rate']}/s")
     llm = LLM(model, tokenizer, **engine_options)
     engine = summarize(*run_engine(llm, requests, params_for), *slo)
     engine["preemptions"] = llm.scheduler.num_preemptions
+    del llm
+    log(f"engine: {engine['throughput_tok_s']:.1f} tok/s; transformers generate, static batches of {options['batch']}")
     baseline = summarize(*run_transformers(model, requests, int(options["batch"])), *slo)
-    results = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "model": options["checkpoint"],
-        "options": options, "engine": engine, "transformers_static": baseline,
+    log(f"transformers: {baseline['throughput_tok_s']:.1f} tok/s; prefix cache")
+    prefix = prefix_cache_gain(LLM(model, tokenizer, **engine_options), int(options["system_tokens"]), vocab)
+    log(f"prefix cache: {prefix['speedup']:.1f}x TTFT; KV cache dtypes")
+    return {
+        "mode": "serve", "device": device_name(device), "model": options["checkpoint"],
+        "dtype": str(model.dtype).removeprefix("torch."), "options": options, "engine": engine,
+        "transformers_static": baseline,
         "throughput_ratio": engine["throughput_tok_s"] / baseline["throughput_tok_s"],
-        "prefix_cache": prefix_cache_gain(LLM(model, tokenizer, **engine_options), int(options["system_tokens"]),
-                                          vocab),
-        "kv_perplexity": kv_perplexity(model, tokenizer, options),
+        "prefix_cache": prefix, "kv_perplexity": kv_perplexity(model, tokenizer, options),
     }
-    write_results(results, Path(options["out"]))
-    print(json.dumps(results, indent=2))
-    return 0
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def decode_tokens_per_second(model, tokens: int) -> float:
+    """Median batch-1 decode rate over three requests (128-token prompt, ``tokens`` new tokens)."""
+    llm = LLM(model, max_num_seqs=4, max_model_len=128 + tokens + 16, kv_cache_memory_gb=1.0)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    llm.generate([[rng.randrange(model.config.vocab_size) for _ in range(128)]], SamplingParams(max_tokens=8))
+    rates = []
+    for _ in range(3):
+        prompt = [rng.randrange(model.config.vocab_size) for _ in range(128)]
+        times = llm.generate([prompt], params)[0].token_times
+        rates.append((len(times) - 1) / (times[-1] - times[0]))
+    del llm
+    return statistics.median(rates)
+
+
+def decode_speed(model, tokenizer, options: dict[str, str], device: str) -> dict:
+    """Batch-1 decode tok/s: the dense model, then each converted format, same engine, same run."""
+    tokens, group = int(options["decode_tokens"]), int(options["group_size"])
+    dtype = str(model.dtype).removeprefix("torch.")
+    rates = {"dense": decode_tokens_per_second(model, tokens)}
+    log(f"dense {dtype}: {rates['dense']:.1f} tok/s")
+    for weights in [f for f in options["decode_weights"].split(",") if f]:
+        replaced = convert_linears(model, weights, group)
+        rates[weights] = decode_tokens_per_second(model, tokens)
+        restore(replaced)
+        del replaced
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        log(f"{weights}: {rates[weights]:.1f} tok/s ({rates[weights] / rates['dense']:.2f}x dense)")
+    return {
+        "mode": "decode", "device": device_name(device), "model": options["checkpoint"], "dtype": dtype,
+        "options": options, "decode_tok_s": rates,
+        "speedup_vs_dense": {k: v / rates["dense"] for k, v in rates.items() if k != "dense"},
+    }
 
 
 def kv_perplexity(model, tokenizer, options) -> dict:
@@ -185,12 +339,22 @@ def kv_perplexity(model, tokenizer, options) -> dict:
 
 def write_results(results: dict, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    name = "engine-" + re.sub(r"[^a-z0-9]+", "-", results["device"].lower()).strip("-")
+    slug = "-".join(re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+                    for text in (results["mode"], Path(results["model"]).name, results["device"]))
+    name = f"engine-{slug}"
     (folder / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
-    lines = [f"# Engine benchmark ({results['device']}, {results['model']})", "",
-             f"Options: `{' '.join(f'{k}={v}' for k, v in results['options'].items())}`", "",
-             "| system | TTFT p50/p95/p99 s | TPOT p50/p95/p99 s | ITL p50/p95/p99 s | tok/s | goodput req/s |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"# Engine benchmark, {results['mode']} ({results['device']}, {results['model']}, {results['dtype']})",
+             "", f"Options: `{' '.join(f'{k}={v}' for k, v in results['options'].items())}`", ""]
+    if results["mode"] == "decode":
+        lines += ["Batch-1 decode, 128-token prompt, median of 3 requests, our engine for every row.", "",
+                  "| weights | tok/s | vs dense |", "|---|---|---|"]
+        for weights, rate in results["decode_tok_s"].items():
+            ratio = results["speedup_vs_dense"].get(weights, 1.0)
+            lines.append(f"| {weights} | {rate:.1f} | {ratio:.2f}x |")
+        (folder / f"{name}.md").write_text("\n".join(lines) + "\n")
+        return
+    lines += ["| system | TTFT p50/p95/p99 s | TPOT p50/p95/p99 s | ITL p50/p95/p99 s | tok/s | goodput req/s |",
+              "|---|---|---|---|---|---|"]
     for label, key in (("compress engine", "engine"), ("transformers generate (static)", "transformers_static")):
         r = results[key]
         cells = ["/".join(f"{r[m][p]:.3f}" for p in ("p50", "p95", "p99")) for m in ("ttft_s", "tpot_s", "itl_s")]

@@ -1,0 +1,58 @@
+"""The engine on a GPU (compiled kernels, CUDA graphs) against transformers on the same model: greedy tokens
+and teacher-forced perplexity for each KV cache dtype. Random weights of SmolLM2's shape, so it runs on a bare
+GPU box: ``python benchmarks/engine_gpu_check.py``. Prints a table; exits 1 if fp32 greedy output differs."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+
+import torch
+
+from compress.engine import LLM, SamplingParams
+from compress.engine.bench import random_model
+
+
+@torch.inference_mode()
+def transformers_perplexity(model, ids: list[int]) -> float:
+    logits = model(torch.tensor([ids], device=model.device)).logits[0, :-1].float()
+    return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:], device=model.device)).item())
+
+
+@torch.inference_mode()
+def transformers_greedy(model, prompt: list[int], tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=tokens, do_sample=False,
+                         min_new_tokens=tokens, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def main() -> int:
+    rng = random.Random(0)
+    failures = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        model = random_model("smollm2-135m", "cuda", dtype)
+        vocab = model.config.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(length)] for length in (5, 17, 64, 300)]
+        text = [rng.randrange(vocab) for _ in range(1500)]
+        reference_ppl = transformers_perplexity(model, text)
+        expected = [transformers_greedy(model, p, 24) for p in prompts]
+        for kv in ("auto", "int8", "fp8"):
+            llm = LLM(model, kv_cache_dtype=kv, max_num_seqs=8, max_model_len=2048)
+            outputs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+            same = sum(o.token_ids == e for o, e in zip(outputs, expected, strict=True))
+            first_token = sum(o.token_ids[0] == e[0] for o, e in zip(outputs, expected, strict=True))
+            ppl = llm.perplexity(text)
+            print(f"{str(dtype):>15} kv={kv:<5} greedy identical {same}/{len(prompts)} "
+                  f"(first token {first_token}/{len(prompts)})  ppl {ppl:.4f} vs transformers {reference_ppl:.4f} "
+                  f"({100 * (ppl / reference_ppl - 1):+.3f}%)", flush=True)
+            if dtype == torch.float32 and kv == "auto" and same != len(prompts):
+                failures += 1
+            del llm
+        del model
+        torch.cuda.empty_cache()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
