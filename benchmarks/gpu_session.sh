@@ -6,7 +6,7 @@ set -u
 OUT=${OUT:-/tmp/gpu-session}
 RESULTS=$OUT/results  # tarred at the end: the device tool returns at most 8 files
 mkdir -p "$RESULTS"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_INTERPRET=0 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_INTERPRET=0 TOKENIZERS_PARALLELISM=false
 KERNEL_TESTS="tests/test_kernels_w4a16.py tests/test_kernels_w8a8.py tests/test_paged_attention.py
   tests/test_qlinear_kernels.py tests/test_engine.py tests/test_kernels_bench.py"
 
