@@ -85,18 +85,28 @@ class QuantizedLinear(nn.Module):
         """On CUDA, the N-contiguous repack of ``weight_packed`` that the Triton kernels read coalesced; made
         once per weight (rebuilt if the buffer moves or is overwritten) and never saved: the checkpoint keeps
         the on-disk layout."""
+        return self._kernel_layout()[0]
+
+    def _kernel_layout(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """``(packed [K/8, N], scale, zero)`` for the kernels. On CUDA the scales and zero points are also
+        stored N-contiguous (same ``[N, groups]`` shape, strides ``(1, N)``) so a tile's scale loads coalesce."""
         if not self.weight_packed.is_cuda:
-            return None
-        source = (self.weight_packed.data_ptr(), self.weight_packed._version)
-        if getattr(self, "_repack_source", None) != source:
-            self._packed_n_contiguous = repack_n_contiguous(self.weight_packed)
-            self._repack_source = source
-        return self._packed_n_contiguous
+            return None, self.weight_scale, self.weight_zero_point
+        source = tuple((t.data_ptr(), t._version) for t in (self.weight_packed, self.weight_scale))
+        if getattr(self, "_layout_source", None) != source:
+            def n_contiguous(t):
+                return None if t is None else t.t().contiguous().t()
+
+            self._layout = (repack_n_contiguous(self.weight_packed), n_contiguous(self.weight_scale),
+                            n_contiguous(self.weight_zero_point))
+            self._layout_source = source
+        return self._layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed, scale, zero = self._kernel_layout()
         return ops.weight_only_linear(
-            x, self.weight_packed, self.weight_scale, self.weight_zero_point, self.num_bits,
-            self.in_features, self.group_size, self.weight_g_idx, self.bias, self.packed_for_kernels(),
+            x, self.weight_packed, scale, zero, self.num_bits,
+            self.in_features, self.group_size, self.weight_g_idx, self.bias, packed,
         )
 
     def extra_repr(self) -> str:

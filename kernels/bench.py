@@ -35,6 +35,8 @@ ROWS = [1, 4, 16, 64, 128, 1024, 4096]
 SMOKE_SHAPES = [(96, 256)]
 SMOKE_ROWS = [1, 16, 40]
 KERNELS = ["w4a16", "w4a16-disk", "int8", "int8-gemm", "fp8", "fp8-gemm", "act-quant"]
+ATTENTION = ["paged-attn-bf16", "paged-attn-int8", "paged-attn-fp8"]  # decode over a paged KV cache
+ATTENTION_SHAPE = dict(heads=32, kv_heads=8, head_dim=128, block_size=16)  # Llama-3-8B attention
 GROUP_SIZE = 128
 COPY_BYTES = 1 << 30
 
@@ -47,6 +49,8 @@ GOALS = [
     ("int8 W8A8 (with act quant) M>=1024 speedup >= 1.6x", "int8", lambda m: m >= 1024, "speedup", 1.6),
     ("FP8 W8A8 (with act quant) M>=1024 speedup >= 1.5x", "fp8", lambda m: m >= 1024, "speedup", 1.5),
     ("act-quant M>=1024 >= 70% of copy bandwidth", "act-quant", lambda m: m >= 1024, "copy_bandwidth_pct", 70.0),
+    ("int8-KV paged decode attention >= 70% of copy bandwidth (issue 6)", "paged-attn-int8", lambda m: m >= 16,
+     "copy_bandwidth_pct", 70.0),
 ]
 
 
@@ -102,9 +106,10 @@ def weight_cases(kernel: str, n: int, k: int, device: torch.device, dtype: torch
         scale = (torch.rand(n, k // GROUP_SIZE, device=device, generator=generator) * 0.01 + 0.001).to(dtype)
         packed = pack_int32(codes, 4)
         repacked = repack_n_contiguous(packed) if kernel == "w4a16" else None
+        kernel_scale = scale.t().contiguous().t() if kernel == "w4a16" else scale  # as QuantizedLinear keeps it
 
         def op(x):
-            return ops.weight_only_linear(x, packed, scale, None, 4, k, GROUP_SIZE, None, None, repacked)
+            return ops.weight_only_linear(x, packed, kernel_scale, None, 4, k, GROUP_SIZE, None, None, repacked)
 
         dense = codes.double() * scale.double().repeat_interleave(GROUP_SIZE, dim=1)
         return op, dense, packed.numel() * 4 + scale.numel() * scale.element_size()
@@ -138,9 +143,9 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[list[Row], floa
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     copy_gbps = copy_bandwidth_gbps(device, measure, COPY_BYTES if device.type == "cuda" else 1 << 24)
     rows: list[Row] = []
-    for n, k in args.shapes:
+    for n, k in args.shapes if any(k in KERNELS for k in args.kernels) else []:
         dense_weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-        for kernel in args.kernels:
+        for kernel in [k for k in args.kernels if k in KERNELS]:
             if kernel == "act-quant":
                 op, dense, weight_bytes = None, None, 0
             else:
@@ -170,7 +175,62 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[list[Row], floa
                 print(f"{kernel:>10} N={n:<6} K={k:<6} M={m:<5} {seconds * 1e6:9.1f} us  "
                       f"x{baseline / seconds:5.2f} vs bf16  {rows[-1].copy_bandwidth_pct:5.1f}% copy BW", flush=True)
         del dense_weight
+    rows += attention_rows(args, device, measure, copy_gbps)
     return rows, copy_gbps
+
+
+def attention_rows(args: argparse.Namespace, device: torch.device, measure, copy_gbps: float) -> list[Row]:
+    """Decode attention (one query per sequence) over ``args.context`` cached tokens per sequence, blocks
+    scattered in the pool. Baseline: ``scaled_dot_product_attention`` in bf16 on a contiguous cache."""
+    from kernels.kv_cache import QUANT_MAX, quantize_reference
+    from kernels.paged_attention import paged_attention, paged_attention_reference
+
+    heads, kv_heads, dim, block = (ATTENTION_SHAPE[k] for k in ("heads", "kv_heads", "head_dim", "block_size"))
+    context = args.context
+    rows: list[Row] = []
+    for kernel in [k for k in args.kernels if k in ATTENTION]:
+        cache_dtype = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kernel.rsplit("-")[-1]]
+        for batch in args.rows:
+            if batch > 256:
+                continue  # 256 x 4k tokens is already 4 GiB of bf16 cache
+            blocks_per_seq = -(-context // block)
+            pool = batch * blocks_per_seq
+            keys = torch.randn(pool, block, kv_heads, dim, device=device, dtype=torch.bfloat16)
+            values = torch.randn_like(keys)
+            scales = None
+            if cache_dtype in QUANT_MAX:  # per-head static scales, as the KV-cache stage calibrates them
+                scales = torch.full((kv_heads,), 4.0 / QUANT_MAX[cache_dtype], device=device)
+                k_cache = quantize_reference(keys, scales[:, None], cache_dtype)
+                v_cache = quantize_reference(values, scales[:, None], cache_dtype)
+            else:
+                k_cache, v_cache = keys, values
+            tables = torch.randperm(pool, device=device, dtype=torch.int32).reshape(batch, blocks_per_seq)
+            lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+            starts = torch.arange(batch + 1, device=device, dtype=torch.int32)
+            q = torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16)
+            args_ = (q, k_cache, v_cache, tables, lens, starts, 1, scales, scales)
+            out = paged_attention(*args_)
+            seconds = measure(lambda a=args_: paged_attention(*a)) * 1e-3
+            error = None
+            if batch <= 16:
+                error = relative_error(out, paged_attention_reference(*args_))
+            dense_k = keys[tables.long()].reshape(batch, -1, kv_heads, dim)[:, :context].transpose(1, 2)
+            dense_v = values[tables.long()].reshape(batch, -1, kv_heads, dim)[:, :context].transpose(1, 2)
+            sdpa_q = q[:, :, None, :]
+
+            def sdpa(q=sdpa_q, k=dense_k, v=dense_v):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+            baseline = measure(sdpa) * 1e-3
+            del dense_k, dense_v
+            moved = 2 * batch * context * kv_heads * dim * k_cache.element_size() + 2 * q.numel() * q.element_size()
+            rows.append(Row(kernel, heads, context, batch, seconds * 1e6, 4 * batch * heads * context * dim / seconds
+                            / 1e12, moved / seconds / 1e9, 100 * moved / seconds / 1e9 / copy_gbps, baseline * 1e6,
+                            baseline / seconds, error))
+            print(f"{kernel:>15} ctx={context:<6} batch={batch:<5} {seconds * 1e6:9.1f} us  x{baseline / seconds:5.2f} "
+                  f"vs SDPA bf16  {rows[-1].copy_bandwidth_pct:5.1f}% copy BW", flush=True)
+            del keys, values, k_cache, v_cache
+    return rows
 
 
 def judge_goals(rows: list[Row]) -> list[dict]:
@@ -229,13 +289,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device: checks the script only")
     parser.add_argument("--shapes", type=parse_shapes, help="weight shapes N x K, comma separated")
     parser.add_argument("--rows", type=lambda t: [int(v) for v in t.split(",")], help="M values, comma separated")
-    parser.add_argument("--kernels", type=lambda t: t.split(","), default=KERNELS, help=",".join(KERNELS))
+    parser.add_argument("--kernels", type=lambda t: t.split(","), default=KERNELS + ATTENTION,
+                        help=",".join(KERNELS + ATTENTION))
+    parser.add_argument("--context", type=int, default=4096, help="cached tokens per sequence (attention)")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="activation dtype")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.kernels) - set(KERNELS))
+    unknown = sorted(set(args.kernels) - set(KERNELS) - set(ATTENTION))
     if unknown:
-        parser.error(f"unknown kernels {unknown}; choose from {','.join(KERNELS)}")
+        parser.error(f"unknown kernels {unknown}; choose from {','.join(KERNELS + ATTENTION)}")
     args.shapes = args.shapes or (SMOKE_SHAPES if args.smoke else SHAPES)
     args.rows = args.rows or (SMOKE_ROWS if args.smoke else ROWS)
     return args

@@ -3,7 +3,7 @@
 Each entry is a dict of the kernel's block-size constexprs plus ``num_warps``/``num_stages``.
 On a GPU the first call for a (kernel, M bucket, N, K, dtype) key times every candidate of the
 family's table with the same launch the op uses (L2 flushed between runs) and caches the fastest;
-``COMPRESS_AUTOTUNE=0`` skips timing and takes the first entry. Under the Triton interpreter only the
+``COMPRESS_AUTOTUNE=0`` skips timing and takes the first entry that runs. Under the Triton interpreter only the
 first ``interpreter`` entry runs (multi-config timing does not work there). The tables are untuned
 starting points for Hopper (H100/H200) and Ampere: check them with ``python -m compress bench kernels``.
 """
@@ -19,12 +19,20 @@ import torch
 
 from kernels.backend import interpreter_active
 
-Config = dict[str, int]
+Config = dict[str, int | str]  # block sizes, num_warps/num_stages, and KIND for kernel variants
 
 # Decode / skinny W4A16 (M <= SKINNY_MAX_M): one 16-row dot tile, split-K so that even N=4096 launches enough
 # programs to keep every SM streaming weights (132 SMs on H100 need >= ~264 programs).
+# ``KIND="gemv"`` entries run the tensor-core-free kernel (M <= GEMV_MAX_M, one row per program): at M=1 a
+# 16-row dot tile wastes 15/16 of its work and routes every dequantized tile through shared memory.
 W4A16_SKINNY: dict[str, list[Config]] = {
     "hopper": [
+        dict(KIND="gemv", BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, num_warps=4, num_stages=3),
+        dict(KIND="gemv", BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
+        dict(KIND="gemv", BLOCK_N=128, BLOCK_K=256, SPLIT_K=4, num_warps=8, num_stages=3),
+        dict(KIND="gemv", BLOCK_N=256, BLOCK_K=128, SPLIT_K=4, num_warps=8, num_stages=3),
+        dict(KIND="gemv", BLOCK_N=32, BLOCK_K=512, SPLIT_K=4, num_warps=4, num_stages=2),
+        dict(KIND="gemv", BLOCK_N=64, BLOCK_K=128, SPLIT_K=16, num_warps=2, num_stages=4),
         dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=4),
         dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=4),
         dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3),
@@ -35,6 +43,7 @@ W4A16_SKINNY: dict[str, list[Config]] = {
         dict(BLOCK_N=256, BLOCK_K=64, SPLIT_K=2, num_warps=8, num_stages=4),
     ],
     "ampere": [
+        dict(KIND="gemv", BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, num_warps=4, num_stages=3),
         dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
         dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),
         dict(BLOCK_N=64, BLOCK_K=64, SPLIT_K=8, num_warps=4, num_stages=4),
@@ -96,6 +105,7 @@ ACT_QUANT: dict[str, list[Config]] = {
 }
 
 SKINNY_MAX_M = 16
+GEMV_MAX_M = 4
 
 
 def gpu_family(device: torch.device) -> str:
@@ -130,7 +140,7 @@ def pick_config(
     """Fastest entry of ``table[family]`` for ``key``; ``launch(config)`` runs the op once with ``config``."""
     family = gpu_family(device)
     candidates = table.get(family, table["ampere"])
-    if family == "interpreter" or interpreter_active() or len(candidates) == 1 or not autotune_enabled():
+    if family == "interpreter" or interpreter_active():
         return candidates[0]
     cache_key = (id(table), family, key)
     if cache_key not in _chosen:
@@ -139,9 +149,13 @@ def pick_config(
         timings = []
         for config in candidates:
             try:
+                if not autotune_enabled():  # the first entry that compiles, fits and takes this input
+                    launch(config)
+                    timings.append((0.0, config))
+                    break
                 milliseconds = triton.testing.do_bench(lambda c=config: launch(c), warmup=5, rep=20)
                 timings.append((milliseconds, config))
-            except Exception:  # a config that does not compile or fit in shared memory is skipped
+            except Exception:  # a config that does not compile, fit in shared memory or take the input
                 continue
         if not timings:
             raise RuntimeError(f"no tile config of {family} compiled for key {key}; extend the table")

@@ -105,7 +105,7 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SCALE_MODE: tl.constexpr, NEG_FLOOR: tl.constexpr,
+    SCALE_MODE: tl.constexpr, NEG_FLOOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -147,7 +147,7 @@ def _paged_attention_kernel(
             kv_offs = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]
             kv_mask = key_valid[:, None] & mask_d[None, :]
             k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
-            scores = tl.dot(q, tl.trans(k))
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             if SCALE_MODE == 2:
                 k_scale = tl.load(k_scale_ptr + slots * NUM_KV_HEADS + kv_head, mask=key_valid, other=0.0)
                 scores = scores * k_scale[None, :]
@@ -161,7 +161,7 @@ def _paged_attention_kernel(
             if SCALE_MODE == 2:
                 p = p * tl.load(v_scale_ptr + slots * NUM_KV_HEADS + kv_head, mask=key_valid, other=0.0)[None, :]
             v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         if SCALE_MODE == 1:
             acc = acc * tl.load(v_scale_ptr + kv_head)
@@ -255,6 +255,7 @@ def paged_attention_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_G=block_g, NUM_SPLITS=splits, SCALE_MODE=mode, NEG_FLOOR=_NEG_FLOOR,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 queries get fp32 accuracy
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.configs import SKINNY_MAX_M, W4A16_GEMM, W4A16_SKINNY, launch_options, m_bucket, pick_config
+from kernels.configs import GEMV_MAX_M, SKINNY_MAX_M, W4A16_GEMM, W4A16_SKINNY, launch_options, m_bucket, pick_config
 from kernels.dequant import dequantize_packed
 
 KERNEL_BITS = (2, 4, 8)  # bit widths whose codes never straddle an int32 word
@@ -90,7 +90,7 @@ def _skinny_kernel(
     stride_xm, stride_xk, stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
     stride_om, stride_on,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """Decode path: program (n-block, k-split) streams its slice of the weight once for all M <= 16 rows and
@@ -115,7 +115,7 @@ def _skinny_kernel(
             stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
             BITS, GROUP_SIZE, HAS_ZERO, HAS_G_IDX, ONE_GROUP_PER_TILE, BLOCK_K,
         )
-        acc = tl.dot(x, w.to(x.dtype), acc)
+        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         acc += bias[None, :] * (pid_k == 0).to(tl.float32)
@@ -134,7 +134,7 @@ def _gemm_kernel(
     stride_xm, stride_xk, stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
     stride_om, stride_on,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Prefill path: classic tiled GEMM, weight tile dequantized in registers right before the dot."""
@@ -160,11 +160,65 @@ def _gemm_kernel(
             stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
             BITS, GROUP_SIZE, HAS_ZERO, HAS_G_IDX, ONE_GROUP_PER_TILE, BLOCK_K,
         )
-        acc = tl.dot(x, w.to(x.dtype), acc)
+        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, packed_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K,
+    stride_xm, stride_xk, stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
+    stride_om, stride_on,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Decode path without tensor cores, one activation row per program (grid axis 2): each packed word is
+    loaded once and its codes become floats by an exponent trick (``code | 0x4B000000`` is the float
+    ``2**23 + code``, so one subtraction centres it exactly), sparing the conversion unit; the scale is applied
+    once per word, and the ``[words, BLOCK_N]`` partial sums are reduced once at the end."""
+    CODES: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // CODES
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, WORDS)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    first_tile = pid_k * tiles_per_split
+    last_tile = tl.minimum(first_tile + tiles_per_split, k_tiles)
+    acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    x_row = x_ptr + row * stride_xm
+    for tile in range(first_tile, last_tile):
+        word_rows = tile * WORDS + offs_w
+        first_k = word_rows * CODES
+        mask = (first_k < K)[:, None] & mask_n[None, :]
+        words = tl.load(packed_ptr + word_rows[:, None] * stride_pk + offs_n[None, :] * stride_pn, mask=mask,
+                        other=0, eviction_policy="evict_first")
+        groups = (first_k // GROUP_SIZE)[:, None]  # a word never straddles groups (GROUP_SIZE % CODES == 0)
+        scale = tl.load(scale_ptr + offs_n[None, :] * stride_sn + groups * stride_sg, mask=mask, other=0.0)
+        offset = 8388608.0 + (1 << (BITS - 1))
+        if HAS_ZERO:
+            zero = tl.load(zero_ptr + offs_n[None, :] * stride_zn + groups * stride_zg, mask=mask, other=0)
+            offset = offset + zero.to(tl.float32)
+        partial = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(CODES):
+            x = tl.load(x_row + (first_k + j) * stride_xk, mask=first_k + j < K, other=0.0).to(tl.float32)
+            codes = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
+            partial += x[:, None] * (codes.to(tl.float32, bitcast=True) - offset)
+        acc += partial * scale.to(tl.float32)
+    out = tl.sum(acc, axis=0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32) * (pid_k == 0).to(tl.float32)
+    out_ptrs = out_ptr + row * stride_om + offs_n * stride_on
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.atomic_add(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_n, sem="relaxed")
 
 
 def check_kernel_input(num_bits: int, x: torch.Tensor) -> str:
@@ -209,10 +263,14 @@ def weight_only_matmul(
     table = W4A16_SKINNY if skinny else W4A16_GEMM
     zero = zero_point if zero_point is not None else scale
     shared = dict(BITS=num_bits, GROUP_SIZE=group_size, HAS_ZERO=zero_point is not None,
-                  HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None)
+                  HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None,
+                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # fp32 in, fp32 accuracy out
 
     def launch(chosen: dict[str, int]) -> torch.Tensor:
         meta, options = launch_options(chosen)
+        gemv = meta.pop("KIND", "dot") == "gemv"
+        if gemv and (M > GEMV_MAX_M or g_idx is not None or group_size % (32 // num_bits)):
+            raise ValueError(f"the gemv tile takes M <= {GEMV_MAX_M} rows without act-order, got M={M}")
         one_group = g_idx is None and group_size % meta["BLOCK_K"] == 0
         split_k = meta.get("SPLIT_K", 1)
         atomic_in_place = _atomic_add_supported(x.dtype, x.device)
@@ -225,7 +283,14 @@ def weight_only_matmul(
             out, M, N, K, x.stride(0), x.stride(1), packed_kn.stride(0), packed_kn.stride(1),
             scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1), out.stride(0), out.stride(1),
         )
-        if skinny:
+        if gemv:
+            grid = (triton.cdiv(N, meta["BLOCK_N"]), split_k, M)
+            _gemv_kernel[grid](
+                x, packed_kn, scale, zero, scale if bias is None else bias, out, N, K, *args[10:],
+                BITS=num_bits, GROUP_SIZE=group_size, HAS_ZERO=zero_point is not None, HAS_BIAS=bias is not None,
+                **meta, **options,
+            )
+        elif skinny:
             grid = (triton.cdiv(N, meta["BLOCK_N"]), split_k)
             _skinny_kernel[grid](*args, **shared, ONE_GROUP_PER_TILE=one_group, BLOCK_M=16, **meta, **options)
         else:

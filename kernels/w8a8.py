@@ -172,13 +172,12 @@ def _scaled_mm_kernel(
             b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
             mask=(offs_k < K)[:, None] & (offs_n < N)[None, :], other=0.0,
         )
-        if DECODE_FP8:
-            a = _e4m3_bits_to_fp16(a)
-            b = _e4m3_bits_to_fp16(b)
         if INT8:
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        else:
-            acc = tl.dot(a, b, acc)
+        elif DECODE_FP8:
+            acc = tl.dot(_e4m3_bits_to_fp16(a), _e4m3_bits_to_fp16(b), acc)
+        else:  # Hopper's fp8 tensor cores sum in reduced precision: promote into fp32 once per K tile
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
     a_scale = tl.load(a_scale_ptr + offs_m * stride_asm, mask=offs_m < M, other=0.0)
     b_scale = tl.load(b_scale_ptr + offs_n * stride_bsn, mask=offs_n < N, other=0.0)
     out = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]

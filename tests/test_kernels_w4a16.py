@@ -1,5 +1,7 @@
 """W4A16 Triton kernels (interpreter, fp16/fp32 operands) against the float64 truth and the torch reference."""
 
+import os
+
 import pytest
 import torch
 
@@ -82,6 +84,28 @@ def test_skinny_tile_variants(config):
     check(2, 36, 192, 32, asym=True, bias=True, config=config)
 
 
+GEMV = dict(KIND="gemv", BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_gemv_tile(m, asym, dtype):
+    check(m, 36, 192, 32, dtype=dtype, asym=asym, bias=True, config=GEMV)  # K=192: 3 tiles over 2 splits
+
+
+@pytest.mark.parametrize("bits", [2, 8])
+def test_gemv_other_bit_widths(bits):
+    check(1, 24, 256, 64, num_bits=bits, config=dict(GEMV, BLOCK_K=128))
+
+
+def test_gemv_tile_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="gemv tile takes M <= 4"):
+        check(5, 24, 128, 32, config=GEMV)
+    with pytest.raises(ValueError, match="gemv tile"):
+        check(1, 24, 128, 32, act_order=True, config=GEMV)
+
+
 def test_gemm_tile_with_one_group_per_tile():
     config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=3, num_warps=4, num_stages=1)
     check(50, 36, 128, 64, asym=True, bias=True, config=config)
@@ -122,6 +146,7 @@ def test_unsupported_bits_fall_back_or_fail_clearly():
         ops.weight_only_linear(x, packed, scale, None, 3, 64, 32)
 
 
+@pytest.mark.skipif(os.environ.get("COMPRESS_TEST_DEVICE") == "cuda", reason="the CUDA shim moves inputs to the GPU")
 def test_forcing_triton_without_interpreter_or_gpu_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("COMPRESS_KERNELS", "triton")
