@@ -1,9 +1,10 @@
-"""``python -m compress bench kernels``: our GEMM kernels against ``torch.matmul`` bf16, measured in one run.
+"""``python -m compress bench kernels``: our GEMM kernels against ``torch.matmul`` bf16 and paged decode attention
+against ``scaled_dot_product_attention`` bf16, measured in one run.
 
-For Llama-8B/70B-like weights ``[N, K]`` and row counts M it times each op (median, L2 flushed, via
-``triton.testing.do_bench``) and reports TFLOP/s, GB/s of the bytes the op must move (weight + scales +
-activations + output), that bandwidth as a share of a device-to-device copy measured in the same run, the
-speedup over dense bf16 ``torch.matmul`` in the same run, and the float64 relative error. Writes
+For Llama-8B/70B-like weights ``[N, K]`` and row counts M it times each op (median of CUDA-graph replays, L2
+flushed, see ``kernels.timing``; baselines are timed the same way) and reports TFLOP/s, GB/s of the bytes the op
+must move (weight + scales + activations + output), that bandwidth as a share of a device-to-device copy measured
+in the same run, the speedup over the dense bf16 baseline in the same run, and the float64 relative error. Writes
 ``benchmarks/results/kernels-<device>.{json,md}``. Needs a CUDA GPU; ``--smoke`` runs tiny shapes on whatever
 device exists (CPU: torch references, or the interpreter with ``COMPRESS_KERNELS=triton TRITON_INTERPRET=1``)
 to check the script itself.
@@ -28,6 +29,7 @@ import triton
 from kernels import ops
 from kernels.accuracy import relative_error
 from kernels.packing import pack_int32
+from kernels.timing import graph_time_ms
 from kernels.w4a16 import repack_n_contiguous
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]  # weight [N, K]
@@ -70,9 +72,10 @@ class Row:
 
 
 def timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    """Median milliseconds of a call: CUDA events with L2 flushed on a GPU, wall clock on CPU (smoke only)."""
+    """Median milliseconds of a call: CUDA-graph replays with L2 flushed on a GPU (as the engine decodes; eager
+    timing would measure Python launch cost), wall clock on CPU (smoke only)."""
     if device.type == "cuda":
-        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return graph_time_ms
 
     def cpu_median(fn: Callable[[], object]) -> float:
         fn()

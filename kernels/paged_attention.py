@@ -105,7 +105,7 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SCALE_MODE: tl.constexpr, NEG_FLOOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SCALE_MODE: tl.constexpr, NEG_FLOOR: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -138,12 +138,17 @@ def _paged_attention_kernel(
         m_i = tl.full([BLOCK_M * BLOCK_G], NEG_FLOOR, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], dtype=tl.float32)
-        offs_n = tl.arange(0, BLOCK_SIZE)
-        for block in range(first_block, last_block):
-            physical = tl.load(block_tables_ptr + seq * stride_bt + block).to(tl.int64)
-            key_pos = block * BLOCK_SIZE + offs_n
-            key_valid = key_pos < context_len
-            slots = physical * BLOCK_SIZE + offs_n
+        # Each step covers BLOCKS_PER_TILE KV blocks (a 64-key tile): one-block steps left int8/fp8 caches
+        # bound by per-step overhead rather than by the bytes they read.
+        offs_n = tl.arange(0, BLOCK_SIZE * BLOCKS_PER_TILE)
+        in_block = offs_n % BLOCK_SIZE
+        for tile_block in range(first_block, last_block, BLOCKS_PER_TILE):
+            block = tile_block + offs_n // BLOCK_SIZE
+            block_valid = block < last_block
+            physical = tl.load(block_tables_ptr + seq * stride_bt + block, mask=block_valid, other=0).to(tl.int64)
+            key_pos = block * BLOCK_SIZE + in_block
+            key_valid = (key_pos < context_len) & block_valid
+            slots = physical * BLOCK_SIZE + in_block
             kv_offs = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]
             kv_mask = key_valid[:, None] & mask_d[None, :]
             k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
@@ -256,6 +261,7 @@ def paged_attention_triton(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_G=block_g, NUM_SPLITS=splits, SCALE_MODE=mode, NEG_FLOOR=_NEG_FLOOR,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 queries get fp32 accuracy
+        BLOCKS_PER_TILE=max(1, 64 // block_size),
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

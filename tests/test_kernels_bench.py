@@ -24,9 +24,9 @@ def test_smoke_run_through_the_cli_writes_json_and_markdown(tmp_path):
     assert cli(["bench", "kernels", "--smoke", "--rows", "1,17", "--out-dir", str(tmp_path)]) == 0
     (json_path,) = tmp_path.glob("kernels-*-smoke.json")
     report = json.loads(json_path.read_text())
-    gemm_rows = [row for row in report["rows"] if row["kernel"] != "act-quant"]
+    gemm_rows = [row for row in report["rows"] if row["kernel"] in bench.KERNELS and row["kernel"] != "act-quant"]
     assert len(gemm_rows) == (len(bench.KERNELS) - 1) * 2
-    assert {row["kernel"] for row in report["rows"]} == set(bench.KERNELS)
+    assert {row["kernel"] for row in report["rows"]} == set(bench.KERNELS + bench.ATTENTION)
     for row in gemm_rows:
         assert row["time_us"] > 0 and row["speedup"] > 0 and row["copy_bandwidth_pct"] > 0
         assert row["relative_error"] < TOLERANCE[row["kernel"]], row

@@ -1,5 +1,7 @@
 """W8A8 Triton kernels (interpreter): per-token activation quantization, int8 GEMM (exact), FP8 GEMM."""
 
+import os
+
 import pytest
 import torch
 
@@ -15,6 +17,8 @@ from kernels.w8a8 import (
 )
 
 FP8 = torch.float8_e4m3fn
+
+ON_GPU = os.environ.get("COMPRESS_TEST_DEVICE") == "cuda"  # tests/cuda_shim.py runs the kernels compiled
 
 
 def activations(m, k, dtype=torch.float16, seed=0):
@@ -90,7 +94,8 @@ def test_int8_gemm_epilogue_equals_reference():
     a_scale, b_scale = torch.rand(20, 1) / 100, torch.rand(44, 1) / 100
     bias = torch.randn(44)
     out = scaled_mm(a, a_scale, b, b_scale, bias, torch.float32)
-    assert torch.allclose(out, scaled_mm_reference(a, a_scale, b, b_scale, bias, torch.float32), rtol=1e-6)
+    rtol = 1e-5 if ON_GPU else 1e-6  # the GPU fuses the epilogue's multiply-adds (FMA): last-bit differences
+    assert torch.allclose(out, scaled_mm_reference(a, a_scale, b, b_scale, bias, torch.float32), rtol=rtol)
     half = scaled_mm(a, a_scale, b, b_scale, bias.half(), torch.float16)
     assert half.dtype == torch.float16
     assert relative_error(half, scaled_mm_reference(a, a_scale, b, b_scale, bias, torch.float32)) < 1e-3
@@ -104,7 +109,8 @@ def test_fp8_gemm_matches_reference(decode_fp8):
     a_scale, b_scale, bias = torch.rand(19, 1), torch.rand(36, 1), torch.randn(36)
     out = scaled_mm(a, a_scale, b, b_scale, bias, torch.float32, decode_fp8=decode_fp8)
     expected = scaled_mm_reference(a, a_scale, b, b_scale, bias, torch.float32)
-    assert relative_error(out, expected) < 1e-6
+    # Hopper's fp8 tensor cores add products with fewer mantissa bits than fp32 (exact in the interpreter)
+    assert relative_error(out, expected) < (2e-4 if ON_GPU and not decode_fp8 else 1e-6)
 
 
 def test_fp8_decode_is_exact_for_every_e4m3_value():

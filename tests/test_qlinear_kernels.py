@@ -1,5 +1,7 @@
 """Quantized linear modules through the kernel path (Triton interpreter) and the reference path."""
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -8,6 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from compress.qlinear import Fp8Linear, Int8Linear, QuantizedLinear
 from kernels.accuracy import relative_error
 from kernels.backend import use_backend
+
+ON_GPU = os.environ.get("COMPRESS_TEST_DEVICE") == "cuda"  # tests/cuda_shim.py runs the kernels compiled
 
 
 def rtn_group_quantize(weight: torch.Tensor, group_size: int, asym: bool, act_order: bool, num_bits: int = 4):
@@ -71,7 +75,8 @@ def test_activation_quantized_modules_from_float(cls):
         kernel = module(x)
     with use_backend("reference"):
         reference = module(x)
-    assert relative_error(kernel, reference) < 1e-5
+    fp8_on_gpu = ON_GPU and cls is Fp8Linear  # Hopper's fp8 tensor cores sum with fewer mantissa bits
+    assert relative_error(kernel, reference) < (2e-4 if fp8_on_gpu else 1e-5)
     assert relative_error(reference, linear(x)) < 0.06
 
 
@@ -128,5 +133,7 @@ def test_tiny_llama_logits_kernel_path_equal_reference_path(kind):
         kernel_logits = model(tokens).logits
     with torch.no_grad(), use_backend("reference"):
         reference_logits = model(tokens).logits
-    assert relative_error(kernel_logits, reference_logits) < 1e-4
+    # On a GPU, fp8 kernel sums differ from the reference in the last bits; where an activation sits on an fp8
+    # rounding boundary the next layer's code moves one e4m3 step (up to 6%), so the logits drift more.
+    assert relative_error(kernel_logits, reference_logits) < (3e-2 if ON_GPU and kind == "fp8" else 1e-4)
     assert 0 < relative_error(reference_logits, dense_logits) < 0.2  # quantized, yet still the same model
