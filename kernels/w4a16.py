@@ -173,7 +173,7 @@ def _gemv_kernel(
     stride_xm, stride_xk, stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
     stride_om, stride_on,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    ONE_GROUP_PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """Decode path without tensor cores, one activation row per program (grid axis 2): each packed word is
     loaded once and its codes become floats by an exponent trick (``code | 0x4B000000`` is the float
@@ -199,11 +199,17 @@ def _gemv_kernel(
         mask = (first_k < K)[:, None] & mask_n[None, :]
         words = tl.load(packed_ptr + word_rows[:, None] * stride_pk + offs_n[None, :] * stride_pn, mask=mask,
                         other=0, eviction_policy="evict_first")
-        groups = (first_k // GROUP_SIZE)[:, None]  # a word never straddles groups (GROUP_SIZE % CODES == 0)
-        scale = tl.load(scale_ptr + offs_n[None, :] * stride_sn + groups * stride_sg, mask=mask, other=0.0)
+        if ONE_GROUP_PER_TILE:  # one [BLOCK_N] scale row per tile instead of a gather per word row
+            groups = tile * BLOCK_K // GROUP_SIZE
+            scale = tl.load(scale_ptr + offs_n * stride_sn + groups * stride_sg, mask=mask_n, other=0.0)[None, :]
+            zero_mask = mask_n[None, :]
+        else:  # a word never straddles groups (GROUP_SIZE % CODES == 0)
+            groups = (first_k // GROUP_SIZE)[:, None]
+            scale = tl.load(scale_ptr + offs_n[None, :] * stride_sn + groups * stride_sg, mask=mask, other=0.0)
+            zero_mask = mask
         offset = 8388608.0 + (1 << (BITS - 1))
         if HAS_ZERO:
-            zero = tl.load(zero_ptr + offs_n[None, :] * stride_zn + groups * stride_zg, mask=mask, other=0)
+            zero = tl.load(zero_ptr + offs_n[None, :] * stride_zn + groups * stride_zg, mask=zero_mask, other=0)
             offset = offset + zero.to(tl.float32)
         partial = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
         for j in tl.static_range(CODES):
@@ -288,7 +294,7 @@ def weight_only_matmul(
             _gemv_kernel[grid](
                 x, packed_kn, scale, zero, scale if bias is None else bias, out, N, K, *args[10:],
                 BITS=num_bits, GROUP_SIZE=group_size, HAS_ZERO=zero_point is not None, HAS_BIAS=bias is not None,
-                **meta, **options,
+                ONE_GROUP_PER_TILE=one_group, **meta, **options,
             )
         elif skinny:
             grid = (triton.cdiv(N, meta["BLOCK_N"]), split_k)

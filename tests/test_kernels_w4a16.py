@@ -93,6 +93,7 @@ GEMV = dict(KIND="gemv", BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_sta
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_gemv_tile(m, asym, dtype):
     check(m, 36, 192, 32, dtype=dtype, asym=asym, bias=True, config=GEMV)  # K=192: 3 tiles over 2 splits
+    check(m, 36, 192, 64, dtype=dtype, asym=asym, config=dict(GEMV, BLOCK_K=32))  # one group per tile
 
 
 @pytest.mark.parametrize("bits", [2, 8])
