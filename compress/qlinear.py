@@ -6,9 +6,11 @@ Imports only torch and ``kernels`` so that a GPU box without the pipeline's depe
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
+from kernels.backend import requested_backend
 from kernels.dequant import dequantize_packed
 from kernels.packing import pack_int32, packed_width
 from kernels.w4a16 import repack_n_contiguous
@@ -102,7 +104,24 @@ class QuantizedLinear(nn.Module):
             self._layout_source = source
         return self._layout
 
+    def _cpu_dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight, kept between calls on CPU: there is no int4 CPU kernel, and dequantizing every
+        weight on every call made CPU decoding ~6x slower than the dense model. Costs the dense weight's memory;
+        never saved; rebuilt when the buffers change."""
+        source = (dtype, *((t.data_ptr(), t._version) for t in (self.weight_packed, self.weight_scale)))
+        if getattr(self, "_dense_source", None) != source:
+            with torch.inference_mode(False), torch.no_grad():
+                self._dense = dequantize_packed(
+                    self.weight_packed, self.weight_scale.float(), self.weight_zero_point, self.num_bits,
+                    self.in_features, self.group_size, self.weight_g_idx,
+                ).to(dtype)
+            self._dense_source = source
+        return self._dense
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda and requested_backend() != "triton":  # same numbers as the reference path, once
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self._cpu_dense_weight(x.dtype), bias)
         packed, scale, zero = self._kernel_layout()
         return ops.weight_only_linear(
             x, self.weight_packed, scale, zero, self.num_bits,
