@@ -30,7 +30,8 @@ def recipe(scheme: str, alpha: float) -> list:
     if scheme == "awq_w4a16":
         from llmcompressor.modifiers.transform.awq import AWQModifier
 
-        return [AWQModifier(ignore=["lm_head"], config_groups=W4A16_G64)]
+        # In llm-compressor 0.14 AWQ only searches and applies scales; the quantizer that follows sets the scheme.
+        return [AWQModifier(duo_scaling=True), QuantizationModifier(config_groups=W4A16_G64, ignore=["lm_head"])]
     if scheme == "smoothquant_w8a8":
         from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
