@@ -36,6 +36,7 @@ SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]  # weight [
 ROWS = [1, 4, 16, 64, 128, 1024, 4096]
 SMOKE_SHAPES = [(96, 256)]
 SMOKE_ROWS = [1, 16, 40]
+SMOKE_CONTEXT = 64
 KERNELS = ["w4a16", "w4a16-disk", "int8", "int8-gemm", "fp8", "fp8-gemm", "act-quant"]
 ATTENTION = ["paged-attn-bf16", "paged-attn-int8", "paged-attn-fp8"]  # decode over a paged KV cache
 ATTENTION_SHAPE = dict(heads=32, kv_heads=8, head_dim=128, block_size=16)  # Llama-3-8B attention
@@ -200,8 +201,8 @@ def attention_rows(args: argparse.Namespace, device: torch.device, measure, copy
     for kernel in [k for k in args.kernels if k in ATTENTION]:
         cache_dtype = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kernel.rsplit("-")[-1]]
         for batch in args.rows:
-            if batch > 256:
-                continue  # 256 x 4k tokens is already 4 GiB of bf16 cache
+            if batch > (4 if args.smoke else 256):
+                continue  # 256 x 4k tokens is already 4 GiB of bf16 cache; the interpreter is slow
             blocks_per_seq = -(-context // block)
             pool = batch * blocks_per_seq
             keys = torch.randn(pool, block, kv_heads, dim, device=device, dtype=torch.bfloat16)
@@ -300,7 +301,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rows", type=lambda t: [int(v) for v in t.split(",")], help="M values, comma separated")
     parser.add_argument("--kernels", type=lambda t: t.split(","), default=KERNELS + ATTENTION,
                         help=",".join(KERNELS + ATTENTION))
-    parser.add_argument("--context", type=int, default=4096, help="cached tokens per sequence (attention)")
+    parser.add_argument("--context", type=int, help="cached tokens per sequence for attention (default 4096; smoke 64)")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="activation dtype")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
@@ -309,6 +310,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"unknown kernels {unknown}; choose from {','.join(KERNELS + ATTENTION)}")
     args.shapes = args.shapes or (SMOKE_SHAPES if args.smoke else SHAPES)
     args.rows = args.rows or (SMOKE_ROWS if args.smoke else ROWS)
+    args.context = args.context or (SMOKE_CONTEXT if args.smoke else 4096)
     return args
 
 
