@@ -94,7 +94,7 @@ class QuantizedLinear(nn.Module):
         stored N-contiguous (same ``[N, groups]`` shape, strides ``(1, N)``) so a tile's scale loads coalesce."""
         if not self.weight_packed.is_cuda:
             return None, self.weight_scale, self.weight_zero_point
-        source = tuple((t.data_ptr(), t._version) for t in (self.weight_packed, self.weight_scale))
+        source = self._buffers_key()
         if getattr(self, "_layout_source", None) != source:
             def n_contiguous(t):
                 return None if t is None else t.t().contiguous().t()
@@ -104,11 +104,17 @@ class QuantizedLinear(nn.Module):
             self._layout_source = source
         return self._layout
 
+    def _buffers_key(self) -> tuple:
+        """Changes when the packed weight or its scales are moved or overwritten: what the derived copies (kernel
+        layout, CPU dense weight) depend on. Inference tensors keep no version counter; their storage decides."""
+        return tuple((t.data_ptr(), -1 if t.is_inference() else t._version)
+                     for t in (self.weight_packed, self.weight_scale))
+
     def _cpu_dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight, kept between calls on CPU: there is no int4 CPU kernel, and dequantizing every
         weight on every call made CPU decoding ~6x slower than the dense model. Costs the dense weight's memory;
         never saved; rebuilt when the buffers change."""
-        source = (dtype, *((t.data_ptr(), t._version) for t in (self.weight_packed, self.weight_scale)))
+        source = (dtype, *self._buffers_key())
         if getattr(self, "_dense_source", None) != source:
             with torch.inference_mode(False), torch.no_grad():
                 self._dense = dequantize_packed(

@@ -137,3 +137,20 @@ def test_tiny_llama_logits_kernel_path_equal_reference_path(kind):
     # rounding boundary the next layer's code moves one e4m3 step (up to 6%), so the logits drift more.
     assert relative_error(kernel_logits, reference_logits) < (3e-2 if ON_GPU and kind == "fp8" else 1e-4)
     assert 0 < relative_error(reference_logits, dense_logits) < 0.2  # quantized, yet still the same model
+
+
+def test_cpu_dense_weight_follows_its_buffers_and_inference_mode():
+    codes = torch.randint(-8, 8, (8, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    x = torch.randn(2, 64)
+    with torch.inference_mode():  # inference tensors keep no version counter
+        module = QuantizedLinear.from_codes(codes, torch.rand(8, 2) * 0.1, None, 4, 32)
+        inside = module(x)
+    assert torch.equal(module(x), inside)
+    module = QuantizedLinear.from_codes(codes, torch.rand(8, 2) * 0.1, None, 4, 32)
+    before = module(x)
+    with torch.no_grad():
+        module.weight_scale.mul_(2)  # an in-place change must rebuild the cached dense weight
+    assert torch.allclose(module(x), 2 * before)
+    with use_backend("reference"):  # the cached dense weight computes exactly what the reference path does
+        reference = module(x)
+    assert torch.equal(module(x), reference)
