@@ -44,15 +44,16 @@ def load_for_eval(source: str | Path):
 
 
 def kv_cache_dtype_of(path: Path | None) -> str | None:
-    """The KV-cache storage dtype a checkpoint asks for (``int8``/``fp8``), from its ``kv_cache_scheme``."""
+    """The KV-cache storage dtype a checkpoint asks for (``int8``/``fp8``), from its ``kv_cache_scheme``: read the
+    way the loader reads it, so the gate and the engine agree."""
     if path is None:
         return None
-    scheme = quantization_config(path).get("kv_cache_scheme") or {}
-    if not scheme:
+    block = quantization_config(path).get("kv_cache_scheme")
+    if not block:
         return None
-    kind, bits = scheme.get("type", "float"), scheme.get("num_bits")
-    if bits == 8 and kind == "int":
-        return "int8"
-    if bits == 8 and kind == "float":
-        return "fp8"
-    raise CompressError(f"{path}: kv_cache_scheme {scheme} is not one the gate can simulate (int8 or fp8 only)")
+    from compress.kv_quant import KVCacheScheme
+
+    try:
+        return KVCacheScheme.from_dict(block).kv_cache_dtype
+    except CompressError as error:
+        raise CompressError(f"{path}: {error}") from None

@@ -5,7 +5,13 @@ import pytest
 import torch
 from test_engine import GREEDY, engine, prompts, tiny_model
 
+from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.engine import LLM, SamplingParams
+from compress.errors import CompressError
+from compress.kv_quant import KVCacheScheme, set_scales
+from evals.generation import TransformersGenerator
+from evals.loading import kv_cache_dtype_of
+from kernels.dtypes import KV_CACHE_DTYPES
 
 SHORT = SamplingParams(max_tokens=4, ignore_eos=True)
 
@@ -79,3 +85,64 @@ def test_a_stream_closed_early_leaves_nothing_behind():
     stream.close()
     assert_idle_and_clean(llm)
     assert [o.finish_reason for o in llm.generate(prompts([4]), SHORT)] == ["length"]
+
+
+@pytest.fixture(scope="module", params=["int", "float"])
+def kv_checkpoint(request, tmp_path_factory):
+    """A tiny Llama checkpoint with a ``kv_cache_scheme`` (int8 or fp8) and per-KV-head K/V scales, written by our
+    saver; the scales are ``amax / qmax`` of the projections on a sample, as calibration would pick them."""
+    model = tiny_model()
+    scheme = KVCacheScheme(request.param, "attn_head")
+    states = {}
+    hooks = [getattr(layer.self_attn, f"{name}_proj").register_forward_hook(
+        lambda module, args, output, key=(name, i): states.__setitem__(key, output))
+        for i, layer in enumerate(model.model.layers) for name in ("k", "v")]
+    with torch.no_grad():
+        model(torch.tensor(prompts([48], seed=5)))
+    for hook in hooks:
+        hook.remove()
+    for i, layer in enumerate(model.model.layers):
+        k_peak, v_peak = (states[(name, i)].view(-1, 2, 16).abs().amax(dim=(0, 2)) for name in ("k", "v"))
+        set_scales(layer.self_attn, (k_peak / scheme.qmax).view(2, 1, 1), (v_peak / scheme.qmax).view(2, 1, 1),
+                   scheme)
+    folder = tmp_path_factory.mktemp(f"kv-{scheme.kv_cache_dtype}") / "checkpoint"
+    save_checkpoint(model, None, folder, kv_cache_scheme=scheme.to_dict())
+    return scheme.kv_cache_dtype, folder
+
+
+def test_auto_kv_cache_dtype_is_the_checkpoints_kv_scheme(kv_checkpoint):
+    dtype, folder = kv_checkpoint
+    assert kv_cache_dtype_of(folder) == dtype  # the gate reads the same scheme
+    llm = LLM(folder, num_kv_blocks=32, attention_backend="torch")
+    assert llm.config.kv_cache_dtype == dtype
+    assert llm.runner.kv_pool.dtype == KV_CACHE_DTYPES[dtype]
+    assert llm.runner.scale_pool is None  # the calibrated per-head scales, not per-token ones
+    output = llm.generate(prompts([10]), SHORT)[0]
+    assert output.finish_reason == "length" and len(output.token_ids) == 4
+    # An unquantized cache stays available on request; another 8-bit format would misuse these scales.
+    assert LLM(folder, num_kv_blocks=32, kv_cache_dtype="fp32").runner.kv_pool.dtype == torch.float32
+    other = "fp8" if dtype == "int8" else "int8"
+    with pytest.raises(ValueError, match=f"calibrated for {dtype}"):
+        LLM(folder, num_kv_blocks=32, kv_cache_dtype=other)
+
+
+def test_transformers_generator_rounds_each_key_and_value_once(kv_checkpoint):
+    """The gate's transformers loop must give the logits of a cacheless forward pass, which rounds every key and
+    value once with the calibrated scales (the engine's static mode): a second rounding shows up as a difference."""
+    dtype, folder = kv_checkpoint
+    model, _ = load_checkpoint(folder)
+    other = "fp8" if dtype == "int8" else "int8"
+    with pytest.raises(CompressError, match=f"calibrated for {dtype}"):
+        TransformersGenerator(model, None, other)
+    generator = TransformersGenerator(model, None, kv_cache_dtype_of(folder))
+    step_logits = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, output: step_logits.append(output[0, -1]))
+    prompt = prompts([20], seed=6)[0]
+    with torch.no_grad():
+        generated = generator.generate(prompt, 6)
+    hook.remove()
+    assert len(step_logits) == len(generated) > 1
+    with torch.no_grad():
+        for step, logits in enumerate(step_logits):
+            context = torch.tensor([prompt + generated[:step]])
+            assert torch.allclose(logits, model(context).logits[0, -1], atol=1e-4), f"step {step}"

@@ -18,12 +18,13 @@ import torch
 from torch import nn
 
 from compress.engine.block_manager import BlockManager, blocks_for
-from compress.engine.config import EngineConfig
+from compress.engine.config import EngineConfig, resolve_kv_cache_dtype
 from compress.engine.loading import load_model
 from compress.engine.model_runner import ModelRunner
 from compress.engine.sampler import sample
 from compress.engine.scheduler import ScheduledBatch, Scheduler
 from compress.engine.sequence import SamplingParams, Sequence
+from compress.kv_quant import calibrated_kv_cache_dtype
 
 Prompt = str | list[int]
 
@@ -56,6 +57,8 @@ class LLM:
             model, loaded_tokenizer = load_model(model)
             tokenizer = tokenizer or loaded_tokenizer
         self.config = EngineConfig(**engine_options)
+        self.config.kv_cache_dtype = resolve_kv_cache_dtype(
+            self.config.kv_cache_dtype, model.get_input_embeddings().weight.dtype, calibrated_kv_cache_dtype(model))
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, self.config)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
