@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
@@ -30,13 +29,9 @@ def load_for_eval(source: str | Path):
     """
     path = Path(source).expanduser()
     if path.is_dir() and is_compressed_tensors(path):
-        try:
-            checkpoint = importlib.import_module("compress.checkpoint")
-        except ModuleNotFoundError as error:
-            raise CompressError(
-                f"{path} is a compressed-tensors checkpoint but this version has no compress.checkpoint loader"
-            ) from error
-        model, tokenizer = checkpoint.load_checkpoint(path)
+        from compress.checkpoint import load_checkpoint
+
+        model, tokenizer = load_checkpoint(path)
     else:
         model, tokenizer = load_model(ModelSpec(path=str(source)))
     model.eval()
