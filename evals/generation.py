@@ -91,8 +91,9 @@ class TransformersGenerator:
                 f"the model's K/V scales are calibrated for {calibrated}; the transformers backend cannot run "
                 f"gate.kv_cache_dtype={kv_cache_dtype!r} on top of them; set gate.kv_cache_dtype=null (or {calibrated})"
             )
-        # Calibrated scales: the model's attention rounds every key and value with them, once per forward, so the
-        # cache keeps them as computed; rounding them on the way into the cache too would round them twice.
+        # Calibrated scales: the model's attention (compress.kv_quant) rounds each key and value it attends to with
+        # them, from the values as computed, so the cache keeps them unrounded; rounding on the way in too would
+        # round every value twice.
         self.cache_rounding = None if calibrated is not None else kv_cache_dtype
         eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
