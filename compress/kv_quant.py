@@ -21,12 +21,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from compress.errors import CompressError
+from kernels.dtypes import KV_CACHE_DTYPES, QUANT_MAX
 
 ATTENTION_NAME = "compress_kv_quant"
-FP8_MAX = 448.0
-INT8_MAX = 127.0
 STRATEGIES = ("tensor", "attn_head")
-TYPES = ("float", "int")
+CACHE_DTYPE_OF_TYPE = {"float": "fp8", "int": "int8"}  # compressed-tensors `type` → KV-cache dtype name
+TYPES = tuple(CACHE_DTYPE_OF_TYPE)
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,13 @@ class KVCacheScheme:
             )
 
     @property
+    def kv_cache_dtype(self) -> str:
+        """The cache dtype these scales are calibrated for (``fp8``/``int8``), as the engine and the gate name it."""
+        return CACHE_DTYPE_OF_TYPE[self.type]
+
+    @property
     def qmax(self) -> float:
-        return FP8_MAX if self.type == "float" else INT8_MAX
+        return QUANT_MAX[KV_CACHE_DTYPES[self.kv_cache_dtype]]
 
     def to_dict(self) -> dict:
         """The ``kv_cache_scheme`` block of a compressed-tensors ``quantization_config``."""
@@ -108,6 +113,15 @@ def set_scales(attention: nn.Module, k_scale: torch.Tensor, v_scale: torch.Tenso
         else:
             attention.register_buffer(name, value.detach().clone())
     attention.kv_scheme = scheme
+
+
+def calibrated_kv_cache_dtype(model: nn.Module) -> str | None:
+    """The KV-cache dtype the model's attention scales were calibrated for (set by the KV-cache stage or by loading
+    a checkpoint with a ``kv_cache_scheme``), so a runtime can honour it; None when the model carries none."""
+    found = {m.kv_scheme.kv_cache_dtype for m in model.modules() if getattr(m, "kv_scheme", None) is not None}
+    if len(found) > 1:
+        raise CompressError(f"attention modules carry KV scales for {sorted(found)}; a model has one KV-cache dtype")
+    return found.pop() if found else None
 
 
 def enable_kv_fake_quant(model: nn.Module, scheme: KVCacheScheme) -> None:

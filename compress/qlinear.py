@@ -12,9 +12,10 @@ from torch import nn
 from kernels import ops
 from kernels.backend import requested_backend
 from kernels.dequant import dequantize_packed
+from kernels.dtypes import FP8_MAX, INT8_MAX
 from kernels.packing import pack_int32, packed_width
 from kernels.w4a16 import repack_n_contiguous
-from kernels.w8a8 import FP8_MAX, INT8_MAX, SCALE_EPS
+from kernels.w8a8 import SCALE_EPS
 
 
 class QuantizedLinear(nn.Module):

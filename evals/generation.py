@@ -2,9 +2,10 @@
 
 Two backends: the compress engine (``compress.engine.LLM``) when it is installed, otherwise a plain greedy loop
 over the transformers model's forward with a KV cache. gate.json records which one ran. Both run the candidate with
-its checkpoint's KV-cache dtype: the engine natively, the transformers loop by quantizing every key and value as it
-enters the cache, per token and KV head (the engine's scheme when it has no calibrated scale). KV quantization is
-what hurts long-context retrieval first, so the needle layer must see it.
+its checkpoint's KV-cache dtype, every key and value rounded exactly once, as the engine stores it: with the
+checkpoint's calibrated scales when it has them (the loaded model's attention applies them, ``compress.kv_quant``),
+else per token and KV head as it enters the cache (the engine's scheme when it has no calibrated scale). KV
+quantization is what hurts long-context retrieval first, so the needle layer must see it.
 """
 
 from __future__ import annotations
@@ -16,16 +17,8 @@ from typing import Protocol
 import torch
 
 from compress.errors import CompressError
-
-KV_DTYPES = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "int8": torch.int8,
-    "fp8": torch.float8_e4m3fn,
-}
-QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-MIN_AMAX = 1e-6
+from kernels.dtypes import KV_CACHE_DTYPES, is_quantized
+from kernels.kv_cache import dequantize_reference, per_token_scale, quantize_reference
 
 
 class TokenConstraint(Protocol):
@@ -53,16 +46,12 @@ class Generator(Protocol):
 
 
 def fake_quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` ``[..., head_dim]`` after a round trip through ``dtype`` storage with one scale per token and head."""
-    if dtype not in QUANT_MAX:
+    """``x`` ``[..., head_dim]`` after a round trip through ``dtype`` storage with one scale per token and head,
+    computed by the engine's own reference code."""
+    if not is_quantized(dtype):
         return x.to(dtype).to(x.dtype)
-    qmax = QUANT_MAX[dtype]
-    scale = x.float().abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX) / qmax
-    y = x.float() / scale
-    if dtype == torch.int8:
-        y = torch.floor(y + 0.5)
-    codes = y.clamp(-qmax, qmax).to(dtype)
-    return (codes.float() * scale).to(x.dtype)
+    scale = per_token_scale(x, dtype)
+    return dequantize_reference(quantize_reference(x, scale, dtype), scale[..., 0], x.dtype)
 
 
 def _quantized_cache_class():
@@ -89,10 +78,23 @@ class TransformersGenerator:
     backend = "transformers"
 
     def __init__(self, model: torch.nn.Module, tokenizer, kv_cache_dtype: str | None = None):
+        from compress.kv_quant import calibrated_kv_cache_dtype
+
         self.model, self.tokenizer = model, tokenizer
-        if kv_cache_dtype is not None and kv_cache_dtype not in KV_DTYPES:
-            raise CompressError(f"gate.kv_cache_dtype={kv_cache_dtype!r} is unknown; use one of {sorted(KV_DTYPES)}")
-        self.kv_cache_dtype = kv_cache_dtype
+        if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise CompressError(
+                f"gate.kv_cache_dtype={kv_cache_dtype!r} is unknown; use one of {sorted(KV_CACHE_DTYPES)}"
+            )
+        calibrated = calibrated_kv_cache_dtype(model)
+        if calibrated is not None and kv_cache_dtype not in (None, calibrated):
+            raise CompressError(
+                f"the model's K/V scales are calibrated for {calibrated}; the transformers backend cannot run "
+                f"gate.kv_cache_dtype={kv_cache_dtype!r} on top of them; set gate.kv_cache_dtype=null (or {calibrated})"
+            )
+        # Calibrated scales: the model's attention (compress.kv_quant) rounds each key and value it attends to with
+        # them, from the values as computed, so the cache keeps them unrounded; rounding on the way in too would
+        # round every value twice.
+        self.cache_rounding = None if calibrated is not None else kv_cache_dtype
         eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.device = next(model.parameters()).device
@@ -100,9 +102,9 @@ class TransformersGenerator:
     def _new_cache(self):
         from transformers import DynamicCache
 
-        if self.kv_cache_dtype is None:
+        if self.cache_rounding is None:
             return DynamicCache(config=self.model.config)
-        return _quantized_cache_class()(self.model.config, KV_DTYPES[self.kv_cache_dtype])
+        return _quantized_cache_class()(self.model.config, KV_CACHE_DTYPES[self.cache_rounding])
 
     @torch.no_grad()
     def _decode(self, prompt_ids, max_new_tokens, constraint=None, stop_at_eos=True, clock=None) -> list[int]:

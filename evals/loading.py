@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
@@ -30,13 +29,9 @@ def load_for_eval(source: str | Path):
     """
     path = Path(source).expanduser()
     if path.is_dir() and is_compressed_tensors(path):
-        try:
-            checkpoint = importlib.import_module("compress.checkpoint")
-        except ModuleNotFoundError as error:
-            raise CompressError(
-                f"{path} is a compressed-tensors checkpoint but this version has no compress.checkpoint loader"
-            ) from error
-        model, tokenizer = checkpoint.load_checkpoint(path)
+        from compress.checkpoint import load_checkpoint
+
+        model, tokenizer = load_checkpoint(path)
     else:
         model, tokenizer = load_model(ModelSpec(path=str(source)))
     model.eval()
@@ -44,15 +39,16 @@ def load_for_eval(source: str | Path):
 
 
 def kv_cache_dtype_of(path: Path | None) -> str | None:
-    """The KV-cache storage dtype a checkpoint asks for (``int8``/``fp8``), from its ``kv_cache_scheme``."""
+    """The KV-cache storage dtype a checkpoint asks for (``int8``/``fp8``), from its ``kv_cache_scheme``: read the
+    way the loader reads it, so the gate and the engine agree."""
     if path is None:
         return None
-    scheme = quantization_config(path).get("kv_cache_scheme") or {}
-    if not scheme:
+    block = quantization_config(path).get("kv_cache_scheme")
+    if not block:
         return None
-    kind, bits = scheme.get("type", "float"), scheme.get("num_bits")
-    if bits == 8 and kind == "int":
-        return "int8"
-    if bits == 8 and kind == "float":
-        return "fp8"
-    raise CompressError(f"{path}: kv_cache_scheme {scheme} is not one the gate can simulate (int8 or fp8 only)")
+    from compress.kv_quant import KVCacheScheme
+
+    try:
+        return KVCacheScheme.from_dict(block).kv_cache_dtype
+    except CompressError as error:
+        raise CompressError(f"{path}: {error}") from None

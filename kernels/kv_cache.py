@@ -20,22 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-KV_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-    "int8": torch.int8,
-    "fp8": torch.float8_e4m3fn,
-}
-QUANT_MAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+from kernels.dtypes import QUANT_MAX, is_quantized
+
 # Floor on a per-token absolute maximum, so an all-zero token gets a usable scale instead of dividing by zero.
 MIN_AMAX = 1e-6
 
 SCALE_NONE, SCALE_PER_HEAD, SCALE_PER_TOKEN = 0, 1, 2
-
-
-def is_quantized(dtype: torch.dtype) -> bool:
-    return dtype in QUANT_MAX
 
 
 def scale_mode(cache: torch.Tensor, scale: torch.Tensor | None) -> int:
@@ -51,6 +41,11 @@ def scale_mode(cache: torch.Tensor, scale: torch.Tensor | None) -> int:
 def use_triton(tensor: torch.Tensor) -> bool:
     """CUDA runs the Triton kernels; CPU runs the torch references unless the Triton interpreter is on (tests)."""
     return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def per_token_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scale ``[..., 1]`` of each token and head of ``x`` ``[..., head_dim]`` when no calibrated scale exists."""
+    return x.float().abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX) / QUANT_MAX[dtype]
 
 
 def quantize_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -91,7 +86,7 @@ def write_kv_reference(
         if mode == SCALE_PER_HEAD:
             token_scale = scale.float()[None, :, None]
         else:
-            token_scale = x.float().abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX) / QUANT_MAX[cache.dtype]
+            token_scale = per_token_scale(x, cache.dtype)
             scale.view(-1, scale.shape[-1])[slots] = token_scale[..., 0]
         flat[slots] = quantize_reference(x, token_scale, cache.dtype)
 

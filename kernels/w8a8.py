@@ -14,9 +14,8 @@ import triton
 import triton.language as tl
 
 from kernels.configs import ACT_QUANT, SCALED_MM, launch_options, m_bucket, pick_config, supports_native_fp8
+from kernels.dtypes import QUANT_MAX
 
-INT8_MAX = 127.0
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_EPS = 1e-10  # keeps an all-zero row's scale finite; its codes are all zero anyway
 ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (v + M) - M rounds fp32 |v| < 2**22 to nearest, ties to even
 
@@ -27,7 +26,7 @@ def quantize_per_token_reference(
     """Plain torch. ``x [M, K]`` -> codes ``[M, K]`` of ``dtype`` (int8 or float8_e4m3fn) and fp32 scales
     ``[M, 1]``: per token, or ``static_scale`` broadcast."""
     values = x.float()
-    qmax = INT8_MAX if dtype == torch.int8 else FP8_MAX
+    qmax = QUANT_MAX[dtype]
     if static_scale is None:
         scale = values.abs().amax(dim=-1, keepdim=True).clamp(min=SCALE_EPS) / qmax
     else:
@@ -122,7 +121,7 @@ def quantize_per_token(
         meta, options = launch_options(config)
         _quantize_rows_kernel[(M,)](
             x, codes, scale, K, x.stride(0), codes.stride(0),
-            QMAX=INT8_MAX if dtype == torch.int8 else FP8_MAX, EPS=SCALE_EPS, TO_FP8=dtype != torch.int8,
+            QMAX=QUANT_MAX[dtype], EPS=SCALE_EPS, TO_FP8=dtype != torch.int8,
             STATIC=static_scale is not None, **meta, **options,
         )
 

@@ -8,8 +8,8 @@ import torch
 from kernels import ops
 from kernels.accuracy import relative_error
 from kernels.backend import use_backend
+from kernels.dtypes import FP8_MAX
 from kernels.w8a8 import (
-    FP8_MAX,
     quantize_per_token,
     quantize_per_token_reference,
     scaled_mm,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.kv_cache import KV_CACHE_DTYPES
+import torch
+
+from kernels.dtypes import KV_CACHE_DTYPES, is_quantized, kv_cache_dtype_name
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
@@ -20,7 +22,8 @@ class EngineConfig:
     max_model_len: int | None = None
     """Longest prompt + output; default: the model's ``max_position_embeddings``, at most 8192."""
     kv_cache_dtype: str = "auto"
-    """``auto`` (the model's dtype), ``bf16``, ``fp16``, ``fp32``, ``int8`` or ``fp8`` (e4m3)."""
+    """``auto`` (the checkpoint's ``kv_cache_scheme`` if it has one, else the model's dtype), ``bf16``, ``fp16``,
+    ``fp32``, ``int8`` or ``fp8`` (e4m3). ``LLM`` resolves ``auto`` before it builds the runner."""
     kv_cache_memory_gb: float | None = None
     """KV pool size; default: ``gpu_memory_utilization`` of free GPU memory, or 1 GiB on CPU."""
     num_kv_blocks: int | None = None
@@ -43,3 +46,22 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be positive")
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The cache's storage dtype, once ``auto`` is resolved (:func:`resolve_kv_cache_dtype`)."""
+        if self.kv_cache_dtype == "auto":
+            raise ValueError("kv_cache_dtype='auto' is not resolved yet; LLM resolves it from the model")
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+
+def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype, calibrated: str | None) -> str:
+    """The cache dtype to run: ``auto`` takes the dtype the checkpoint's K/V scales were calibrated for
+    (``calibrated``, from its ``kv_cache_scheme``), else the model's dtype. An explicit 8-bit dtype other than the
+    calibrated one is refused: those scales are ``amax / qmax`` of the other format and would clip or waste range."""
+    if requested == "auto":
+        return calibrated or kv_cache_dtype_name(model_dtype)
+    if calibrated is not None and is_quantized(KV_CACHE_DTYPES[requested]) and requested != calibrated:
+        raise ValueError(f"kv_cache_dtype={requested!r}, but the checkpoint's K/V scales are calibrated for "
+                         f"{calibrated}; use auto (or {calibrated}), or a float dtype for an unquantized cache")
+    return requested

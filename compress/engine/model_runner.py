@@ -58,10 +58,7 @@ class ModelRunner:
         self.head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // self.num_heads
         self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 8192)
         self._check_sliding_window(model_config)
-        if config.kv_cache_dtype == "auto":
-            self.kv_dtype = self.dtype
-        else:
-            self.kv_dtype = kv_cache.KV_CACHE_DTYPES[config.kv_cache_dtype]
+        self.kv_dtype = config.kv_dtype
         backend = config.attention_backend
         self._attend = {"auto": paged_attention.paged_attention, "triton": paged_attention.paged_attention_triton,
                         "torch": paged_attention.paged_attention_reference}[backend]

@@ -96,7 +96,11 @@ class Scheduler:
         self.add(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        self.running.remove(seq)
+        """Take a waiting or running sequence out of the schedule for good and give its blocks back."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        queue = self.running if seq.status is SequenceStatus.RUNNING else self.waiting
+        queue.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -20,7 +20,7 @@ from compress.quant import WeightScheme, quantize
 from compress.stages.base import LayerContext
 from compress.stages.gptq import GPTQStage
 from compress.stages.weights import WeightQuantizerStage, replace_module, target_linears
-from kernels.w8a8 import FP8_MAX
+from kernels.dtypes import FP8_MAX
 
 
 @dataclass
