@@ -100,7 +100,7 @@ def test_family_without_mappings_lists_supported_ones():
     model = build_tiny_llama()
     model.config.model_type = "gpt_neox"
     [stage] = build_chain([{"type": "smoothquant"}])
-    with pytest.raises(CompressError, match="SmoothQuant has no layer mappings for model type 'gpt_neox'; supported: "
+    with pytest.raises(CompressError, match="SmoothQuant: no scale mapping for model type 'gpt_neox'; supported: "
                                             "llama, mistral, qwen2, qwen3"):
         stage.prepare(model)
 

@@ -98,7 +98,7 @@ def test_family_without_mappings_is_refused():
     model = build_tiny_llama()
     model.config.model_type = "gpt_bigcode"
     [stage] = build_chain([{"type": "awq", "group_size": 32}])
-    with pytest.raises(CompressError, match="no layer mappings for model type 'gpt_bigcode'; supported: llama"):
+    with pytest.raises(CompressError, match="AWQ: no scale mapping for model type 'gpt_bigcode'; supported: gemma2, gemma3_text, llama"):
         stage.prepare(model)
 
 
