@@ -76,7 +76,7 @@ class AWQStage(WeightQuantizerStage):
                 continue  # an ignored linear stays dense; scaling it would buy nothing
             scale = self._search_scale(ctx, mapping, activations[mapping.linears[0]])
             if scale is not None:
-                self._apply_scale(ctx, mapping, scale)
+                self.apply_scale(ctx, mapping, scale)
                 self.scaled_mappings += 1
                 for name in mapping.linears:
                     input_scale[name] = self._expand(ctx, mapping, scale)
@@ -175,7 +175,7 @@ class AWQStage(WeightQuantizerStage):
             raise CompressError(f"{ctx.name}: AWQ found non-finite scales for {mapping.linears}; check activations")
         return best_scale
 
-    def _apply_scale(self, ctx: LayerContext, mapping: Mapping, scale: torch.Tensor) -> None:
+    def apply_scale(self, ctx: LayerContext, mapping: Mapping, scale: torch.Tensor) -> None:
         """Fold ``1/s`` into the previous op and ``s`` into the linears: the float model is unchanged."""
         per_input = self._expand(ctx, mapping, scale)
         fold_scale(ctx.layer, mapping, scale, per_input, ctx.model_config, self.norm_offset)
