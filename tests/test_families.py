@@ -173,3 +173,13 @@ def test_family_without_scale_mappings_is_refused_naming_the_supported_ones():
         with pytest.raises(CompressError, match=rf"^{stage_name}: no scale mapping for model type 'gpt_neox'; "
                                                 "supported: gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3$"):
             stage.prepare(model)
+
+
+@pytest.mark.parametrize("kind", ["gptq", "sparsegpt"])
+def test_phi3_fused_linears_run_in_true_sequential_order(kind):
+    """o_proj's statistics must be gathered after qkv_proj is compressed (so it compensates qkv's error), as for the
+    unfused q/k/v: Phi-3 declares o_proj first, which the walk must not follow."""
+    _, [stage] = _compress("phi3", [{"type": kind, **({"group_size": 32} if kind == "gptq" else {})}])
+    done = list(stage.stats if kind == "gptq" else stage.pruned)
+    suffixes = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+    assert done[:4] == [f"model.layers.0.{name}" for name in suffixes]
