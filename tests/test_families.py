@@ -18,6 +18,7 @@ from compress.pipeline import apply_stages
 from compress.qlinear import QuantizedLinear
 from compress.stages import LayerContext, build_chain
 from compress.stages.lora import read_adapter, save_adapter
+from compress.stages.mappings import previous_width
 
 CPU = torch.device("cpu")
 VOCAB = 320
@@ -115,7 +116,7 @@ def test_awq_scale_folding_leaves_the_float_model_unchanged(family):
     for index, layer in enumerate(decoder_layers(model)):
         ctx = LayerContext(index, f"model.layers.{index}", layer, model.config, None, CPU)
         for mapping in stage.mappings:
-            width = len(stage._reduce(ctx, mapping, torch.ones(layer.get_submodule(mapping.linears[0]).in_features)))
+            width = previous_width(layer, mapping, model.config)
             stage.apply_scale(ctx, mapping, torch.rand(width, generator=generator) * 3 + 0.25)
     assert len(stage.mappings) == 4
     assert _relative_error(_logits(model), reference) < 1e-5

@@ -6,6 +6,8 @@ error. Per mapping (an operation and the linears it feeds) we search ``s = mean|
 exponents ``a`` ("duo scaling"; plain ``mean|x|^a`` when off), keeping the identity when nothing beats it, then
 search a per-group clipping ratio that minimises each linear's output error, then round to the grid.
 
+Which op feeds which linears, per family (Gemma's (1 + w) norms, Phi-3's fused linears): ``compress.stages.mappings``.
+
 Beyond the paper's recipe: the value→output mapping is applied to grouped-query attention too, by tying the scales of
 all query heads that read one KV head (the reference implementations skip it when shapes differ), and every loss is
 computed from the input's second moment E[x xᵀ] (as GPTQ does), so it is exact over all calibration tokens and costs
