@@ -34,13 +34,14 @@ class _StopForward(Exception):
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder stack of a Llama-family causal LM (``model.model.layers``)."""
+    """The decoder stack (``model.model.layers``) of a causal LM: every family we support keeps it there (llama,
+    mistral, qwen2, qwen3, gemma2, gemma3 text, phi3); which stages support which family is in docs/quantization.md."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise CompressError(
-            f"{type(model).__name__} has no `model.layers` decoder stack; supported: Llama-family causal LMs "
-            "(llama, mistral, qwen2, qwen3)"
+            f"{type(model).__name__} has no `model.layers` decoder stack; supported: causal LMs of the llama, mistral, "
+            "qwen2, qwen3, gemma2, gemma3 (text-only) and phi3 families"
         )
     return layers
 

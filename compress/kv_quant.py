@@ -11,6 +11,7 @@ Imports only torch and transformers: checkpoints carrying a KV scheme load on a 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,12 +19,13 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers.masking_utils import eager_mask, sdpa_mask
 
 from compress.errors import CompressError
 from kernels.dtypes import KV_CACHE_DTYPES, QUANT_MAX
 
 ATTENTION_NAME = "compress_kv_quant"
+EAGER_ATTENTION_NAME = "compress_kv_quant_eager"  # logit soft-capping (Gemma-2), which SDPA cannot do
 STRATEGIES = ("tensor", "attn_head")
 CACHE_DTYPE_OF_TYPE = {"float": "fp8", "int": "int8"}  # compressed-tensors `type` → KV-cache dtype name
 TYPES = tuple(CACHE_DTYPE_OF_TYPE)
@@ -75,7 +77,8 @@ def fake_quantize_kv(states: torch.Tensor, scale: torch.Tensor, scheme: KVCacheS
     return (rounded * scale.float()).to(states.dtype)
 
 
-def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+def _cached_kv(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V as the cache holds them: shown to the calibration observer, then rounded when scales are set."""
     observer: Callable | None = getattr(module, "kv_observer", None)
     if observer is not None:
         observer(key, value)
@@ -83,24 +86,45 @@ def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     if scheme is not None:
         key = fake_quantize_kv(key, module.k_scale, scheme)
         value = fake_quantize_kv(value, module.v_scale, scheme)
+    return key, value
+
+
+def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    key, value = _cached_kv(module, key, value)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _eager_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """The model family's own eager attention (every transformers model file defines one), for soft-capped logits."""
+    key, value = _cached_kv(module, key, value)
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return eager(module, query, key, value, attention_mask, **kwargs)
 
 
 AttentionInterface.register(ATTENTION_NAME, _attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+AttentionInterface.register(EAGER_ATTENTION_NAME, _eager_attention)
+AttentionMaskInterface.register(EAGER_ATTENTION_NAME, eager_mask)
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``name → self_attn`` of every decoder layer."""
-    found = {name: m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "k_proj")}
+    found = {
+        name: m for name, m in model.named_modules()
+        if name.endswith("self_attn") and (hasattr(m, "k_proj") or hasattr(m, "qkv_proj"))  # qkv_proj: Phi-3
+    }
     if not found:
-        raise CompressError(f"{type(model).__name__} has no `self_attn` modules with k_proj/v_proj to quantize K/V of")
+        raise CompressError(
+            f"{type(model).__name__} has no `self_attn` modules with k_proj/v_proj (or a fused qkv_proj) to quantize "
+            "K/V of"
+        )
     return found
 
 
 def route_attention(model: nn.Module) -> None:
     """Send every attention call through the KV-quantizing wrapper (a no-op until scales or observers are set)."""
-    model.config._attn_implementation = ATTENTION_NAME
+    soft_capped = getattr(model.config, "attn_logit_softcapping", None) is not None
+    model.config._attn_implementation = EAGER_ATTENTION_NAME if soft_capped else ATTENTION_NAME
 
 
 def set_scales(attention: nn.Module, k_scale: torch.Tensor, v_scale: torch.Tensor, scheme: KVCacheScheme) -> None:

@@ -60,7 +60,7 @@ def test_awq_scaling_alone_leaves_the_float_model_unchanged():
     activations = stage._capture(ctx)
     for mapping in stage.mappings:
         scale = torch.rand(layer.get_submodule(mapping.previous).weight.shape[0]) + 0.5
-        stage._apply_scale(ctx, mapping, scale)
+        stage.apply_scale(ctx, mapping, scale)
     assert stage._kv_groups(ctx, stage.mappings[1]) == (2, 16)  # v_proj (32 outputs) feeds o_proj (64 inputs)
     with torch.no_grad():
         assert torch.allclose(model(samples).logits, reference(samples).logits, atol=1e-4)
@@ -92,14 +92,6 @@ def test_group_size_that_does_not_tile_a_layer_fails_before_work():
     message = r"model.layers.0.self_attn.q_proj: input width 64 .* sizes that fit: \[16, 32, 64\]"
     with pytest.raises(CompressError, match=message):
         stage.prepare(build_tiny_llama())
-
-
-def test_family_without_mappings_is_refused():
-    model = build_tiny_llama()
-    model.config.model_type = "gpt_bigcode"
-    [stage] = build_chain([{"type": "awq", "group_size": 32}])
-    with pytest.raises(CompressError, match="no layer mappings for model type 'gpt_bigcode'; supported: llama"):
-        stage.prepare(model)
 
 
 def test_nan_in_calibration_activations_names_the_layer():

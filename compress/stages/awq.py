@@ -6,6 +6,8 @@ error. Per mapping (an operation and the linears it feeds) we search ``s = mean|
 exponents ``a`` ("duo scaling"; plain ``mean|x|^a`` when off), keeping the identity when nothing beats it, then
 search a per-group clipping ratio that minimises each linear's output error, then round to the grid.
 
+Which op feeds which linears, per family (Gemma's (1 + w) norms, Phi-3's fused linears): ``compress.stages.mappings``.
+
 Beyond the paper's recipe: the value→output mapping is applied to grouped-query attention too, by tying the scales of
 all query heads that read one KV head (the reference implementations skip it when shapes differ), and every loss is
 computed from the input's second moment E[x xᵀ] (as GPTQ does), so it is exact over all calibration tokens and costs
@@ -20,10 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compress.calibration import decoder_layers, observe_inputs
+from compress.calibration import observe_inputs
 from compress.errors import CompressError
 from compress.quant import fake_quantize
 from compress.stages.base import LayerContext
+from compress.stages.mappings import Mapping, family_mappings, fold_scale, previous_width
 from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, target_linears
 
 
@@ -36,39 +39,7 @@ class AWQConfig(WeightQuantConfig):
     max_shrink: float = 0.5  # ... down to (1 - max_shrink) of the range
 
 
-@dataclass(frozen=True)
-class Mapping:
-    """``previous`` produces the input of every linear in ``linears``; scales fold into it."""
-
-    previous: str
-    linears: tuple[str, ...]
-
-
-LLAMA_MAPPINGS = (
-    Mapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    Mapping("self_attn.v_proj", ("self_attn.o_proj",)),
-    Mapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-    Mapping("mlp.up_proj", ("mlp.down_proj",)),
-)
-MAPPINGS = {family: LLAMA_MAPPINGS for family in ("llama", "mistral", "qwen2", "qwen3")}
-NO_CLIP = ("q_proj", "k_proj")  # their error passes through softmax, where clipping outliers hurts
-
-
-def supported_mappings(model: nn.Module, stage: str, mappings: dict[str, tuple[Mapping, ...]]) -> tuple[Mapping, ...]:
-    """``mappings`` for the model's family, checked against its first decoder layer (shared by AWQ and SmoothQuant)."""
-    family = getattr(model.config, "model_type", None)
-    if family not in mappings:
-        raise CompressError(
-            f"{stage} has no layer mappings for model type {family!r}; supported: {', '.join(sorted(mappings))}"
-        )
-    layer = decoder_layers(model)[0]
-    for mapping in mappings[family]:
-        for name in (mapping.previous, *mapping.linears):
-            try:
-                layer.get_submodule(name)
-            except AttributeError as error:
-                raise CompressError(f"{stage} mapping for {family!r} expects module {name!r} in each layer") from error
-    return mappings[family]
+NO_CLIP = ("q_proj", "k_proj", "qkv_proj")  # their error passes through softmax, where clipping outliers hurts
 
 
 @dataclass
@@ -91,7 +62,8 @@ class AWQStage(WeightQuantizerStage):
     def prepare(self, model: nn.Module) -> None:
         if self.config.duo_scaling not in (True, False, "both"):
             raise CompressError(f"awq: duo_scaling={self.config.duo_scaling!r}; use true, false or both")
-        self.mappings = supported_mappings(model, "AWQ", MAPPINGS)
+        family = family_mappings(model, "AWQ")
+        self.mappings, self.norm_offset = family.mappings, family.norm_offset
         super().prepare(model)
         self.scaled_mappings = 0
 
@@ -106,7 +78,7 @@ class AWQStage(WeightQuantizerStage):
                 continue  # an ignored linear stays dense; scaling it would buy nothing
             scale = self._search_scale(ctx, mapping, activations[mapping.linears[0]])
             if scale is not None:
-                self._apply_scale(ctx, mapping, scale)
+                self.apply_scale(ctx, mapping, scale)
                 self.scaled_mappings += 1
                 for name in mapping.linears:
                     input_scale[name] = self._expand(ctx, mapping, scale)
@@ -149,12 +121,12 @@ class AWQStage(WeightQuantizerStage):
     def _kv_groups(self, ctx: LayerContext, mapping: Mapping) -> tuple[int, int] | None:
         """``(kv_heads, head_dim)`` when the previous op's outputs feed the linears through GQA head repetition."""
         previous = ctx.layer.get_submodule(mapping.previous)
-        linear = ctx.layer.get_submodule(mapping.linears[0])
-        if not isinstance(previous, nn.Linear) or previous.out_features == linear.in_features:
+        width = previous_width(ctx.layer, mapping, ctx.model_config)
+        if not isinstance(previous, nn.Linear) or width == ctx.layer.get_submodule(mapping.linears[0]).in_features:
             return None
         config = ctx.model_config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return previous.out_features // head_dim, head_dim
+        return width // head_dim, head_dim
 
     def _expand(self, ctx: LayerContext, mapping: Mapping, scale: torch.Tensor) -> torch.Tensor:
         """Scale per previous-op output channel → per linear input channel (repeats KV heads under GQA)."""
@@ -205,20 +177,10 @@ class AWQStage(WeightQuantizerStage):
             raise CompressError(f"{ctx.name}: AWQ found non-finite scales for {mapping.linears}; check activations")
         return best_scale
 
-    @torch.no_grad()
-    def _apply_scale(self, ctx: LayerContext, mapping: Mapping, scale: torch.Tensor) -> None:
+    def apply_scale(self, ctx: LayerContext, mapping: Mapping, scale: torch.Tensor) -> None:
         """Fold ``1/s`` into the previous op and ``s`` into the linears: the float model is unchanged."""
-        previous = ctx.layer.get_submodule(mapping.previous)
-        if isinstance(previous, nn.Linear):
-            previous.weight.data = (previous.weight.data.float() / scale[:, None]).to(previous.weight.dtype)
-        else:
-            previous.weight.data = (previous.weight.data.float() / scale).to(previous.weight.dtype)
-        if getattr(previous, "bias", None) is not None:
-            previous.bias.data = (previous.bias.data.float() / scale).to(previous.bias.dtype)
         per_input = self._expand(ctx, mapping, scale)
-        for name in mapping.linears:
-            linear = ctx.layer.get_submodule(name)
-            linear.weight.data = (linear.weight.data.float() * per_input).to(linear.weight.dtype)
+        fold_scale(ctx.layer, mapping, scale, per_input, ctx.model_config, self.norm_offset)
 
     # -- clipping search ---------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -33,10 +33,11 @@ from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, rep
 log = logging.getLogger(__name__)
 
 # Linears quantized together (they read the same input); the groups run in this order inside a decoder layer.
+# Phi-3's fused qkv_proj / gate_up_proj take their unfused counterparts' places (a layer holds one form or the other).
 SEQUENTIAL_GROUPS = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj"),
     ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj"),
     ("mlp.down_proj",),
 )
 CLIP_RATIOS = tuple(1.0 - step / 20 for step in range(8))  # 1.0 ... 0.65

@@ -3,8 +3,9 @@
 Per-token int8 activations lose the small channels of a token whose few outlier channels set the scale. Dividing
 input channel ``j`` by ``s_j = max|X_j|^α / max|W_j|^(1-α)`` and multiplying the weights reading it by ``s_j``
 leaves the float model unchanged but evens out activation ranges (α → 1 pushes more difficulty into the weights).
-The division is folded into the RMSNorm feeding the linears, so inference pays nothing. This stage changes no
-module types: a weight/activation quantizer (``w8a8``, ``fp8``) must follow it.
+The division is folded into the RMSNorm feeding the linears (per family: ``compress.stages.mappings``), so
+inference pays nothing. This stage changes no module types: a weight/activation quantizer (``w8a8``, ``fp8``) must
+follow it.
 """
 
 from __future__ import annotations
@@ -17,14 +18,8 @@ from torch import nn
 from compress.calibration import observe_inputs
 from compress.errors import CompressError
 from compress.quant import matches
-from compress.stages.awq import Mapping, supported_mappings
 from compress.stages.base import LayerContext, Stage
-
-NORM_MAPPINGS = (
-    Mapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    Mapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-)
-MAPPINGS = {family: NORM_MAPPINGS for family in ("llama", "mistral", "qwen2", "qwen3")}
+from compress.stages.mappings import family_mappings, fold_scale
 
 
 @dataclass
@@ -43,7 +38,8 @@ class SmoothQuantStage(Stage):
     needs_dense_weights = True  # folds scales into weights: illegal once they are quantized
 
     def prepare(self, model: nn.Module) -> None:
-        self.mappings = supported_mappings(model, "SmoothQuant", MAPPINGS)
+        family = family_mappings(model, "SmoothQuant", norms_only=True)
+        self.mappings, self.norm_offset = family.mappings, family.norm_offset
         self.smoothed: dict[str, dict] = {}
 
     @torch.no_grad()
@@ -66,12 +62,7 @@ class SmoothQuantStage(Stage):
             alpha = self.config.alpha
             scale = (act_max.pow(alpha) / weight_max.pow(1 - alpha).clamp(min=1e-5)).clamp(min=1e-5)
             scale = torch.where(act_max > 0, scale, torch.ones_like(scale))  # a silent channel keeps its scale
-            norm = ctx.layer.get_submodule(mapping.previous)
-            norm.weight.data = (norm.weight.data.float() / scale).to(norm.weight.dtype)
-            if getattr(norm, "bias", None) is not None:
-                norm.bias.data = (norm.bias.data.float() / scale).to(norm.bias.dtype)
-            for linear in linears:
-                linear.weight.data = (linear.weight.data.float() * scale).to(linear.weight.dtype)
+            fold_scale(ctx.layer, mapping, scale, scale, ctx.model_config, self.norm_offset)
             before = act_max.max() / act_max.clamp(min=1e-8).median()
             after = (act_max / scale).max() / (act_max / scale).clamp(min=1e-8).median()
             self.smoothed[f"{ctx.name}.{mapping.previous}"] = {
