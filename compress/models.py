@@ -175,17 +175,20 @@ def _check_weight_files(folder: Path, allow_pickle: bool) -> None:
     raise CompressError(f"{folder} contains no weights (*.safetensors)")
 
 
-def load_model(spec: ModelSpec):
-    """``(model, tokenizer)`` in eval mode on CPU, in ``spec.dtype`` (``auto``: the checkpoint's own dtype); the
-    pipeline moves one layer at a time to the compute device. A local safetensors folder loads lazily (see
-    :class:`LazyWeights`) unless ``spec.lazy`` is off; hub ids and pickle weights load eagerly."""
+def load_model(spec: ModelSpec, layerwise: bool = False):
+    """``(model, tokenizer)`` in eval mode on CPU, in ``spec.dtype`` (``auto``: the checkpoint's own dtype).
+
+    ``layerwise``: the caller reads decoder layers through :func:`materialize_layer` / :func:`materialize_all` (the
+    pipeline does), so a local safetensors folder may load lazily (see :class:`LazyWeights`) unless ``spec.lazy`` is
+    off. Hub ids, pickle weights and every other caller get the whole model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model_path(spec)
     dtype = _dtype(spec.dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code)
-        model = _load_lazy(Path(source), spec, dtype) if spec.lazy and any(Path(source).glob("*.safetensors")) else None
+        lazy = layerwise and spec.lazy and any(Path(source).glob("*.safetensors"))
+        model = _load_lazy(Path(source), spec, dtype) if lazy else None
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(
                 source,
