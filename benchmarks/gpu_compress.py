@@ -32,7 +32,7 @@ from compress.stages import build_chain
 
 LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)
-TINY = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
+TINY = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)
 ALGORITHMS = ("gptq", "awq")
 
