@@ -50,7 +50,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def capture_first_layer_inputs(
     model: nn.Module, samples: torch.Tensor, batch_size: int, device: torch.device
 ) -> LayerInputs:
-    """Run the model up to its first decoder layer for every batch of ``samples`` and keep what enters it."""
+    """Run the model up to its first decoder layer for every batch of ``samples`` and keep what enters it, in fp32
+    (the walk calibrates each layer in fp32 whatever dtype the model is stored in)."""
     layers = decoder_layers(model)
     captured = LayerInputs(hidden=[])
 
@@ -58,8 +59,8 @@ def capture_first_layer_inputs(
         hidden = args[0] if args else kwargs.pop("hidden_states")
         kwargs = {k: v for k, v in kwargs.items() if k not in {"hidden_states", "past_key_values", "past_key_value"}}
         kwargs["use_cache"] = False
-        captured.hidden.append(hidden)
-        captured.kwargs.append(kwargs)
+        captured.hidden.append(to_fp32(hidden))
+        captured.kwargs.append(to_fp32(kwargs))
         raise _StopForward
 
     inner = model.model
@@ -135,3 +136,53 @@ def observe_inputs(
     finally:
         for handle in handles:
             handle.remove()
+
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def to_fp32(value):
+    """``value`` with every 16-bit float tensor in it (nested in tuples, lists, dicts) cast to fp32."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in HALF_DTYPES else value
+    if isinstance(value, tuple | list):
+        return type(value)(to_fp32(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_fp32(v) for k, v in value.items()}
+    return value
+
+
+def _named_tensors(module: nn.Module):
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def _replace_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Parameters keep their identity (tied weights stay tied); buffers are swapped in their owner."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if leaf in owner._parameters:
+        owner._parameters[leaf].data = value
+    else:
+        owner._buffers[leaf] = value
+
+
+@torch.no_grad()
+def upcast(module: nn.Module) -> dict[str, torch.dtype]:
+    """Cast ``module``'s 16-bit float parameters and buffers to fp32 in place, where they already are (on the
+    compute device, the fp32 copy exists only there). Returns their dtypes by name for :func:`restore_dtypes`."""
+    stored = {}
+    for name, tensor in list(_named_tensors(module)):
+        if tensor.dtype in HALF_DTYPES:
+            stored[name] = tensor.dtype
+            _replace_tensor(module, name, tensor.float())
+    return stored
+
+
+@torch.no_grad()
+def restore_dtypes(module: nn.Module, stored: dict[str, torch.dtype]) -> None:
+    """Cast back what :func:`upcast` widened and is still fp32 (possibly changed by a stage: folded scales, pruned
+    weights). Tensors the stages created (packed codes, fp8 weights, their scales) keep the dtype they were made in."""
+    for name, tensor in list(_named_tensors(module)):
+        if name in stored and tensor.dtype == torch.float32:
+            _replace_tensor(module, name, tensor.to(stored[name]))

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
+from compress.calibration import decoder_layers
 from compress.errors import CompressError
 from compress.paths import artifacts_dir
 
@@ -37,14 +39,27 @@ class ModelSpec:
     path: str = DEFAULT_MODEL
     trust_remote_code: bool = False
     allow_pickle: bool = False
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: the checkpoint's own dtype (config.json); float32 / bfloat16 / float16 to override
+    lazy: bool = True  # local safetensors folders: decoder layers are read from disk only when the walk reaches them
 
 
-def _dtype(name: str) -> torch.dtype:
-    options = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in options:
-        raise CompressError(f"model.dtype={name!r} is not supported; use one of {sorted(options)}")
-    return options[name]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype(name: str) -> torch.dtype | str:
+    """``"auto"`` passes through (transformers reads config.json); anything else must be a supported dtype."""
+    if name == "auto":
+        return name
+    if name not in DTYPES:
+        raise CompressError(f"model.dtype={name!r} is not supported; use auto or one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def source_dtype(config) -> torch.dtype:
+    """The dtype a checkpoint was saved in (``dtype``, older ``torch_dtype``); float32 when the config says nothing."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    value = getattr(torch, value) if isinstance(value, str) else value
+    return value if value in DTYPES.values() else torch.float32
 
 
 def smollm2_gguf_path() -> Path:
@@ -160,20 +175,116 @@ def _check_weight_files(folder: Path, allow_pickle: bool) -> None:
     raise CompressError(f"{folder} contains no weights (*.safetensors)")
 
 
-def load_model(spec: ModelSpec):
-    """``(model, tokenizer)`` in eval mode on CPU; the pipeline moves one layer at a time to the compute device."""
+def load_model(spec: ModelSpec, layerwise: bool = False):
+    """``(model, tokenizer)`` in eval mode on CPU, in ``spec.dtype`` (``auto``: the checkpoint's own dtype).
+
+    ``layerwise``: the caller reads decoder layers through :func:`materialize_layer` / :func:`materialize_all` (the
+    pipeline does), so a local safetensors folder may load lazily (see :class:`LazyWeights`) unless ``spec.lazy`` is
+    off. Hub ids, pickle weights and every other caller get the whole model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model_path(spec)
+    dtype = _dtype(spec.dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            source,
-            dtype=_dtype(spec.dtype),
-            trust_remote_code=spec.trust_remote_code,
-            use_safetensors=not spec.allow_pickle,
-        )
+        lazy = layerwise and spec.lazy and any(Path(source).glob("*.safetensors"))
+        model = _load_lazy(Path(source), spec, dtype) if lazy else None
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(
+                source,
+                dtype=dtype,
+                trust_remote_code=spec.trust_remote_code,
+                use_safetensors=not spec.allow_pickle,
+            )
     except Exception as error:  # missing files, corrupt safetensors, bad config: all end the run the same way
         raise CompressError(f"cannot load model {spec.path!r}: {type(error).__name__}: {error}") from error
     model.eval()
     return model, tokenizer
+
+
+class LazyWeights:
+    """Which safetensors file holds each tensor of a local checkpoint, so one decoder layer can be read on its own.
+
+    A lazily loaded model keeps its decoder layers on the meta device until :func:`materialize_layer` reads them:
+    peak host memory during compression is the embeddings and head, the layers processed so far (small once
+    quantized), one layer being processed and its calibration activations, instead of the whole model.
+    """
+
+    def __init__(self, folder: Path, dtype: torch.dtype):
+        self.folder, self.dtype = folder, dtype
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        else:
+            self.weight_map = {}
+            for file in sorted(folder.glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as handle:
+                    self.weight_map.update(dict.fromkeys(handle.keys(), file.name))
+        self.layers_prefix = ""
+        self.loaded: set[int] = set()
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, floating ones cast to the model's dtype; each file is opened once."""
+        by_file: dict[str, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.weight_map[key], []).append(key)
+        tensors = {}
+        for filename, names in by_file.items():
+            with safe_open(str(self.folder / filename), framework="pt") as handle:
+                for name in names:
+                    tensor = handle.get_tensor(name)
+                    tensors[name] = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+        return tensors
+
+    def layer_keys(self, index: int) -> list[str]:
+        prefix = f"{self.layers_prefix}.{index}."
+        return [key for key in self.weight_map if key.startswith(prefix)]
+
+
+def _load_lazy(folder: Path, spec: ModelSpec, dtype: torch.dtype | str):
+    """The model with embeddings, final norm and head loaded and every decoder layer still on the meta device;
+    None when the checkpoint's tensor names are not exactly the model's (transformers renames some legacy
+    checkpoints while loading them), so the caller falls back to the eager load."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
+    dtype = source_dtype(config) if dtype == "auto" else dtype
+    weights = LazyWeights(folder, dtype)
+    with init_empty_weights():  # parameters on meta; buffers (rotary frequencies) are computed for real
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=spec.trust_remote_code)
+    stored = set(weights.weight_map)
+    expected = set(model.state_dict())
+    tied = getattr(model, "all_tied_weights_keys", None) or {}  # {tied name: name it shares its tensor with}
+    missing = {key for key in expected - stored if tied.get(key) not in stored}
+    if missing or stored - expected:
+        log.info("%s: tensor names differ from the model's (%d missing, %d extra); loading eagerly", folder,
+                 len(missing), len(stored - expected))
+        return None
+    layers = decoder_layers(model)
+    weights.layers_prefix = next(name for name, module in model.named_modules() if module is layers)
+    eager = [key for key in stored if not key.startswith(f"{weights.layers_prefix}.")]
+    model.load_state_dict(weights.read(eager), strict=False, assign=True)
+    model.tie_weights()  # assign=True replaced the input embedding; the tied head must follow it
+    model.lazy_weights = weights
+    return model
+
+
+def materialize_layer(model: torch.nn.Module, index: int) -> None:
+    """Read decoder layer ``index`` from disk if the model was loaded lazily and the layer is still on meta."""
+    weights: LazyWeights | None = getattr(model, "lazy_weights", None)
+    if weights is None or index in weights.loaded:
+        return
+    prefix = f"{weights.layers_prefix}.{index}."
+    tensors = weights.read(weights.layer_keys(index))
+    decoder_layers(model)[index].load_state_dict(
+        {key.removeprefix(prefix): value for key, value in tensors.items()}, strict=True, assign=True
+    )
+    weights.loaded.add(index)
+
+
+def materialize_all(model: torch.nn.Module) -> None:
+    """Every decoder layer in memory: whole-model stages and perplexity need them all."""
+    if getattr(model, "lazy_weights", None) is not None:
+        for index in range(len(decoder_layers(model))):
+            materialize_layer(model, index)

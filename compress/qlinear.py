@@ -78,6 +78,14 @@ class QuantizedLinear(nn.Module):
             module.bias.data.copy_(bias)
         return module
 
+    def _apply(self, fn, recurse=True):
+        """Moving or casting the module drops the copies derived from its buffers (kernel layout, CPU dense
+        weight): they would pin memory where the module no longer is, e.g. a GPU repack of every layer the
+        compression walk already sent back to the CPU, or a dense fp32 copy of every calibrated layer."""
+        for cache in ("_layout", "_layout_source", "_dense", "_dense_source"):
+            self.__dict__.pop(cache, None)
+        return super()._apply(fn, recurse)
+
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_packed(
             self.weight_packed, self.weight_scale, self.weight_zero_point, self.num_bits,

@@ -91,7 +91,7 @@ class AWQStage(WeightQuantizerStage):
                     inverse = 1.0 / input_scale[name]
                     gram = gram * inverse[:, None] * inverse[None, :]
                 clip = self._search_clip(ctx.layer.get_submodule(name).weight.data, gram)
-            self.quantize_linear(ctx.layer, name, f"{ctx.name}.{name}", clip)
+            self.quantize_linear(ctx.layer, name, f"{ctx.name}.{name}", clip, scale_dtype=ctx.dtype)
 
     # -- calibration statistics -------------------------------------------------------------------------------
     @torch.no_grad()

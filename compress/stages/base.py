@@ -35,6 +35,7 @@ class LayerContext:
     model_config: Any
     inputs: LayerInputs | None
     device: torch.device
+    dtype: torch.dtype = torch.float32  # the model's storage dtype: the layer is fp32 here, scales round to this
 
 
 class Stage(ABC):

@@ -145,8 +145,8 @@ def gptq_quantize(
     qmin, qmax = scheme.qmin, scheme.qmax
 
     groups = columns // group
-    scales = torch.empty(out_features, groups, dtype=dtype)
-    zeros = None if scheme.symmetric else torch.empty(out_features, groups, dtype=torch.int8)
+    scales = torch.empty(out_features, groups, dtype=dtype, device=W.device)
+    zeros = None if scheme.symmetric else torch.empty(out_features, groups, dtype=torch.int8, device=W.device)
     if act_order:  # static groups: parameters fixed from the original weight before any compensation
         for g in range(groups):
             cols = slice(g * group, (g + 1) * group)
@@ -156,18 +156,19 @@ def gptq_quantize(
                 zeros[:, g : g + 1] = zero
         order = torch.argsort(H.diagonal(), descending=True)
     else:
-        order = torch.arange(columns)
+        order = torch.arange(columns, device=W.device)
     W, H = W[:, order], H[order][:, order]
+    column_order = order.tolist()  # read once: one .item() per column would sync the GPU thousands of times
     Hinv, damp, retries = cholesky_inverse_upper(H, dampening, max_damp_retries, name)
 
-    codes = torch.empty(out_features, columns, dtype=torch.int8)
+    codes = torch.empty(out_features, columns, dtype=torch.int8, device=W.device)
     for start in range(0, columns, block_size):
         end = min(start + block_size, columns)
         block = W[:, start:end].clone()
         errors = torch.empty_like(block)
         block_inv = Hinv[start:end, start:end]
         for i in range(end - start):
-            column = order[start + i].item()
+            column = column_order[start + i]
             g = column // group
             if not act_order and column % group == 0:  # lazy groups: from the weight as compensated so far
                 cols = slice(start + i, start + i + group)
@@ -260,7 +261,7 @@ class GPTQStage(WeightQuantizerStage):
         result = gptq_quantize(
             weight, hessian, c.scheme, block_size=c.block_size, dampening=c.dampening,
             max_damp_retries=c.max_damp_retries, act_order=c.act_order, clip_search=c.clip_search,
-            scale_dtype=weight.dtype, name=full,
+            scale_dtype=ctx.dtype, name=full,
         )
         if result.retries:
             self.retries[full] = result.retries

@@ -71,7 +71,7 @@ class KVCacheStage(Stage):
         finally:
             del attention.kv_observer
         scheme = self.scheme
-        dtype = ctx.inputs.hidden[0].dtype
+        dtype = ctx.dtype
         scales = {}
         for name, peak in peaks.items():
             peak = peak.clamp(min=1e-6)

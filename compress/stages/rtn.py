@@ -20,4 +20,4 @@ class RTNStage(WeightQuantizerStage):
 
     def process_layer(self, ctx: LayerContext) -> None:
         for name in target_linears(ctx.layer, ctx.name, self.config.ignore):
-            self.quantize_linear(ctx.layer, name, f"{ctx.name}.{name}")
+            self.quantize_linear(ctx.layer, name, f"{ctx.name}.{name}", scale_dtype=ctx.dtype)

@@ -58,15 +58,16 @@ class WeightQuantizerStage(Stage):
 
     def quantize_linear(
         self, layer: nn.Module, name: str, full_name: str, clip: torch.Tensor | float = 1.0,
-        inputs: torch.Tensor | None = None,
+        inputs: torch.Tensor | None = None, scale_dtype: torch.dtype | None = None,
     ) -> None:
-        """Replace ``layer.<name>`` with its quantized form; record the weight (and output, given inputs) error."""
+        """Replace ``layer.<name>`` with its quantized form (scales in ``scale_dtype``, default the weight's);
+        record the weight (and output, given inputs) error."""
         linear = layer.get_submodule(name)
         weight = linear.weight.data
         if not torch.isfinite(weight).all():
             raise CompressError(f"{full_name}: weight holds NaN/inf; the model or an earlier stage is broken")
         scheme = self.config.scheme
-        codes, scale, zero = quantize(weight, scheme, clip, scale_dtype=weight.dtype)
+        codes, scale, zero = quantize(weight, scheme, clip, scale_dtype=scale_dtype or weight.dtype)
         bias = None if linear.bias is None else linear.bias.data
         quantized = QuantizedLinear.from_codes(codes, scale, zero, scheme.bits, scheme.group_for(weight.shape[1]), bias)
         error = (quantized.dequantized_weight().float() - weight.float()).pow(2).mean() / weight.float().pow(2).mean()

@@ -1,0 +1,154 @@
+"""Peak host memory of `compress run` on a ~1B-parameter bf16 model: the old eager fp32 load vs lazy source-dtype.
+
+    python -m benchmarks.peak_rss              # hidden 2048, 16 layers, intermediate 5632 (~1B params, ~2 GB bf16)
+    python -m benchmarks.peak_rss --tiny       # a few-MB shape, to check that the script works
+
+A random Llama-shaped model is written as bf16 safetensors into a temporary folder, then `python -m compress run
+recipe=rtn_int4` runs on it twice in fresh processes: (a) `model.dtype=float32 model.lazy=false` (what every run did
+before source-dtype loading) and (b) the defaults (`model.dtype=auto model.lazy=true`). Each child's peak RSS comes
+from ``os.wait4`` (that child alone) and is divided by the bf16 weight file size. Results go to
+``benchmarks/results/peak-rss.{json,md}`` (``--tiny`` writes nothing unless ``--out`` is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPES = {
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=5632, num_attention_heads=16,
+               num_key_value_heads=16, vocab_size=32000),
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+}
+MODES = {
+    "eager_fp32": ["model.dtype=float32", "model.lazy=false"],
+    "lazy_source_dtype": ["model.dtype=auto", "model.lazy=true"],
+}
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer with no merges (ids 0..256): real text, diverse ids, nothing to train or download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: index for index, symbol in enumerate([*alphabet, "<eos>"])}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+@torch.no_grad()
+def save_random_llama(folder: Path, shape: dict, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> int:
+    """A random ``LlamaForCausalLM`` of ``shape`` saved as ``dtype`` safetensors (+ config, tokenizer) without ever
+    holding an fp32 copy; returns the parameter count."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(max_position_embeddings=4096, tie_word_embeddings=False, **shape)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def measure(model_dir: Path, mode: str, work: Path, extra: list[str]) -> dict:
+    """One `compress run` in a fresh process; its own peak RSS from wait4."""
+    runs = work / f"runs-{mode}"
+    command = [
+        sys.executable, "-m", "compress", "run", "recipe=rtn_int4", f"model={model_dir}", *MODES[mode],
+        "tracking.enabled=false", "gate=none", "eval.perplexity=false", "device=cpu",
+        "data.num_samples=4", "data.seq_len=128", f"output.dir={runs}", *extra,
+    ]
+    env = {**os.environ, "COMPRESS_ARTIFACTS": str(work / "artifacts"), "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output = process.stdout.read().decode(errors="replace")
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SystemExit(f"{mode}: compress run failed with exit {code}:\n{output[-3000:]}")
+    [report_file] = runs.glob("*/report.json")
+    report = json.loads(report_file.read_text())
+    return {
+        "overrides": MODES[mode],
+        "peak_rss_mb": usage.ru_maxrss / 1024,
+        "report_peak_rss_mb": report["peak_rss_mb"],
+        "wall_s": seconds,
+        "timings_s": report["timings_s"],
+        "checkpoint_mb": report["checkpoint"]["size_mb"],
+    }
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"# Peak RSS of `compress run recipe=rtn_int4` ({result['shape_name']} shape)",
+        "",
+        f"Random Llama, {result['params'] / 1e9:.2f} B parameters, bf16 safetensors {result['weights_mb']:.0f} MB; "
+        f"{result['machine']}. Peak RSS is the child process's `ru_maxrss` (os.wait4).",
+        "",
+        "| load path | overrides | peak RSS MB | peak RSS / bf16 file | wall s |",
+        "|---|---|---|---|---|",
+    ]
+    for mode, row in result["modes"].items():
+        lines.append(f"| {mode} | `{' '.join(row['overrides'])}` | {row['peak_rss_mb']:.0f} | "
+                     f"{row['ratio_to_bf16_file']:.2f}x | {row['wall_s']:.0f} |")
+    lines += ["", f"Lazy source-dtype peak is {result['lazy_vs_eager']:.2f}x the eager fp32 peak."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="a few-MB model: checks the script, measures nothing")
+    parser.add_argument("--layers", type=int, help="override the number of decoder layers")
+    parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; none for --tiny)")
+    args = parser.parse_args(argv)
+    shape_name = "tiny" if args.tiny else "1b"
+    shape = dict(SHAPES[shape_name])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    out = args.out or (None if args.tiny else REPO / "benchmarks" / "results")
+    with tempfile.TemporaryDirectory(prefix="peak-rss-") as tmp:
+        work = Path(tmp)
+        model_dir = work / "model"
+        params = save_random_llama(model_dir, shape, torch.bfloat16)
+        weights_mb = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
+        extra = ["stages.0.group_size=32"] if args.tiny else []
+        modes = {mode: measure(model_dir, mode, work, extra) for mode in MODES}
+    for row in modes.values():
+        row["ratio_to_bf16_file"] = row["peak_rss_mb"] / weights_mb
+    result = {
+        "shape_name": shape_name, "shape": shape, "params": params, "weights_mb": weights_mb,
+        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}",
+        "modes": modes,
+        "lazy_vs_eager": modes["lazy_source_dtype"]["peak_rss_mb"] / modes["eager_fp32"]["peak_rss_mb"],
+    }
+    print(markdown(result))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "peak-rss.json").write_text(json.dumps(result, indent=2))
+        (out / "peak-rss.md").write_text(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
