@@ -26,7 +26,7 @@ for step in $steps; do
           python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)";;
     tests) run_step tests ${LIMIT_TESTS:-300} env COMPRESS_TEST_DEVICE=cuda COMPRESS_AUTOTUNE=0 \
              python3 -m pytest -q -rfE -n 8 -p no:cacheprovider $KERNEL_TESTS;;
-    check) run_step check ${LIMIT_CHECK:-180} python3 benchmarks/engine_gpu_check.py;;
+    check) run_step check ${LIMIT_CHECK:-180} python3 -m benchmarks.engine_gpu_check;;
     kernels) run_step kernels ${LIMIT_KERNELS:-420} python3 -m compress bench kernels --out-dir "$RESULTS" ${KERNEL_ARGS:-};;
     decode) run_step decode ${LIMIT_DECODE:-300} python3 -m compress bench engine checkpoint=random:llama-8b mode=decode out="$RESULTS";;
     serve) run_step serve ${LIMIT_SERVE:-300} python3 -m compress bench engine checkpoint=random:smollm2-135m out="$RESULTS";;
