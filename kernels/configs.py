@@ -77,6 +77,29 @@ W4A16_GEMM: dict[str, list[Config]] = {
     "interpreter": [dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=1)],
 }
 
+# Large-M W4A16: dequantize the packed weight once per call into a scratch W.T in the activation dtype (Triton), then
+# cuBLAS. The pass moves the int4 weight plus the dense one (14336x4096: 29 MB read + 117 MB written, ~50 us at the
+# H100's 3 TB/s copy rate) on top of a bf16 GEMM. The tiled kernel measured 0.33-0.39x bf16 at M=1024 on an H100
+# (14336x4096: 496 us against 170 us), so there the pass wins (~50 + 170 us); at M=128 it loses (~50 + 57 us against
+# 77 us). M=512 is the conservative crossover from that arithmetic, not a measurement: tune it on the GPU
+# (`bench kernels --kernels w4a16 --rows 128,256,512,1024`). One pass per program tile: no K loop, so no stages.
+W4A16_DEQUANT_MIN_M: dict[str, int] = {"hopper": 512, "ampere": 512, "interpreter": 512}
+W4A16_DEQUANT: dict[str, list[Config]] = {
+    "hopper": [
+        dict(KIND="dequant", BLOCK_K=64, BLOCK_N=256, num_warps=8, num_stages=1),
+        dict(KIND="dequant", BLOCK_K=64, BLOCK_N=128, num_warps=4, num_stages=1),
+        dict(KIND="dequant", BLOCK_K=128, BLOCK_N=128, num_warps=8, num_stages=1),
+        dict(KIND="dequant", BLOCK_K=32, BLOCK_N=256, num_warps=4, num_stages=1),
+        dict(KIND="dequant", BLOCK_K=128, BLOCK_N=256, num_warps=8, num_stages=1),
+    ],
+    "ampere": [
+        dict(KIND="dequant", BLOCK_K=64, BLOCK_N=128, num_warps=4, num_stages=1),
+        dict(KIND="dequant", BLOCK_K=64, BLOCK_N=256, num_warps=8, num_stages=1),
+    ],
+    # BLOCK_K=64 above group size 32 exercises the per-column (gathered) scale path.
+    "interpreter": [dict(KIND="dequant", BLOCK_K=64, BLOCK_N=32, num_warps=4, num_stages=1)],
+}
+
 # W8A8 int8 and FP8 GEMM (8-bit dot tiles need BLOCK_K >= 32). Small-M entries keep the weight stream wide.
 SCALED_MM: dict[str, list[Config]] = {
     "hopper": [
