@@ -66,16 +66,23 @@ def _dequantized_tile(
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
     ONE_GROUP_PER_TILE: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """``[BLOCK_K, BLOCK_N]`` fp32 weight tile. Each int32 word is loaded once per code it holds: the repeats
-    hit L1, and the index math stays a shift and a mask."""
+    """``[BLOCK_K, BLOCK_N]`` fp32 weight tile (``k_start`` and BLOCK_K multiples of the codes per word). The
+    ``[BLOCK_K / codes, BLOCK_N]`` words are loaded once and unpacked in registers: loading each word once per
+    code it holds made every pipelined stage copy the tile into shared memory that many times (int4: 8x; e.g.
+    127 KiB for a 16x64x128 four-stage skinny tile instead of ~20, one block per SM), see
+    ``benchmarks/kernel_static_check.py``. Codes past K (padding of the last word) meet zero activations."""
     CODES_PER_WORD: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // CODES_PER_WORD
+    tl.static_assert(BLOCK_K % CODES_PER_WORD == 0, "BLOCK_K must hold whole words")
     offs_k = k_start + tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     mask = mask_k[:, None] & (offs_n < N)[None, :]
-    word_ptrs = packed_ptr + (offs_k // CODES_PER_WORD)[:, None] * stride_pk + offs_n[None, :] * stride_pn
-    words = tl.load(word_ptrs, mask=mask, other=0)
-    shifts = (offs_k % CODES_PER_WORD) * BITS
-    unsigned = (words >> shifts[:, None]) & ((1 << BITS) - 1)
+    offs_w = k_start // CODES_PER_WORD + tl.arange(0, WORDS)
+    word_mask = (offs_w * CODES_PER_WORD < K)[:, None] & (offs_n < N)[None, :]
+    words = tl.load(packed_ptr + offs_w[:, None] * stride_pk + offs_n[None, :] * stride_pn, mask=word_mask, other=0)
+    shifts = tl.arange(0, CODES_PER_WORD) * BITS
+    unpacked = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+    unsigned = tl.reshape(unpacked, (BLOCK_K, unpacked.shape[2]))
     if ONE_GROUP_PER_TILE:  # the tile lies inside one group: one scale (and zero) per output column
         group = k_start // GROUP_SIZE
         mask_n = offs_n < N
