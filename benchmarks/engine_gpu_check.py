@@ -1,6 +1,7 @@
 """The engine on a GPU (compiled kernels, CUDA graphs) against transformers on the same model: greedy tokens
 and teacher-forced perplexity for each KV cache dtype. Random weights of SmolLM2's shape, so it runs on a bare
-GPU box: ``python benchmarks/engine_gpu_check.py``. Prints a table; exits 1 if fp32 greedy output differs."""
+GPU box: ``python -m benchmarks.engine_gpu_check`` from the checkout's root. Prints a table; exits 1 if fp32
+greedy output differs."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import sys
 
 import torch
 
+from benchmarks.bench_engine import random_model
 from compress.engine import LLM, SamplingParams
-from compress.engine.bench import random_model
 
 
 @torch.inference_mode()

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # Everything a lent GPU is for, in one call (device time is scarce): the kernel tests against the compiled
-# kernels, the engine against transformers on the GPU, the kernel benchmark and the engine benchmarks.
+# kernels, the engine against transformers on the GPU, the kernel benchmark, the kernels against their peers
+# (torch int4/int8/fp8, gemlite when `.whl` is carried: benchmarks/fetch_gemlite.sh) and the engine benchmarks.
 # Usage on the GPU machine: bash benchmarks/gpu_session.sh [step ...]  (default: all). Logs and results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 RESULTS=$OUT/results  # tarred at the end: the device tool returns at most 8 files
 mkdir -p "$RESULTS"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_INTERPRET=0 TOKENIZERS_PARALLELISM=false
+for sdist in .whl/gemlite-*.tar.gz; do  # from benchmarks/fetch_gemlite.sh, carried as `.whl`: gemlite columns of `peers`
+  [ -f "$sdist" ] || continue
+  mkdir -p /tmp/gemlite && tar -xzf "$sdist" -C /tmp/gemlite
+  export PYTHONPATH=$(ls -d /tmp/gemlite/gemlite-*/ | head -n 1):$PYTHONPATH
+done
 KERNEL_TESTS="tests/test_kernels_w4a16.py tests/test_kernels_w8a8.py tests/test_paged_attention.py
-  tests/test_qlinear_kernels.py tests/test_engine.py tests/test_kernels_bench.py"
+  tests/test_qlinear_kernels.py tests/test_engine.py tests/test_kernels_bench.py tests/test_kernels_peers.py"
 
 run_step() {  # name, time limit (s), command...
   local name=$1 limit=$2 start=$SECONDS
@@ -19,15 +25,16 @@ run_step() {  # name, time limit (s), command...
   tail -n "${TAIL_LINES:-12}" "$RESULTS/$name.log"
 }
 
-steps=${*:-info tests check kernels decode serve}
+steps=${*:-info tests check kernels peers decode serve}
 for step in $steps; do
   case $step in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv
           python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)";;
     tests) run_step tests ${LIMIT_TESTS:-300} env COMPRESS_TEST_DEVICE=cuda COMPRESS_AUTOTUNE=0 \
              python3 -m pytest -q -rfE -n 8 -p no:cacheprovider $KERNEL_TESTS;;
-    check) run_step check ${LIMIT_CHECK:-180} python3 benchmarks/engine_gpu_check.py;;
+    check) run_step check ${LIMIT_CHECK:-180} python3 -m benchmarks.engine_gpu_check;;
     kernels) run_step kernels ${LIMIT_KERNELS:-420} python3 -m compress bench kernels --out-dir "$RESULTS" ${KERNEL_ARGS:-};;
+    peers) run_step peers ${LIMIT_PEERS:-480} python3 -m compress bench peers --out-dir "$RESULTS" ${PEER_ARGS:-};;
     decode) run_step decode ${LIMIT_DECODE:-300} python3 -m compress bench engine checkpoint=random:llama-8b mode=decode out="$RESULTS";;
     serve) run_step serve ${LIMIT_SERVE:-300} python3 -m compress bench engine checkpoint=random:smollm2-135m out="$RESULTS";;
     *) echo "unknown step $step"; exit 2;;

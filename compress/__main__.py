@@ -11,7 +11,7 @@ COMMANDS = {
     "gate": "judge a candidate checkpoint against a baseline; exit 0 pass, 1 block",
     "compare": "table and Pareto plot of logged runs",
     "generate": "generate text from a checkpoint with the compress engine",
-    "bench": "benchmarks: `bench kernels` (GEMM kernels vs torch) or `bench engine` (engine vs transformers)",
+    "bench": "benchmarks: `bench kernels` (vs torch), `bench peers` (vs torch int4/int8/fp8, gemlite), `bench engine`",
 }
 
 

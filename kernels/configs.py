@@ -45,6 +45,10 @@ W4A16_SKINNY: dict[str, list[Config]] = {
         dict(BLOCK_N=64, BLOCK_K=64, SPLIT_K=8, num_warps=2, num_stages=5),
         dict(BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=4),
         dict(BLOCK_N=256, BLOCK_K=64, SPLIT_K=2, num_warps=8, num_stages=4),
+        # gemlite 0.6's H100 tile cache at M = 2..16 (its split-K dot kernel, same shapes): 15-24 % faster than ours
+        dict(BLOCK_N=64, BLOCK_K=64, SPLIT_K=16, num_warps=4, num_stages=1),
+        dict(BLOCK_N=64, BLOCK_K=64, SPLIT_K=16, num_warps=4, num_stages=3),
+        dict(BLOCK_N=256, BLOCK_K=64, SPLIT_K=8, num_warps=4, num_stages=1),
     ],
     "ampere": [
         dict(KIND="gemv", BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, num_warps=4, num_stages=3),
@@ -67,6 +71,10 @@ W4A16_GEMM: dict[str, list[Config]] = {
         dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
         dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=5),
         dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
+        # gemlite 0.6's H100 tile cache at M = 128..256 (narrow N tiles, no pipelining)
+        dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=1),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=1),
+        dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=1),
     ],
     "ampere": [
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),
@@ -77,11 +85,46 @@ W4A16_GEMM: dict[str, list[Config]] = {
     "interpreter": [dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=1)],
 }
 
+# Large-M W4A16: dequantize the packed weight once per call into a scratch W.T in the activation dtype (Triton), then
+# cuBLAS. The pass moves the int4 weight plus the dense one (14336x4096: 29 MB read + 117 MB written, ~50 us at the
+# H100's 3 TB/s copy rate) on top of a bf16 GEMM. The tiled kernel measured 0.33-0.39x bf16 at M=1024 on an H100
+# (14336x4096: 496 us against 170 us), so there the pass wins (~50 + 170 us); at M=128 it loses (~50 + 57 us against
+# 77 us). M=512 is the conservative crossover from that arithmetic, not a measurement: tune it on the GPU
+# (`bench kernels --kernels w4a16 --rows 128,256,512,1024`). One pass per program tile: no K loop, so no stages.
+W4A16_DEQUANT_MIN_M: dict[str, int] = {"hopper": 512, "ampere": 512, "interpreter": 512}
+W4A16_DEQUANT: dict[str, list[Config]] = {
+    "hopper": [
+        dict(KIND="dequant", BLOCK_K=64, BLOCK_N=256, num_warps=8, num_stages=1),
+        dict(KIND="dequant", BLOCK_K=64, BLOCK_N=128, num_warps=4, num_stages=1),
+        dict(KIND="dequant", BLOCK_K=128, BLOCK_N=128, num_warps=8, num_stages=1),
+        dict(KIND="dequant", BLOCK_K=32, BLOCK_N=256, num_warps=4, num_stages=1),
+        dict(KIND="dequant", BLOCK_K=128, BLOCK_N=256, num_warps=8, num_stages=1),
+    ],
+    "ampere": [
+        dict(KIND="dequant", BLOCK_K=64, BLOCK_N=128, num_warps=4, num_stages=1),
+        dict(KIND="dequant", BLOCK_K=64, BLOCK_N=256, num_warps=8, num_stages=1),
+    ],
+    # BLOCK_K=64 above group size 32 exercises the per-column (gathered) scale path.
+    "interpreter": [dict(KIND="dequant", BLOCK_K=64, BLOCK_N=32, num_warps=4, num_stages=1)],
+}
+
 # W8A8 int8 and FP8 GEMM (8-bit dot tiles need BLOCK_K >= 32). Small-M entries keep the weight stream wide.
+# Hopper: 128-wide K tiles (one wgmma K step is 32 bytes), 8 warps (two warpgroups) on the 128x128/128x256 tiles,
+# 3-5 stages; the 128x256x128 4-stage tile (192 KiB of shared memory) and the small-M tiles are gemlite 0.6's H100
+# picks for 8-bit operands at these shapes (1.2-1.4x faster than ours at M >= 1024). Compiled for sm90 without a
+# GPU (Triton 3.9): every entry uses wgmma (BLOCK_M >= 64) or mma.sync and fits in shared memory, but for FP8 the
+# 128x256 tiles spill (255 registers: the once-per-K-tile promotion keeps a second fp32 accumulator) while int8
+# fits in 195. The first entry, taken under COMPRESS_AUTOTUNE=0, fits both.
 SCALED_MM: dict[str, list[Config]] = {
     "hopper": [
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),
+        dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=5),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, num_warps=4, num_stages=5),
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=8, num_warps=4, num_stages=4),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=5),
         dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
         dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),

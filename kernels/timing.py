@@ -13,8 +13,13 @@ from collections.abc import Callable
 import torch
 
 
-def graph_time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
-    """Median milliseconds of ``fn`` replayed from a CUDA graph; eager timing if the call cannot be captured.
+class NotCapturable(RuntimeError):
+    """The call cannot be captured in a CUDA graph (``graph_time_ms(..., eager_fallback=False)``)."""
+
+
+def graph_time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, eager_fallback: bool = True) -> float:
+    """Median milliseconds of ``fn`` replayed from a CUDA graph; eager timing if the call cannot be captured, or
+    :class:`NotCapturable` without ``eager_fallback`` (a comparison that must time everything the same way).
     ``fn`` runs once before the capture (compilation, autotuning, allocator warm-up stay outside)."""
     import triton.testing
 
@@ -24,6 +29,8 @@ def graph_time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) ->
     try:
         with torch.cuda.graph(graph):
             fn()
-    except RuntimeError:
+    except RuntimeError as error:
+        if not eager_fallback:
+            raise NotCapturable(str(error)) from error
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
     return triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")

@@ -1,7 +1,9 @@
 """W4A16 (and W8A16/W2A16) weight-only GEMM: group-quantized packed weights, 16-bit activations, fp32 sums.
 
-Two kernels chosen by M: a split-K skinny kernel for decode (M <= 16) whose many programs keep the weight
-stream at full bandwidth, and a tiled GEMM for prefill. Both read the packed weight through a
+Three paths chosen by M (thresholds in :mod:`kernels.configs`): a split-K skinny kernel for decode (M <= 16) whose
+many programs keep the weight stream at full bandwidth, a tiled GEMM that dequantizes in registers for mid-size M,
+and, for large M, one dequantization pass into a scratch weight in the activation dtype followed by cuBLAS
+(``torch.matmul``), since cuBLAS's GEMM outruns ours by more than the pass costs. All read the packed weight through a
 ``[K / codes_per_word, N]`` view with arbitrary strides, so they run on the on-disk pack-quantized tensor
 (``weight_packed.t()``, a view) or on the N-contiguous copy made once by :func:`repack_n_contiguous`.
 Weight ``[n, k]`` is ``(u - 2**(b-1) - z[n, g(k)]) * s[n, g(k)]``, ``u`` the unsigned code at word
@@ -15,7 +17,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.configs import GEMV_MAX_M, SKINNY_MAX_M, W4A16_GEMM, W4A16_SKINNY, launch_options, m_bucket, pick_config
+from kernels.configs import (
+    GEMV_MAX_M,
+    SKINNY_MAX_M,
+    W4A16_DEQUANT,
+    W4A16_DEQUANT_MIN_M,
+    W4A16_GEMM,
+    W4A16_SKINNY,
+    gpu_family,
+    launch_options,
+    m_bucket,
+    pick_config,
+)
 from kernels.dequant import dequantize_packed
 
 KERNEL_BITS = (2, 4, 8)  # bit widths whose codes never straddle an int32 word
@@ -53,16 +66,23 @@ def _dequantized_tile(
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
     ONE_GROUP_PER_TILE: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """``[BLOCK_K, BLOCK_N]`` fp32 weight tile. Each int32 word is loaded once per code it holds: the repeats
-    hit L1, and the index math stays a shift and a mask."""
+    """``[BLOCK_K, BLOCK_N]`` fp32 weight tile (``k_start`` and BLOCK_K multiples of the codes per word). The
+    ``[BLOCK_K / codes, BLOCK_N]`` words are loaded once and unpacked in registers: loading each word once per
+    code it holds made every pipelined stage copy the tile into shared memory that many times (int4: 8x; e.g.
+    127 KiB for a 16x64x128 four-stage skinny tile instead of ~20, one block per SM), see
+    ``benchmarks/kernel_static_check.py``. Codes past K (padding of the last word) meet zero activations."""
     CODES_PER_WORD: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // CODES_PER_WORD
+    tl.static_assert(BLOCK_K % CODES_PER_WORD == 0, "BLOCK_K must hold whole words")
     offs_k = k_start + tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     mask = mask_k[:, None] & (offs_n < N)[None, :]
-    word_ptrs = packed_ptr + (offs_k // CODES_PER_WORD)[:, None] * stride_pk + offs_n[None, :] * stride_pn
-    words = tl.load(word_ptrs, mask=mask, other=0)
-    shifts = (offs_k % CODES_PER_WORD) * BITS
-    unsigned = (words >> shifts[:, None]) & ((1 << BITS) - 1)
+    offs_w = k_start // CODES_PER_WORD + tl.arange(0, WORDS)
+    word_mask = (offs_w * CODES_PER_WORD < K)[:, None] & (offs_n < N)[None, :]
+    words = tl.load(packed_ptr + offs_w[:, None] * stride_pk + offs_n[None, :] * stride_pn, mask=word_mask, other=0)
+    shifts = tl.arange(0, CODES_PER_WORD) * BITS
+    unpacked = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+    unsigned = tl.reshape(unpacked, (BLOCK_K, unpacked.shape[2]))
     if ONE_GROUP_PER_TILE:  # the tile lies inside one group: one scale (and zero) per output column
         group = k_start // GROUP_SIZE
         mask_n = offs_n < N
@@ -82,6 +102,27 @@ def _dequantized_tile(
     if HAS_ZERO:
         centered = centered - zero.to(tl.int32)
     return centered.to(tl.float32) * scale.to(tl.float32)
+
+
+@triton.jit
+def _dequantize_kernel(
+    packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, out_ptr, N, K,
+    stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg, stride_ok, stride_on,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    ONE_GROUP_PER_TILE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Large-M path, first half: program (k-block, n-block) writes its ``[BLOCK_K, BLOCK_N]`` tile of the dense
+    weight ``W.T`` in the output dtype, with the same arithmetic as the GEMM kernels (fp32, then one rounding)."""
+    k_start = tl.program_id(0) * BLOCK_K
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w = _dequantized_tile(
+        packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, k_start, offs_n, K, N,
+        stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
+        BITS, GROUP_SIZE, HAS_ZERO, HAS_G_IDX, ONE_GROUP_PER_TILE, BLOCK_K,
+    )
+    out_ptrs = out_ptr + offs_k[:, None] * stride_ok + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, w.to(out_ptr.dtype.element_ty), mask=(offs_k < K)[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit
@@ -242,6 +283,39 @@ def _atomic_add_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return True
 
 
+def dequantize_weight_kn(
+    packed_kn: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    num_bits: int,
+    in_features: int,
+    group_size: int,
+    g_idx: torch.Tensor | None,
+    dtype: torch.dtype,
+    config: dict[str, int],
+) -> torch.Tensor:
+    """Dense ``W.T [K, N]`` in ``dtype`` by the Triton dequantization kernel: the scratch weight the large-M path
+    hands to cuBLAS. Allocated per call from torch's caching allocator (no cudaMalloc after warm-up, and a CUDA
+    graph can capture it), laid out like the packed words so the stores run along the axis the loads do."""
+    meta, options = launch_options(config)
+    meta.pop("KIND", None)
+    K, N = in_features, packed_kn.shape[1]
+    if packed_kn.stride(1) == 1:  # N-contiguous words (repack_n_contiguous)
+        weight = torch.empty(K, N, device=packed_kn.device, dtype=dtype)
+    else:  # the on-disk [N, K/8] words through a transposed view
+        weight = torch.empty(N, K, device=packed_kn.device, dtype=dtype).t()
+    zero = zero_point if zero_point is not None else scale
+    grid = (triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(N, meta["BLOCK_N"]))
+    _dequantize_kernel[grid](
+        packed_kn, scale, zero, scale if g_idx is None else g_idx, weight, N, K,
+        packed_kn.stride(0), packed_kn.stride(1), scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1),
+        weight.stride(0), weight.stride(1), BITS=num_bits, GROUP_SIZE=group_size, HAS_ZERO=zero_point is not None,
+        HAS_G_IDX=g_idx is not None, ONE_GROUP_PER_TILE=g_idx is None and group_size % meta["BLOCK_K"] == 0,
+        **meta, **options,
+    )
+    return weight
+
+
 def weight_only_matmul(
     x: torch.Tensor,
     packed_kn: torch.Tensor,
@@ -253,8 +327,9 @@ def weight_only_matmul(
     bias: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """Triton ``x @ W.T + bias`` for 2-D ``x [M, K]``; ``packed_kn`` is any ``[K / (32/b), N]`` int32 view of
-    the packed weight. ``config`` overrides the tile table (tests use it to reach every code path)."""
+    """``x @ W.T + bias`` for 2-D ``x [M, K]`` by the path the M thresholds pick; ``packed_kn`` is any
+    ``[K / (32/b), N]`` int32 view of the packed weight. ``config`` overrides the tile table (tests use it to reach
+    every code path; ``KIND`` picks the path: ``gemv``, ``dequant``, or the dot kernels by default)."""
     why_not = check_kernel_input(num_bits, x)
     if why_not:
         raise ValueError(why_not)
@@ -266,7 +341,12 @@ def weight_only_matmul(
     if scale.shape != (N, groups):
         raise ValueError(f"scale must be [N, groups] = [{N}, {groups}], got {tuple(scale.shape)}")
     skinny = M <= SKINNY_MAX_M
-    table = W4A16_SKINNY if skinny else W4A16_GEMM
+    if skinny:
+        table = W4A16_SKINNY
+    elif M >= W4A16_DEQUANT_MIN_M[gpu_family(x.device)]:
+        table = W4A16_DEQUANT
+    else:
+        table = W4A16_GEMM
     zero = zero_point if zero_point is not None else scale
     shared = dict(BITS=num_bits, GROUP_SIZE=group_size, HAS_ZERO=zero_point is not None,
                   HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None,
@@ -274,7 +354,13 @@ def weight_only_matmul(
 
     def launch(chosen: dict[str, int]) -> torch.Tensor:
         meta, options = launch_options(chosen)
-        gemv = meta.pop("KIND", "dot") == "gemv"
+        kind = meta.pop("KIND", "dot")
+        if kind == "dequant":
+            weight_kn = dequantize_weight_kn(
+                packed_kn, scale, zero_point, num_bits, K, group_size, g_idx, x.dtype, chosen
+            )
+            return torch.matmul(x, weight_kn) if bias is None else torch.addmm(bias.to(x.dtype), x, weight_kn)
+        gemv = kind == "gemv"
         if gemv and (M > GEMV_MAX_M or g_idx is not None or group_size % (32 // num_bits)):
             raise ValueError(f"the gemv tile takes M <= {GEMV_MAX_M} rows without act-order, got M={M}")
         one_group = g_idx is None and group_size % meta["BLOCK_K"] == 0

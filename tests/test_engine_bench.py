@@ -2,7 +2,9 @@
 
 import json
 
-from compress.engine import bench
+from compress.commands.bench import load_target
+
+bench = load_target("engine")
 
 
 def test_decode_mode_times_dense_and_every_converted_format(tiny_model_dir, tmp_path):

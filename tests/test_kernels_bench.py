@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from compress.__main__ import main as cli
-from kernels import bench
+from compress.commands.bench import load_target
+
+bench = load_target("kernels")
 
 # vs the float64 product with the quantized weight: bf16 output rounding, plus activation quantization for W8A8
 # (e4m3 keeps 3 mantissa bits: a few percent per token).
@@ -62,3 +64,12 @@ def test_bad_arguments_are_rejected():
         bench.main(["--smoke", "--kernels", "w4a16,marlin"])
     with pytest.raises(SystemExit):
         bench.main(["--smoke", "--shapes", "4096by4096"])
+
+
+def test_bench_command_without_the_benchmarks_folder_says_so(tmp_path, monkeypatch, capsys):
+    import compress.commands.bench as command
+
+    monkeypatch.setattr(command, "CHECKOUT_ROOT", tmp_path)
+    assert cli(["bench", "kernels", "--smoke"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "needs the source checkout's benchmarks/ folder" in error

@@ -8,9 +8,15 @@ import torch
 from kernels import ops
 from kernels.accuracy import float64_linear, relative_error
 from kernels.backend import use_backend
-from kernels.dequant import dequantize_codes
+from kernels.configs import W4A16_DEQUANT_MIN_M
+from kernels.dequant import dequantize_codes, dequantize_packed
 from kernels.packing import pack_int32
-from kernels.w4a16 import repack_n_contiguous, weight_only_linear_reference, weight_only_matmul
+from kernels.w4a16 import (
+    dequantize_weight_kn,
+    repack_n_contiguous,
+    weight_only_linear_reference,
+    weight_only_matmul,
+)
 
 ON_GPU = os.environ.get("COMPRESS_TEST_DEVICE") == "cuda"  # tests/cuda_shim.py runs the kernels compiled
 FP16_TOLERANCE = 2e-3  # fp16 rounding of the dequantized weight and of the output
@@ -112,6 +118,50 @@ def test_gemm_tile_with_one_group_per_tile():
     config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=3, num_warps=4, num_stages=1)
     check(50, 36, 128, 64, asym=True, bias=True, config=config)
 
+
+DEQUANT = dict(KIND="dequant", BLOCK_K=64, BLOCK_N=16, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("repacked", [False, True], ids=["disk", "repacked"])
+@pytest.mark.parametrize("group_size", [32, 128], ids=["tile-spans-groups", "one-group-per-tile"])
+def test_dequant_then_matmul_path(repacked, group_size):
+    check(5, 36, 256, group_size, asym=True, bias=True, config=DEQUANT, repacked=repacked)
+    check(20, 24, 128, 32, act_order=True, config=DEQUANT, repacked=repacked)
+    check(3, 40, 128, 64, dtype=torch.float32, asym=True, config=DEQUANT, repacked=repacked)
+
+
+@pytest.mark.parametrize("bits", [2, 8])
+def test_dequant_path_other_bit_widths(bits):
+    check(6, 24, 256, 64, num_bits=bits, asym=True, config=DEQUANT)
+
+
+@pytest.mark.parametrize("repacked", [False, True], ids=["disk", "repacked"])
+def test_dequantized_scratch_is_the_reference_weight_bit_for_bit(repacked):
+    """Same fp32 arithmetic and one rounding as the reference: the large-M path differs from it only in the GEMM."""
+    w = quantized_weight(36, 256, 32, asym=True, act_order=True)
+    packed_kn = repack_n_contiguous(w["packed"]) if repacked else w["packed"].t()
+    scratch = dequantize_weight_kn(packed_kn, w["scale"], w["zero"], 4, 256, 32, w["g_idx"], torch.float16, DEQUANT)
+    expected = dequantize_packed(w["packed"], w["scale"].float(), w["zero"], 4, 256, 32, w["g_idx"])
+    assert scratch.shape == (256, 36) and scratch.dtype == torch.float16
+    assert torch.equal(scratch, expected.to(torch.float16).T)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's threshold; the GPU tables pick the same way")
+def test_rows_from_the_threshold_up_take_the_dequant_path(monkeypatch):
+    """fp32 rows and K=512: the tiled kernel's sums differ from torch.matmul's in the last bits, so bit equality
+    with dequantize-then-matmul tells which path ran."""
+    w = quantized_weight(24, 512, 32)
+    packed_kn = repack_n_contiguous(w["packed"])
+
+    def dequant_then_matmul(x):
+        scratch = dequantize_weight_kn(packed_kn, w["scale"], None, 4, 512, 32, None, x.dtype, DEQUANT)
+        return torch.matmul(x, scratch)
+
+    x = torch.randn(W4A16_DEQUANT_MIN_M["interpreter"], 512, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(weight_only_matmul(x, packed_kn, w["scale"], None, 4, 32), dequant_then_matmul(x))
+    assert not torch.equal(weight_only_matmul(x[:40], packed_kn, w["scale"], None, 4, 32), dequant_then_matmul(x[:40]))
+    monkeypatch.setitem(W4A16_DEQUANT_MIN_M, "interpreter", 40)  # the threshold is data the dispatcher reads
+    assert torch.equal(weight_only_matmul(x[:40], packed_kn, w["scale"], None, 4, 32), dequant_then_matmul(x[:40]))
 
 @pytest.mark.parametrize("m", [2, 24])
 def test_repacked_layout_matches(m):

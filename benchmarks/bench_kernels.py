@@ -108,44 +108,65 @@ def copy_bandwidth_gbps(device: torch.device, measure, size: int) -> float:
     return 2 * size / (milliseconds * 1e-3) / 1e9
 
 
-def weight_cases(kernel: str, n: int, k: int, device: torch.device, dtype: torch.dtype):
-    """(op taking x, float64 dense weight it computes with, bytes of weight + scales) for one kernel."""
+@dataclass
+class QuantizedWeight:
+    """One random weight ``[N, K]`` in a kernel's format, and the float64 dense weight it stands for."""
+
+    values: torch.Tensor  # w4a16: int8 codes in [-8, 7]; int8/fp8: the 8-bit weight
+    scale: torch.Tensor  # w4a16: [N, K / GROUP_SIZE] in the activation dtype; int8/fp8: [N, 1] fp32
+    dense: torch.Tensor  # float64 [N, K]: what every implementation should compute with
+
+
+def quantized_weight(kind: str, n: int, k: int, device: torch.device, dtype: torch.dtype) -> QuantizedWeight:
+    """``kind`` is ``w4a16`` (symmetric int4, group GROUP_SIZE), ``int8`` or ``fp8`` (per-channel scales)."""
     generator = torch.Generator(device=device).manual_seed(0)
-    if kernel.startswith("w4a16"):
+    if kind == "w4a16":
         codes = torch.randint(-8, 8, (n, k), device=device, dtype=torch.int8, generator=generator)
         scale = (torch.rand(n, k // GROUP_SIZE, device=device, generator=generator) * 0.01 + 0.001).to(dtype)
-        packed = pack_int32(codes, 4)
-        repacked = repack_n_contiguous(packed) if kernel == "w4a16" else None
-        kernel_scale = scale.t().contiguous().t() if kernel == "w4a16" else scale  # as QuantizedLinear keeps it
-
-        def op(x):
-            return ops.weight_only_linear(x, packed, kernel_scale, None, 4, k, GROUP_SIZE, None, None, repacked)
-
-        dense = codes.double() * scale.double().repeat_interleave(GROUP_SIZE, dim=1)
-        return op, dense, packed.numel() * 4 + scale.numel() * scale.element_size()
-    weight_dtype = torch.int8 if kernel.startswith("int8") else torch.float8_e4m3fn
+        return QuantizedWeight(codes, scale, codes.double() * scale.double().repeat_interleave(GROUP_SIZE, dim=1))
+    weight_dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
     qmax = 127 if weight_dtype == torch.int8 else 448
     values = torch.randn(n, k, device=device, generator=generator) * 0.02
     weight_scale = values.abs().amax(dim=1, keepdim=True) / qmax
     scaled = (values / weight_scale).clamp(-qmax, qmax)
     weight = torch.round(scaled).to(torch.int8) if weight_dtype == torch.int8 else scaled.to(weight_dtype)
-    dense = weight.double() * weight_scale.double()
+    return QuantizedWeight(weight, weight_scale, weight.double() * weight_scale.double())
+
+
+def weight_cases(kernel: str, n: int, k: int, device: torch.device, dtype: torch.dtype):
+    """(op taking x, float64 dense weight it computes with, bytes of weight + scales) for one kernel."""
+    weight = quantized_weight(kernel.split("-")[0], n, k, device, dtype)
+    op = our_op(kernel, weight)
+    if kernel.startswith("w4a16"):
+        return op, weight.dense, weight.values.numel() // 2 + weight.scale.numel() * weight.scale.element_size()
+    return op, weight.dense, weight.values.numel() + weight.scale.numel() * 4
+
+
+def our_op(kernel: str, weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Our kernel for ``kernel`` (a name of KERNELS other than act-quant) on ``weight``, as the modules call it."""
+    if kernel.startswith("w4a16"):
+        packed = pack_int32(weight.values, 4)
+        k = weight.values.shape[1]
+        repacked = repack_n_contiguous(packed) if kernel == "w4a16" else None
+        scale = weight.scale.t().contiguous().t() if kernel == "w4a16" else weight.scale  # as QuantizedLinear keeps it
+
+        def op(x):
+            return ops.weight_only_linear(x, packed, scale, None, 4, k, GROUP_SIZE, None, None, repacked)
+
+        return op
     if kernel.endswith("-gemm"):
         cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def op(x):  # activations quantized once outside the timed call
             if x.data_ptr() not in cache:
                 cache.clear()
-                cache[x.data_ptr()] = ops.quantize_per_token(x, weight_dtype)
+                cache[x.data_ptr()] = ops.quantize_per_token(x, weight.values.dtype)
             codes, a_scale = cache[x.data_ptr()]
-            return ops.scaled_mm(codes, a_scale, weight, weight_scale, None, x.dtype)
-    elif weight_dtype == torch.int8:
-        def op(x):
-            return ops.int8_linear(x, weight, weight_scale)
-    else:
-        def op(x):
-            return ops.fp8_linear(x, weight, weight_scale)
-    return op, dense, weight.numel() + weight_scale.numel() * 4
+            return ops.scaled_mm(codes, a_scale, weight.values, weight.scale, None, x.dtype)
+
+        return op
+    linear = ops.int8_linear if weight.values.dtype == torch.int8 else ops.fp8_linear
+    return lambda x: linear(x, weight.values, weight.scale)
 
 
 def run(args: argparse.Namespace, device: torch.device) -> tuple[list[Row], float]:
