@@ -49,14 +49,15 @@ def test_greedy_matches_transformers_for_every_family(family, backend):
                                        attention_backend=backend)
 
 
-def with_sliding_window(family: str, window: int):
-    """The family's tiny model, rebuilt with a window shorter than the prompts (same weights)."""
+def rebuilt(family: str, **config_changes):
+    """The family's tiny model with some config values changed and the same weights."""
     model = build_tiny_model(family, VOCAB)
     config = copy.deepcopy(model.config)
-    config.sliding_window = window
-    windowed = type(model)(config).eval()
-    windowed.load_state_dict(model.state_dict())
-    return windowed
+    for name, value in config_changes.items():
+        setattr(config, name, value)
+    changed = type(model)(config).eval()
+    changed.load_state_dict(model.state_dict())
+    return changed
 
 
 def transformers_perplexity(model, text):
@@ -66,22 +67,48 @@ def transformers_perplexity(model, text):
     return torch.nn.functional.cross_entropy(logits, ids[0, 1:]).exp().item()
 
 
+def assert_perplexity_matches_transformers(model, unchanged, backend):
+    """Teacher-forced perplexity through the engine (16-token prefill chunks on a cached prefix) equals
+    transformers', and differs from the model without the feature under test (``unchanged``): greedy tokens barely
+    depend on context or on logit scale in these tiny models, so the logits themselves are checked."""
+    text = prompts([40], seed=5)[0]
+    chunked = LLM(model, num_kv_blocks=32, attention_backend=backend, max_num_batched_tokens=16)
+    ours = chunked.perplexity(text)
+    assert ours == pytest.approx(transformers_perplexity(model, text), rel=1e-5)
+    assert abs(ours / transformers_perplexity(unchanged, text) - 1) > 1e-4  # 10x the tolerance above
+
+
 @pytest.mark.parametrize(("family", "backend"), [
     ("mistral", "torch"), ("gemma2", "torch"), ("gemma3", "torch"), ("gemma2", "triton"),
 ])
 def test_sliding_window_layers_match_transformers(family, backend):
-    """Windows of 6 tokens: prompts, decodes and 16-token prefill chunks all see keys fall out of the window
-    (mid-block, across blocks); Gemma-2/3 mix windowed and global layers, and Gemma-3's local layers have their own
-    RoPE base. Greedy tokens barely depend on context in these tiny models, so teacher-forced perplexity checks the
-    logits too."""
-    model = with_sliding_window(family, 6)
+    """Windows of 6 tokens: prompts, decodes and prefill chunks all see keys fall out of the window (mid-block,
+    across blocks); Gemma-2/3 mix windowed and global layers, and Gemma-3's local layers have their own RoPE base."""
+    model = rebuilt(family, sliding_window=6)
     assert_engine_matches_transformers(model, prompts([7, 26], seed=2), attention_backend=backend)
-    text = prompts([40], seed=5)[0]
-    chunked = LLM(model, num_kv_blocks=32, attention_backend=backend, max_num_batched_tokens=16)
-    windowed = chunked.perplexity(text)
-    assert windowed == pytest.approx(transformers_perplexity(model, text), rel=1e-5)
-    full = transformers_perplexity(build_tiny_model(family, VOCAB), text)
-    assert abs(windowed / full - 1) > 1e-3  # the window is what makes the difference
+    assert_perplexity_matches_transformers(model, build_tiny_model(family, VOCAB), backend)
+
+
+def sharp_gemma2(attn_logit_softcapping: float | None, final_logit_softcapping: float | None):
+    """Gemma-2 with q/k projections scaled up 8x: a tiny random model's attention scores are ~0.03, far below any
+    cap; these reach ~2, where a cap of 1 bites."""
+    model = rebuilt("gemma2", attn_logit_softcapping=attn_logit_softcapping,
+                    final_logit_softcapping=final_logit_softcapping)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return model
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gemma2_soft_capping_matches_transformers(backend):
+    """Attention scores capped in our kernels, final logits in transformers' head: both at values that change the
+    outputs (Gemma-2's own 50 and 30 never bite in a tiny model)."""
+    assert_engine_matches_transformers(sharp_gemma2(1.0, 0.1), prompts([5, 18], seed=6), attention_backend=backend)
+    for attention_cap, final_cap in ((1.0, None), (None, 0.1)):  # each cap alone changes the logits
+        assert_perplexity_matches_transformers(sharp_gemma2(attention_cap, final_cap), sharp_gemma2(None, None),
+                                               backend)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
