@@ -129,3 +129,9 @@ def test_unsupported_family_is_refused_with_the_supported_list():
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).eval()
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported.*gemma2"):
         LLM(model, num_kv_blocks=8)
+
+
+def test_bidirectional_gemma3_is_refused():
+    """EmbeddingGemma-style configs attend both ways; paged causal attention would silently change them."""
+    with pytest.raises(ValueError, match="bidirectionally"):
+        LLM(rebuilt("gemma3", use_bidirectional_attention=True), num_kv_blocks=8)

@@ -90,7 +90,10 @@ class ModelRunner:
         model_config = model.config
         if model_config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_config.model_type!r} is not supported; the engine runs "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family) models")
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)} models")
+        if getattr(model_config, "use_bidirectional_attention", False):
+            raise ValueError("the model attends bidirectionally (an embedding model); the engine generates with "
+                             "causal attention only")
         self.model, self.config = model.eval(), config
         self.layers = model.model.layers
         embeddings = model.get_input_embeddings().weight
@@ -189,7 +192,7 @@ class ModelRunner:
         step = PagedStep(self, slot_mapping, block_tables, context_lens, query_start_loc, max_query_len)
         with self._paged_attention():
             output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                                logits_to_keep=logits_rows, paged_step=step)
+                                logits_to_keep=logits_rows, return_dict=True, paged_step=step)
         return output.logits[0].float()
 
     @contextmanager
