@@ -111,8 +111,8 @@ def test_gemma2_soft_capping_matches_transformers(backend):
                                                backend)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_rtn_int4_checkpoint_matches_transformers(tmp_path, family):
+@pytest.mark.parametrize(("family", "backend"), [("llama", "triton"), ("gemma2", "torch")])
+def test_rtn_int4_checkpoint_matches_transformers(tmp_path, family, backend):
     """A compressed-tensors W4 checkpoint loaded back with QuantizedLinear modules: the engine runs those modules
     inside transformers' forward, so its greedy tokens equal ``generate`` on the same loaded model."""
     model = build_tiny_model(family, VOCAB)
@@ -122,7 +122,7 @@ def test_rtn_int4_checkpoint_matches_transformers(tmp_path, family):
     save_checkpoint(model, None, tmp_path / "w4")
     loaded, _ = load_checkpoint(tmp_path / "w4")
     assert type(loaded.model.layers[0].mlp.down_proj).__name__ == "QuantizedLinear"
-    assert_engine_matches_transformers(loaded, prompts([4, 13, 22], seed=3), attention_backend="triton")
+    assert_engine_matches_transformers(loaded, prompts([4, 13, 22], seed=3), attention_backend=backend)
 
 
 def test_unsupported_family_is_refused_with_the_supported_list():
