@@ -13,6 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.engine import LLM, SamplingParams
 from compress.pipeline import apply_stages
+from compress.qlinear import QuantizedLinear
 from compress.stages import build_chain
 
 VOCAB = 320
@@ -111,7 +112,7 @@ def test_gemma2_soft_capping_matches_transformers(backend):
                                                backend)
 
 
-@pytest.mark.parametrize(("family", "backend"), [("llama", "triton"), ("gemma2", "torch")])
+@pytest.mark.parametrize(("family", "backend"), [("llama", "triton"), ("gemma2", "torch"), ("phi3", "torch")])
 def test_rtn_int4_checkpoint_matches_transformers(tmp_path, family, backend):
     """A compressed-tensors W4 checkpoint loaded back with QuantizedLinear modules: the engine runs those modules
     inside transformers' forward, so its greedy tokens equal ``generate`` on the same loaded model."""
@@ -121,7 +122,7 @@ def test_rtn_int4_checkpoint_matches_transformers(tmp_path, family, backend):
     apply_stages(model, [stage], torch.zeros(1, 8, dtype=torch.long), torch.device("cpu"), 1)
     save_checkpoint(model, None, tmp_path / "w4")
     loaded, _ = load_checkpoint(tmp_path / "w4")
-    assert type(loaded.model.layers[0].mlp.down_proj).__name__ == "QuantizedLinear"
+    assert isinstance(loaded.model.layers[0].mlp.down_proj, QuantizedLinear)
     assert_engine_matches_transformers(loaded, prompts([4, 13, 22], seed=3), attention_backend=backend)
 
 
