@@ -8,10 +8,11 @@ import copy
 import pytest
 import torch
 from families import FAMILIES, build_tiny_model
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig
 
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.engine import LLM, SamplingParams
+from compress.engine.model_runner import rope_recomputed_on_host
 from compress.pipeline import apply_stages
 from compress.qlinear import QuantizedLinear
 from compress.stages import build_chain
@@ -136,3 +137,15 @@ def test_bidirectional_gemma3_is_refused():
     """EmbeddingGemma-style configs attend both ways; paged causal attention would silently change them."""
     with pytest.raises(ValueError, match="bidirectionally"):
         LLM(rebuilt("gemma3", use_bidirectional_attention=True), num_kv_blocks=8)
+
+
+def test_cuda_graphs_skiprope_recomputed_on_host_in_any_layer_type():
+    """Dynamic NTK recomputes frequencies from a host-read length that a CUDA graph would freeze; Gemma-3 keys its
+    rope parameters by layer type, so a dynamic global layer must be found there too."""
+    dynamic = {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}
+    assert rope_recomputed_on_host(LlamaConfig(rope_parameters=dynamic))
+    assert not rope_recomputed_on_host(LlamaConfig())
+    assert not rope_recomputed_on_host(Gemma3TextConfig(head_dim=16))
+    local = {"rope_type": "default", "rope_theta": 1e4}
+    assert rope_recomputed_on_host(Gemma3TextConfig(head_dim=16, rope_parameters={"sliding_attention": local,
+                                                                          "full_attention": dynamic}))

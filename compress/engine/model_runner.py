@@ -264,7 +264,7 @@ class ModelRunner:
     def _capture_decode_graphs(self) -> None:
         """Capture one decode step per batch size, on static buffers padded to the longest block table; a
         failure leaves the engine eager (slower, same results)."""
-        if _host_side_rope(self.model.config):
+        if rope_recomputed_on_host(self.model.config):
             log.warning("rope type recomputes frequencies on the host; decoding without CUDA graphs")
             return
         max_size = self.config.max_num_seqs
@@ -308,7 +308,7 @@ class ModelRunner:
         return self.graph_outputs[graph_size][:size]
 
 
-def _host_side_rope(model_config) -> bool:
+def rope_recomputed_on_host(model_config) -> bool:
     """Whether a rotary embedding recomputes its frequencies from host-read positions (dynamic NTK, LongRoPE), which
     a CUDA graph would freeze; ``rope_parameters`` is flat, or keyed by layer type (Gemma-3)."""
     parameters = getattr(model_config, "rope_parameters", None) or {}
