@@ -139,7 +139,7 @@ def test_bidirectional_gemma3_is_refused():
         LLM(rebuilt("gemma3", use_bidirectional_attention=True), num_kv_blocks=8)
 
 
-def test_cuda_graphs_skiprope_recomputed_on_host_in_any_layer_type():
+def test_cuda_graphs_skip_a_rope_recomputed_on_host_in_any_layer_type():
     """Dynamic NTK recomputes frequencies from a host-read length that a CUDA graph would freeze; Gemma-3 keys its
     rope parameters by layer type, so a dynamic global layer must be found there too."""
     dynamic = {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}
