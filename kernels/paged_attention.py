@@ -147,10 +147,10 @@ def _paged_attention_kernel(
         last_token = tl.minimum(m_tile * BLOCK_M + BLOCK_M, query_len) - 1
         kv_end = context_len - query_len + last_token + 1
         first_block = split * blocks_per_split
+        last_block = tl.minimum(first_block + blocks_per_split, tl.cdiv(kv_end, BLOCK_SIZE))
         if USE_WINDOW:  # start at the block holding the tile's first query's oldest visible key
             first_visible = context_len - query_len + m_tile * BLOCK_M - sliding_window + 1
             first_block = tl.maximum(first_block, tl.maximum(first_visible, 0) // BLOCK_SIZE)
-        last_block = tl.minimum(first_block + blocks_per_split, tl.cdiv(kv_end, BLOCK_SIZE))
 
         m_i = tl.full([BLOCK_M * BLOCK_G], NEG_FLOOR, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)

@@ -149,14 +149,18 @@ def test_triton_matches_reference(cache_dtype, scale_mode, q_dtype, group, query
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("cache_dtype,scale_mode,sliding_window,softcap", [
-    (torch.float32, "none", 5, None),  # window inside one block
-    (torch.float32, "none", 40, 0.5),  # window across blocks; soft-capped scores
-    (torch.int8, "token", 24, 0.5),
-])
-@pytest.mark.parametrize("query_lens,context_lens", [
-    ([1, 1, 1, 1], [3, 150, 64, 17]),  # decode with KV splits: splits before the window do no work
-    ([1, 9, 70, 1], [30, 9, 100, 16]),  # prefill tiles whose windows start in different blocks
+DECODE = ([1, 1, 1, 1], [3, 150, 64, 17])  # 150 tokens: two KV splits of five blocks
+MIXED = ([1, 9, 70, 1], [30, 9, 100, 16])  # prefill tiles whose windows start in different blocks
+
+
+@pytest.mark.parametrize("cache_dtype,scale_mode,sliding_window,softcap,query_lens,context_lens", [
+    (torch.float32, "none", 5, None, *DECODE),  # window inside one block; the first split does no work
+    (torch.float32, "none", 5, None, *MIXED),
+    (torch.float32, "none", 40, 0.5, *DECODE),  # window across blocks; soft-capped scores
+    (torch.float32, "none", 40, 0.5, *MIXED),
+    (torch.float32, "none", 120, None, *DECODE),  # the window starts inside the first split, which must stop at its end
+    (torch.int8, "token", 24, 0.5, *DECODE),
+    (torch.int8, "token", 24, 0.5, *MIXED),
 ])
 def test_triton_sliding_window_and_softcap_match_reference(cache_dtype, scale_mode, sliding_window, softcap,
                                                            query_lens, context_lens):
