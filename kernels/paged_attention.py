@@ -3,7 +3,9 @@
 Every sequence ``b`` brings ``q_len`` new query tokens (packed, ``query_start_loc[b]:query_start_loc[b+1]``) whose
 keys/values are already written to the cache; its context is ``context_lens[b]`` tokens, the last ``q_len`` of them
 new. Query ``i`` sits at position ``context_len - q_len + i`` and attends causally to every cached position up to it,
-so a chunk of a long prompt sees the prompt's cached prefix plus itself.
+so a chunk of a long prompt sees the prompt's cached prefix plus itself. Two per-layer options follow transformers'
+semantics: ``sliding_window=w`` hides keys ``w`` or more positions behind the query (Mistral, Gemma-2/3 local
+layers), and ``softcap=c`` squashes the scaled scores to ``c * tanh(score / c)`` (Gemma-2).
 
 The Triton kernel gives one program a KV head and a tile of query tokens, and puts the tile's tokens *times* the query
 heads sharing that KV head (GQA) in the rows of one matrix, so each K/V tile is loaded once for the whole group.
@@ -47,6 +49,8 @@ def paged_attention_reference(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain torch, fp32 math. Decode-only batches (``max_query_len == 1``) run batched; others per sequence."""
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
@@ -67,13 +71,23 @@ def paged_attention_reference(
         values = dequantize_reference(blocks, scales)
         return values.reshape(values.shape[0], -1, num_kv_heads, head_dim)
 
+    def scaled(scores: torch.Tensor) -> torch.Tensor:
+        scores = scores * sm_scale
+        return scores if softcap is None else softcap * torch.tanh(scores / softcap)
+
+    def visible(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+        """``[queries, keys]``: causal, and inside the window when the layer has one."""
+        seen = key_pos[None, :] <= query_pos[:, None]
+        if sliding_window is not None:
+            seen &= key_pos[None, :] > query_pos[:, None] - sliding_window
+        return seen
+
     if max_query_len == 1 and q.shape[0] == batch:
         keys, values = gather(k_cache, k_scale, slice(None)), gather(v_cache, v_scale, slice(None))
         queries = q.float().view(batch, num_kv_heads, group, head_dim)
-        scores = torch.einsum("bhgd,bkhd->bhgk", queries, keys) * sm_scale
-        positions = torch.arange(keys.shape[1], device=q.device)
-        visible = positions[None, :] < context_lens[:, None]
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        scores = scaled(torch.einsum("bhgd,bkhd->bhgk", queries, keys))
+        mask = visible(torch.arange(keys.shape[1], device=q.device), context_lens.long() - 1)
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
         out = torch.einsum("bhgk,bkhd->bhgd", scores.softmax(-1), values)
         return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
@@ -87,10 +101,9 @@ def paged_attention_reference(
         keys = gather(k_cache, k_scale, rows)[0, :context_len]
         values = gather(v_cache, v_scale, rows)[0, :context_len]
         queries = q[start:end].float().view(end - start, num_kv_heads, group, head_dim)
-        scores = torch.einsum("qhgd,khd->hgqk", queries, keys) * sm_scale
+        scores = scaled(torch.einsum("qhgd,khd->hgqk", queries, keys))
         query_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
-        visible = torch.arange(context_len, device=q.device)[None, :] <= query_pos[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = scores.masked_fill(~visible(torch.arange(context_len, device=q.device), query_pos), float("-inf"))
         attended = torch.einsum("hgqk,khd->qhgd", scores.softmax(-1), values)
         out[start:end] = attended.reshape(end - start, num_heads, head_dim).to(q.dtype)
     return out
@@ -101,11 +114,12 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, context_lens_ptr, query_start_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    qk_scale, blocks_per_split,
+    qk_scale, blocks_per_split, sliding_window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_SPLITS: tl.constexpr,
     SCALE_MODE: tl.constexpr, NEG_FLOOR: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -134,6 +148,9 @@ def _paged_attention_kernel(
         kv_end = context_len - query_len + last_token + 1
         first_block = split * blocks_per_split
         last_block = tl.minimum(first_block + blocks_per_split, tl.cdiv(kv_end, BLOCK_SIZE))
+        if USE_WINDOW:  # start at the block holding the tile's first query's oldest visible key
+            first_visible = context_len - query_len + m_tile * BLOCK_M - sliding_window + 1
+            first_block = tl.maximum(first_block, tl.maximum(first_visible, 0) // BLOCK_SIZE)
 
         m_i = tl.full([BLOCK_M * BLOCK_G], NEG_FLOOR, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
@@ -157,7 +174,11 @@ def _paged_attention_kernel(
                 k_scale = tl.load(k_scale_ptr + slots * NUM_KV_HEADS + kv_head, mask=key_valid, other=0.0)
                 scores = scores * k_scale[None, :]
             scores = scores * qk_scale
+            if USE_SOFTCAP:  # c * tanh(s / c) with tanh(x) = 1 - 2 / (exp(2x) + 1), then the log2(e) qk_scale left out
+                scores = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(scores * (2.0 / softcap)) + 1.0))
             visible = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
+            if USE_WINDOW:
+                visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             p = tl.exp2(scores - m_new[:, None])
@@ -219,6 +240,8 @@ def paged_attention_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`paged_attention_reference`. Splits the KV range when every query is a decode.
 
@@ -256,12 +279,14 @@ def paged_attention_triton(
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, dummy if k_scale is None else k_scale, dummy if v_scale is None else v_scale,
         block_tables, context_lens, query_start_loc, out, part_acc, part_m, part_l,
-        sm_scale * _LOG2E, triton.cdiv(max_blocks, splits),
+        sm_scale * (1.0 if softcap is not None else _LOG2E), triton.cdiv(max_blocks, splits),
+        sliding_window or 0, softcap or 0.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_G=block_g, NUM_SPLITS=splits, SCALE_MODE=mode, NEG_FLOOR=_NEG_FLOOR,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 queries get fp32 accuracy
-        BLOCKS_PER_TILE=max(1, 64 // block_size),
+        BLOCKS_PER_TILE=max(1, 64 // block_size), USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None,
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -282,9 +307,11 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``[tokens, heads, head_dim]`` attention outputs: Triton on CUDA (or the interpreter), torch on CPU."""
     attend = paged_attention_triton if use_triton(q) else paged_attention_reference
     return attend(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, max_query_len,
-                  k_scale, v_scale, sm_scale)
+                  k_scale, v_scale, sm_scale, sliding_window, softcap)
 

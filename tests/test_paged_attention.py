@@ -81,21 +81,27 @@ def test_write_kv_kernel_matches_reference(cache_dtype, scale_mode):
         assert bool(((error <= bound + 1e-6) | clipped).all())
 
 
-def dense_causal_attention(q, keys, values, query_len):
-    """Textbook attention of the last ``query_len`` positions over ``keys``/``values`` ``[ctx, kv_heads, d]``."""
+def dense_causal_attention(q, keys, values, query_len, sliding_window=None, softcap=None):
+    """Textbook attention of the last ``query_len`` positions over ``keys``/``values`` ``[ctx, kv_heads, d]``;
+    a window keeps the last ``sliding_window`` positions up to the query, as transformers' sliding masks do."""
     group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) / HEAD_DIM**0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     context = keys.shape[0]
     mask = torch.ones(query_len, context).tril(context - query_len).bool()
+    if sliding_window is not None:
+        mask &= ~torch.ones(query_len, context).tril(context - query_len - sliding_window).bool()
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), values.float())
 
 
+@pytest.mark.parametrize("sliding_window,softcap", [(None, None), (6, None), (20, 0.5)])
 @pytest.mark.parametrize("query_lens,context_lens", [
     ([1, 1, 1], [5, 40, 17]),  # decode, ragged contexts
     ([7, 1, 20, 3], [7, 33, 52, 3]),  # full prefills, a decode and a chunk after a cached prefix
 ])
-def test_reference_matches_dense_attention(query_lens, context_lens):
+def test_reference_matches_dense_attention(query_lens, context_lens, sliding_window, softcap):
     generator = torch.Generator().manual_seed(1)
     tables, contexts, starts, slots = ragged_batch(query_lens, context_lens, generator)
     total = sum(context_lens)
@@ -104,12 +110,13 @@ def test_reference_matches_dense_attention(query_lens, context_lens):
     k_cache, v_cache, _, _ = make_cache(torch.float32, "none", generator)
     write_kv_reference(keys, values, k_cache, v_cache, slots)
     q = torch.randn(sum(query_lens), 2 * KV_HEADS, HEAD_DIM, generator=generator)
-    out = paged_attention_reference(q, k_cache, v_cache, tables, contexts, starts, max(query_lens))
+    out = paged_attention_reference(q, k_cache, v_cache, tables, contexts, starts, max(query_lens),
+                                    sliding_window=sliding_window, softcap=softcap)
     offset = 0
     for b, (query_len, context_len) in enumerate(zip(query_lens, context_lens, strict=True)):
         expected = dense_causal_attention(
             q[starts[b]:starts[b + 1]], keys[offset:offset + context_len], values[offset:offset + context_len],
-            query_len,
+            query_len, sliding_window, softcap,
         )
         torch.testing.assert_close(out[starts[b]:starts[b + 1]], expected, rtol=1e-5, atol=1e-5)
         offset += context_len
@@ -140,6 +147,36 @@ def test_triton_matches_reference(cache_dtype, scale_mode, q_dtype, group, query
     actual = paged_attention_triton(*args)
     tolerance = 2e-3 if q_dtype == torch.float16 else 1e-5
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+DECODE = ([1, 1, 1, 1], [3, 150, 64, 17])  # 150 tokens: two KV splits of five blocks
+MIXED = ([1, 9, 70, 1], [30, 9, 100, 16])  # prefill tiles whose windows start in different blocks
+
+
+@pytest.mark.parametrize("cache_dtype,scale_mode,sliding_window,softcap,query_lens,context_lens", [
+    (torch.float32, "none", 5, None, *DECODE),  # window inside one block; the first split does no work
+    (torch.float32, "none", 5, None, *MIXED),
+    (torch.float32, "none", 40, 0.5, *DECODE),  # window across blocks; soft-capped scores
+    (torch.float32, "none", 40, 0.5, *MIXED),
+    (torch.float32, "none", 120, None, *DECODE),  # the window starts inside the first split, which must stop at its end
+    (torch.int8, "token", 24, 0.5, *DECODE),
+    (torch.int8, "token", 24, 0.5, *MIXED),
+])
+def test_triton_sliding_window_and_softcap_match_reference(cache_dtype, scale_mode, sliding_window, softcap,
+                                                           query_lens, context_lens):
+    generator = torch.Generator().manual_seed(4)
+    tables, contexts, starts, slots = ragged_batch(query_lens, context_lens, generator)
+    keys = torch.randn(len(slots), KV_HEADS, HEAD_DIM, generator=generator)
+    values = torch.randn(len(slots), KV_HEADS, HEAD_DIM, generator=generator)
+    k_cache, v_cache, k_scale, v_scale = make_cache(cache_dtype, scale_mode, generator)
+    write_kv_reference(keys, values, k_cache, v_cache, slots, k_scale, v_scale)
+    q = torch.randn(sum(query_lens), 2 * KV_HEADS, HEAD_DIM, generator=generator)
+    args = (q, k_cache, v_cache, tables, contexts, starts, max(query_lens), k_scale, v_scale, None, sliding_window,
+            softcap)
+    expected = paged_attention_reference(*args)
+    without = paged_attention_reference(*args[:-2])
+    assert (expected - without).abs().max() > 1e-2  # the options change the result on these shapes
+    torch.testing.assert_close(paged_attention_triton(*args), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_inputs_name_the_problem():

@@ -1,17 +1,23 @@
-"""Runs a Llama-family transformers model over the paged KV cache.
+"""Runs a transformers causal LM over the paged KV cache.
 
-The model's own modules do the work (embeddings, RMSNorms, ``q/k/v/o_proj``, the MLP, ``lm_head``, the rotary
-embedding), so a checkpoint whose linears are ``QuantizedLinear`` runs its quantized kernels unchanged. Only
-attention is ours: new K/V go into the paged cache, queries attend over it. All scheduled tokens of all sequences
-run as one packed batch, without padding; logits are computed only for the rows that sample a token.
+The model's own forward does the work (its embeddings and their scaling, norms, q/k norms, fused or separate
+projections, rotary embeddings per layer type, MLPs, final logit soft-capping), so every family transformers
+implements runs as transformers defines it, and a checkpoint whose linears are ``QuantizedLinear`` runs its quantized
+kernels unchanged. Only attention is ours, plugged in through transformers' ``AttentionInterface``: new K/V go into
+the paged cache, queries attend over it. All scheduled tokens of all sequences run as one packed batch
+``[1, tokens]`` without padding; logits are computed only for the rows that sample a token (``logits_to_keep``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
 
 from compress.engine.config import EngineConfig
 from compress.engine.scheduler import ScheduledBatch
@@ -19,13 +25,49 @@ from kernels import kv_cache, paged_attention
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Families whose attention modules call AttentionInterface and whose outputs the tests check against transformers.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+PAGED_ATTENTION = "compress_paged"
 _GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+@dataclass
+class PagedStep:
+    """One packed step's layout; it reaches every layer's attention as the ``paged_step`` forward kwarg (transformers
+    hands unknown forward kwargs down to the attention function), so no global state is needed."""
+
+    runner: ModelRunner
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+
+
+def paged_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    paged_step: PagedStep | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: ``query/key/value`` ``[1, heads, tokens, head_dim]`` after RoPE; returns
+    ``[1, tokens, heads, head_dim]`` like its sdpa/eager functions. The causal structure comes from ``paged_step``
+    (the mask is None: the runner builds none)."""
+    if paged_step is None:
+        raise RuntimeError(f"attention implementation {PAGED_ATTENTION!r} runs only inside compress.engine's "
+                           "ModelRunner, which passes the step's paged_step")
+    return paged_step.runner.attend(paged_step, module.layer_idx, query, key, value, scaling, sliding_window,
+                                    softcap), None
+
+
+AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
 
 
 def static_kv_scales(attention: nn.Module, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -48,16 +90,17 @@ class ModelRunner:
         model_config = model.config
         if model_config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_config.model_type!r} is not supported; the engine runs "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family) models")
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)} models")
+        if getattr(model_config, "use_bidirectional_attention", False):
+            raise ValueError("the model attends bidirectionally (an embedding model); the engine generates with "
+                             "causal attention only")
         self.model, self.config = model.eval(), config
-        self.embed_tokens, self.layers = model.model.embed_tokens, model.model.layers
-        self.norm, self.rotary_emb, self.lm_head = model.model.norm, model.model.rotary_emb, model.lm_head
-        self.device, self.dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
-        self.num_heads = model_config.num_attention_heads
+        self.layers = model.model.layers
+        embeddings = model.get_input_embeddings().weight
+        self.device, self.dtype = embeddings.device, embeddings.dtype
         self.num_kv_heads = model_config.num_key_value_heads
-        self.head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // self.num_heads
+        self.head_dim = self.layers[0].self_attn.head_dim
         self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 8192)
-        self._check_sliding_window(model_config)
         self.kv_dtype = config.kv_dtype
         backend = config.attention_backend
         self._attend = {"auto": paged_attention.paged_attention, "triton": paged_attention.paged_attention_triton,
@@ -73,13 +116,6 @@ class ModelRunner:
             self._capture_decode_graphs()
 
     # --- KV cache -------------------------------------------------------------------------------------------
-    def _check_sliding_window(self, model_config) -> None:
-        window = getattr(model_config, "sliding_window", None)
-        uses_window = window is not None and getattr(model_config, "use_sliding_window", True)
-        if uses_window and window < self.max_model_len:
-            raise ValueError(f"the model uses a {window}-token sliding window, which the engine does not implement; "
-                             f"set max_model_len <= {window}")
-
     @property
     def quantized_kv(self) -> bool:
         return kv_cache.is_quantized(self.kv_dtype)
@@ -148,27 +184,38 @@ class ModelRunner:
         max_query_len: int,
         logits_rows: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits ``[len(logits_rows), vocab]`` for a packed batch of ``[tokens]`` ids at ``positions``."""
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(hidden, positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
-        num_tokens = input_ids.shape[0]
-        for i, layer in enumerate(self.layers):
-            attention = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attention.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-            k = attention.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = attention.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            k_cache, v_cache = self.kv_pool[0, i], self.kv_pool[1, i]
-            k_scale, v_scale = self.kv_scales[i]
-            self._write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-            out = self._attend(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, max_query_len,
-                               k_scale, v_scale, attention.scaling)
-            hidden = hidden + attention.o_proj(out.view(num_tokens, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.lm_head(self.norm(hidden[logits_rows])).float()
+        """Logits ``[len(logits_rows), vocab]`` for a packed batch of ``[tokens]`` ids at ``positions``: the
+        CausalLM's own forward (so its final-logit soft-capping applies) on ``[1, tokens]``, with our attention."""
+        step = PagedStep(self, slot_mapping, block_tables, context_lens, query_start_loc, max_query_len)
+        with self._paged_attention():
+            output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                                logits_to_keep=logits_rows, return_dict=True, paged_step=step)
+        return output.logits[0].float()
+
+    @contextmanager
+    def _paged_attention(self) -> Iterator[None]:
+        """Switch the model to our attention for one forward only: the caller's model stays usable on its own
+        (``generate``, the gate's evals) with the implementation it had."""
+        model_config = self.model.config
+        previous = model_config._attn_implementation
+        model_config._attn_implementation = PAGED_ATTENTION
+        try:
+            yield
+        finally:
+            model_config._attn_implementation = previous
+
+    def attend(self, step: PagedStep, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+        """Write one layer's new K/V into the paged cache and attend over it; ``[1, tokens, heads, head_dim]``."""
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [tokens, heads, head_dim] views
+        k_cache, v_cache = self.kv_pool[0, layer], self.kv_pool[1, layer]
+        k_scale, v_scale = self.kv_scales[layer]
+        self._write_kv(k, v, k_cache, v_cache, step.slot_mapping, k_scale, v_scale)
+        if sliding_window is not None and sliding_window >= self.max_model_len:
+            sliding_window = None  # no sequence is long enough for the window to hide anything
+        out = self._attend(q, k_cache, v_cache, step.block_tables, step.context_lens, step.query_start_loc,
+                           step.max_query_len, k_scale, v_scale, scaling, sliding_window, softcap)
+        return out[None]
 
     def prepare(self, batch: ScheduledBatch, all_logits: bool = False) -> dict:
         """Host-side packing of a scheduled batch into the tensors :meth:`forward` takes."""
@@ -214,7 +261,7 @@ class ModelRunner:
     def _capture_decode_graphs(self) -> None:
         """Capture one decode step per batch size, on static buffers padded to the longest block table; a
         failure leaves the engine eager (slower, same results)."""
-        if (getattr(self.model.config, "rope_parameters", None) or {}).get("rope_type") in ("dynamic", "longrope"):
+        if rope_recomputed_on_host(self.model.config):
             log.warning("rope type recomputes frequencies on the host; decoding without CUDA graphs")
             return
         max_size = self.config.max_num_seqs
@@ -256,3 +303,11 @@ class ModelRunner:
         static["block_tables"][:size, :tables.shape[1]] = tables
         self.graphs[graph_size].replay()
         return self.graph_outputs[graph_size][:size]
+
+
+def rope_recomputed_on_host(model_config) -> bool:
+    """Whether a rotary embedding recomputes its frequencies from host-read positions (dynamic NTK, LongRoPE), which
+    a CUDA graph would freeze; ``rope_parameters`` is flat, or keyed by layer type (Gemma-3)."""
+    parameters = getattr(model_config, "rope_parameters", None) or {}
+    per_type = [p for p in parameters.values() if isinstance(p, dict)]
+    return any(p.get("rope_type") in ("dynamic", "longrope") for p in [parameters, *per_type])
