@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import re
 import types
@@ -32,6 +33,7 @@ SAVE_DTYPES = ("float16", "bfloat16", "float32")
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
 DATA_SOURCES = ("pydoc", "file", "hf")
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 
 
 @dataclass
@@ -162,6 +164,8 @@ def check_stage_types(stages: list) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     store = ConfigStore.instance()
+    if "stage" not in store.list(""):
+        register_schema()  # called outside the CLI (tests, notebooks)
     for position, args in enumerate(stages):
         if not isinstance(args, dict):
             raise CompressError(f"stages.{position} must be a mapping with `type: <stage>`, not {args!r}")
@@ -207,6 +211,7 @@ def check_values(config: RunConfig) -> None:
         raise CompressError(f"output.run_name={name!r} names a folder: use letters, digits, '.', '_' and '-' only "
                             "(not starting with '.' or '-')")
     check_writable(config.output.dir)
+    check_model_context(config)
 
 
 def check_writable(output_dir: str | None) -> None:
@@ -234,6 +239,25 @@ def check_gate(gate: dict) -> None:
         raise CompressError(" ".join(str(error).split())) from None
     except Exception as error:  # noqa: BLE001 - whatever the policy code raises, say it in one line
         raise CompressError(f"gate: {' '.join(str(error).split())}") from None
+
+
+def check_model_context(config: RunConfig) -> None:
+    """Windows longer than the model's context give garbage or an index error; a local model's config.json says
+    its context without loading anything."""
+    config_file = Path(config.model.path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return  # the default model before its conversion, or a hub id: checked when tokenized
+    try:
+        model_config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return  # the model load reports a broken config.json
+    context = next((model_config[key] for key in CONTEXT_KEYS if isinstance(model_config.get(key), int)), None)
+    if context is None:
+        return
+    for key, length in (("data.seq_len", config.data.seq_len), ("eval.seq_len", config.eval.seq_len)):
+        if length > context:
+            raise CompressError(f"{key}={length} is longer than the model's context ({context} tokens); "
+                                f"set {key}≤{context}")
 
 
 def check_evaluation_length(evaluation_tokens: int, config: RunConfig) -> None:
