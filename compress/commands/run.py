@@ -124,7 +124,7 @@ def check_overrides(recipe: str, overrides: list[str]) -> list[str]:
 class Outcome:
     """How one job ended, written where the parent process can read it (joblib jobs run in other processes)."""
 
-    job: str
+    job: int  # Hydra's job number (0 for a single run)
     status: str  # passed | blocked | failed | done (no gate)
     exit_code: int
     line: str
@@ -187,7 +187,7 @@ def gate_line(gate: dict, enforce: bool) -> str:
     return f"release gate: BLOCKED — {reason} ({consequence})"
 
 
-def _run_job(cfg, job: str) -> Outcome:
+def _run_job(cfg, job: int) -> Outcome:
     from omegaconf import OmegaConf
 
     from compress.config import build_run_config
@@ -217,8 +217,9 @@ def _run_job(cfg, job: str) -> Outcome:
 def _task(cfg) -> None:
     """One Hydra job. It never raises SystemExit, which would stop a sweep: it records how it ended instead."""
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
-    job = HydraConfig.get().job.override_dirname or "run"
+    job = int(OmegaConf.select(HydraConfig.get(), "job.num", default=0, throw_on_missing=False) or 0)
     try:
         outcome = _run_job(cfg, job)
     except BaseException as error:  # a bug: recorded as a failure, then Hydra reports it after the other jobs
@@ -243,20 +244,25 @@ def config_uri(config) -> str:
     return tracking_uri(config.tracking.uri)
 
 
-def validate(recipe: str, overrides: list[str], multirun: bool) -> tuple[list[str], list]:
+def validate(recipe: str, overrides: list[str], multirun: bool) -> tuple[list[str], list[list[str]], list]:
     """Every job's configuration, checked before the first job starts: the overrides to hand to Hydra (key-checked,
-    stage defaults made appendable) and each job's ``RunConfig``."""
+    stage defaults made appendable), each job's own overrides, and each job's ``RunConfig``."""
     from compress.config import build_run_config, register_schema
     from compress.models import check_model_source
 
     register_schema()
     overrides = check_overrides(recipe, resolve_shortcuts(overrides))
-    configs = []
-    for job in job_overrides(overrides, multirun):
+    jobs, configs = job_overrides(overrides, multirun), []
+    for job in jobs:
         config = build_run_config(compose_job(recipe, job))
         check_model_source(config.model)
         configs.append(config)
-    return overrides, configs
+    return overrides, jobs, configs
+
+
+def sweep_labels(jobs: list[list[str]]) -> list[str]:
+    """Each job named by the overrides that set it apart from the other jobs."""
+    return [" ".join(o for o in job if not all(o in other for other in jobs)) or "(no varying key)" for job in jobs]
 
 
 def main(argv: list[str]) -> int:
@@ -271,7 +277,7 @@ def main(argv: list[str]) -> int:
         recipe = recipes[-1].split("=", 1)[1]
         if recipe not in available():
             raise CompressError(f"unknown recipe {recipe!r}; available: {', '.join(available())}")
-        overrides, configs = validate(recipe, overrides, multirun)
+        overrides, jobs, configs = validate(recipe, overrides, multirun)
         if multirun:
             prepare_tracking(configs)
     except CompressError as error:
@@ -298,7 +304,9 @@ def main(argv: list[str]) -> int:
                 os.environ[OUTCOMES_ENV] = saved_env
         outcomes = _outcomes(Path(folder))
     if multirun and outcomes:
-        print(f"\nsweep: {len(outcomes)} jobs")
-        for outcome in outcomes:
-            print(f"  {outcome.job}: {outcome.line}")
+        labels = sweep_labels(jobs)
+        print(f"\nsweep: {len(outcomes)} of {len(jobs)} jobs ran")
+        for outcome in sorted(outcomes, key=lambda outcome: outcome.job):
+            label = labels[outcome.job] if outcome.job < len(labels) else f"job {outcome.job}"
+            print(f"  #{outcome.job} {label}: {outcome.line}")
     return max([code, *(outcome.exit_code for outcome in outcomes)])
