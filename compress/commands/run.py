@@ -125,7 +125,6 @@ class Outcome:
     """How one job ended, written where the parent process can read it (joblib jobs run in other processes)."""
 
     job: int  # Hydra's job number (0 for a single run)
-    status: str  # passed | blocked | failed | done (no gate)
     exit_code: int
     line: str
 
@@ -198,20 +197,18 @@ def _run_job(cfg, job: int) -> Outcome:
         result = run(config)
     except CompressError as error:
         print(f"error: {error}", file=sys.stderr)
-        return Outcome(job, "failed", 1, f"error: {error}")
+        return Outcome(job, 1, f"error: {error}")
     print("\n" + "\n".join(summary_lines(result.report)))
     print(f"\nrun folder: {result.run_dir}")
     if result.mlflow_run_id:
         print(f"MLflow run: {result.mlflow_run_id} (browse with `mlflow ui --backend-store-uri {config_uri(config)}`)")
     gate = result.report.get("gate")
     if gate is None:
-        return Outcome(job, "done", 0, f"run folder: {result.run_dir}")
+        return Outcome(job, 0, f"run folder: {result.run_dir}")
     enforce = bool(config.gate.get("enforce", False))
     line = gate_line(gate, enforce)
     print(line)
-    if gate["passed"]:
-        return Outcome(job, "passed", 0, line)
-    return Outcome(job, "blocked", 1 if enforce else 0, line)
+    return Outcome(job, 1 if enforce and not gate["passed"] else 0, line)
 
 
 def _task(cfg) -> None:
@@ -223,7 +220,7 @@ def _task(cfg) -> None:
     try:
         outcome = _run_job(cfg, job)
     except BaseException as error:  # a bug: recorded as a failure, then Hydra reports it after the other jobs
-        _record(Outcome(job, "failed", 1, f"{type(error).__name__}: {error}"))
+        _record(Outcome(job, 1, f"{type(error).__name__}: {error}"))
         raise
     _record(outcome)
 
