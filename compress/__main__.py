@@ -26,13 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    try:
-        module = importlib.import_module(f"compress.commands.{command}")
-    except ModuleNotFoundError as error:
-        if error.name != f"compress.commands.{command}":
-            raise
-        print(f"error: command {command!r} is not built yet in this version", file=sys.stderr)
-        return 2
+    module = importlib.import_module(f"compress.commands.{command}")
     return int(module.main(rest) or 0)
 
 

@@ -1,21 +1,39 @@
-"""The run configuration as typed sections, built from the composed Hydra config with key checking.
+"""The run configuration: one schema, registered in Hydra's ConfigStore, validated before any work.
 
-Hydra composes ``recipes/<recipe>.yaml`` with the ``model/``, ``data/`` and ``gate/`` groups; this module turns the
-result into dataclasses and names the valid keys whenever one is misspelled, before any model is loaded.
+Hydra composes ``recipes/<recipe>.yaml`` (whose ``_base`` lists ``run_schema`` first) with the ``model/``, ``data/``
+and ``gate/`` groups, so a value of the wrong type is refused while composing. The stages are a list of different
+kinds, which a structured config cannot type; each stage's arguments are checked against that stage's config
+dataclass, also kept in the ConfigStore (group ``stage``). ``build_run_config`` then checks what types cannot say
+(positive sizes, path-safe names, a writable output folder, the gate policy) so that a doomed run fails in the first
+second with one line naming the key and the fix, before a model is loaded or a run folder exists.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import os
+import re
+import types
+import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from compress.data import DataSpec
 from compress.errors import CompressError
 from compress.models import ModelSpec
+from compress.paths import artifacts_dir
+from evals.gate import GatePolicy
 
 T = TypeVar("T")
+
+SAVE_DTYPES = ("float16", "bfloat16", "float32")
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
+DATA_SOURCES = ("pydoc", "file", "hf")
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 
 
 @dataclass
@@ -31,7 +49,7 @@ class EvalSpec:
 class OutputSpec:
     dir: str | None = None  # default <artifacts>/runs
     run_name: str | None = None
-    save_dtype: str | None = None  # default: the model's dtype
+    save_dtype: str | None = None  # default: the model's dtype; else one of SAVE_DTYPES
 
 
 @dataclass
@@ -39,6 +57,23 @@ class TrackingSpec:
     enabled: bool = True
     uri: str | None = None  # default $MLFLOW_TRACKING_URI or sqlite:///<artifacts>/mlflow.db
     experiment: str = "compress"
+
+
+@dataclass
+class RunSchema:
+    """What Hydra type-checks the composed recipe and every override against (``run_schema`` in the ConfigStore)."""
+
+    recipe: str = "???"
+    stages: list[Any] = field(default_factory=list)  # each checked against its stage's config (group ``stage``)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    output: OutputSpec = field(default_factory=OutputSpec)
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)
+    gate: GatePolicy = field(default_factory=GatePolicy)
+    seed: int = 0
+    device: str = "auto"
+    calibration_batch_size: int = 8
 
 
 @dataclass
@@ -57,10 +92,61 @@ class RunConfig:
     raw: dict = field(default_factory=dict)  # the composed config, for the report and MLflow params
 
 
+def register_schema() -> None:
+    """Put the run schema and every stage's config into Hydra's ConfigStore (before Hydra composes a recipe)."""
+    from hydra.core.config_store import ConfigStore
+
+    from compress.stages import STAGES
+
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunSchema)
+    for name, stage in STAGES.items():
+        store.store(group="stage", name=name, node=stage.Config)
+
+
 def unknown_key_error(where: str, key: str, valid: list[str]) -> CompressError:
     hint = difflib.get_close_matches(key, valid, n=1)
     suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
     return CompressError(f"{where}: unknown key {key!r}{suggestion}; valid keys: {', '.join(valid)}")
+
+
+def config_error(error: BaseException, where: str = "") -> CompressError:
+    """Hydra's and OmegaConf's multi-line errors as one line naming the key and the fix."""
+    from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+
+    node: BaseException | None = error
+    while node is not None and not isinstance(node, OmegaConfBaseException):
+        node = node.__cause__ or node.__context__
+    if node is None:
+        return CompressError(str(error).strip().splitlines()[0])
+    key = ".".join(part for part in (where, str(getattr(node, "full_key", "") or "")) if part)
+    key = re.sub(r"\[(\d+)\]", r".\1", key)
+    if isinstance(node, MissingMandatoryValue):
+        return CompressError(f"{key} has no value: set {key}=<value>")
+    if isinstance(node, ConfigKeyError) and dataclasses.is_dataclass(getattr(node, "object_type", None)):
+        where_, _, name = key.rpartition(".")
+        return unknown_key_error(where_ or "config", name, [f.name for f in dataclasses.fields(node.object_type)])
+    expected = _expected(getattr(node, "object_type", None), getattr(node, "key", None))
+    if isinstance(node, ValidationError) and expected:
+        return CompressError(f"{key}={node.value!r} has the wrong type: give {expected}")
+    reason = str(getattr(node, "msg", "") or node).strip().splitlines()[0]
+    return CompressError(f"{key}: {reason}" if key else reason)
+
+
+TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+
+
+def _expected(owner: Any, key: Any) -> str | None:
+    """``an integer or null`` for a dataclass field typed ``int | None``; None when the type says nothing simple."""
+    if not dataclasses.is_dataclass(owner) or not isinstance(key, str):
+        return None
+    hint = typing.get_type_hints(owner).get(key)
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        else (hint,)
+    words = [TYPE_WORDS.get(typing.get_origin(option) or option) for option in options]
+    if typing.get_origin(hint) in (list, tuple):
+        return "a list, e.g. [a, b]"
+    return " or ".join(words) if all(words) else None
 
 
 def build_section(cls: type[T], values: dict | None, where: str) -> T:
@@ -71,16 +157,132 @@ def build_section(cls: type[T], values: dict | None, where: str) -> T:
     return cls(**(values or {}))
 
 
+def check_stage_types(stages: list) -> None:
+    """Each stage's arguments against its config dataclass in the ConfigStore (unknown keys: ``build_chain``)."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    store = ConfigStore.instance()
+    if "stage" not in store.list(""):
+        register_schema()  # called outside the CLI (tests, notebooks)
+    for position, args in enumerate(stages):
+        if not isinstance(args, dict):
+            raise CompressError(f"stages.{position} must be a mapping with `type: <stage>`, not {args!r}")
+        kind = args.get("type")
+        if not isinstance(kind, str) or f"{kind}.yaml" not in store.list("stage"):
+            continue  # build_chain names the known types
+        schema = store.load(f"stage/{kind}.yaml").node
+        known = {key: value for key, value in args.items() if key in schema}
+        try:
+            OmegaConf.to_object(OmegaConf.merge(schema, known))
+        except OmegaConfBaseException as error:
+            raise config_error(error, f"stages.{position}") from None
+        except (TypeError, ValueError) as error:  # a config's own __post_init__ checks
+            raise CompressError(f"stages.{position} ({kind}): {error}") from None
+
+
+def _at_least(key: str, value: int | None, minimum: int) -> None:
+    if value is not None and value < minimum:
+        raise CompressError(f"{key}={value} must be ≥ {minimum}")
+
+
+def check_values(config: RunConfig) -> None:
+    """What the types cannot say: positive sizes, known choices, path-safe names, a writable output folder."""
+    _at_least("calibration_batch_size", config.calibration_batch_size, 1)
+    _at_least("data.num_samples", config.data.num_samples, 1)
+    _at_least("data.seq_len", config.data.seq_len, 2)
+    _at_least("eval.seq_len", config.eval.seq_len, 2)
+    _at_least("eval.batch_size", config.eval.batch_size, 1)
+    _at_least("eval.max_windows", config.eval.max_windows, 1)
+    if not DEVICE.fullmatch(config.device):
+        raise CompressError(f"device={config.device!r} is unknown; use auto, cpu, cuda or cuda:N")
+    if config.data.source not in DATA_SOURCES:
+        raise CompressError(f"data.source={config.data.source!r} is unknown; use {', '.join(DATA_SOURCES)}")
+    if not 0.0 < config.data.eval_fraction < 1.0:
+        raise CompressError(f"data.eval_fraction={config.data.eval_fraction} must be between 0 and 1")
+    if config.data.source == "file" and config.data.path and not Path(config.data.path).expanduser().is_file():
+        raise CompressError(f"data.path={config.data.path}: no such file; give a .txt or .jsonl file")
+    if config.output.save_dtype not in (None, *SAVE_DTYPES):
+        raise CompressError(f"output.save_dtype={config.output.save_dtype!r} is not supported; "
+                            f"use one of {', '.join(SAVE_DTYPES)} (or null to keep the model's dtype)")
+    name = config.output.run_name
+    if name is not None and not SAFE_NAME.fullmatch(name):
+        raise CompressError(f"output.run_name={name!r} names a folder: use letters, digits, '.', '_' and '-' only "
+                            "(not starting with '.' or '-')")
+    check_writable(config.output.dir)
+    check_model_context(config)
+
+
+def check_writable(output_dir: str | None) -> None:
+    """The runs folder, or the closest folder above it that exists, must be one we can write into."""
+    folder = Path(output_dir).expanduser() if output_dir else artifacts_dir() / "runs"
+    existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        key = "output.dir" if output_dir else "$COMPRESS_ARTIFACTS"
+        raise CompressError(f"{key}: cannot write run folders under {folder} ({existing} is not a writable folder); "
+                            "point it at a folder you can write")
+
+
+def check_gate(gate: dict) -> None:
+    """The gate policy as ``evals.gate`` will read it, now rather than after the compression."""
+    from compress.engine.config import EngineConfig
+    from evals.gate import resolve_policy
+
+    try:
+        build_section(EngineConfig, gate.get("engine"), "gate.engine")
+    except (TypeError, ValueError) as error:
+        raise CompressError(f"gate.engine: {error}") from None
+    try:
+        resolve_policy(gate)
+    except CompressError as error:
+        raise CompressError(" ".join(str(error).split())) from None
+    except Exception as error:  # noqa: BLE001 - whatever the policy code raises, say it in one line
+        raise CompressError(f"gate: {' '.join(str(error).split())}") from None
+
+
+def check_model_context(config: RunConfig) -> None:
+    """Windows longer than the model's context give garbage or an index error; a local model's config.json says
+    its context without loading anything."""
+    config_file = Path(config.model.path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return  # the default model before its conversion, or a hub id: checked when tokenized
+    try:
+        model_config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return  # the model load reports a broken config.json
+    context = next((model_config[key] for key in CONTEXT_KEYS if isinstance(model_config.get(key), int)), None)
+    if context is None:
+        return
+    for key, length in (("data.seq_len", config.data.seq_len), ("eval.seq_len", config.eval.seq_len)):
+        if length > context:
+            raise CompressError(f"{key}={length} is longer than the model's context ({context} tokens); "
+                                f"set {key}≤{context}")
+
+
+def check_evaluation_length(evaluation_tokens: int, config: RunConfig) -> None:
+    """The perplexity protocol needs one window of ``eval.seq_len`` tokens; known once the text is tokenized,
+    which is before the baseline evaluation and the compression."""
+    if config.eval.perplexity and evaluation_tokens < config.eval.seq_len:
+        raise CompressError(
+            f"eval.seq_len={config.eval.seq_len} is longer than the evaluation text ({evaluation_tokens} tokens); "
+            f"set eval.seq_len≤{evaluation_tokens}, give more text, or raise data.eval_fraction"
+        )
+
+
 SECTIONS = {"model": ModelSpec, "data": DataSpec, "eval": EvalSpec, "output": OutputSpec, "tracking": TrackingSpec}
 SCALARS = ("recipe", "stages", "gate", "seed", "device", "calibration_batch_size")
 
 
 def build_run_config(composed: dict[str, Any]) -> RunConfig:
+    """The typed run configuration, with everything checkable before the model load checked."""
+    from compress.stages import build_chain
+
     valid = [*SCALARS, *SECTIONS]
     for key in composed:
         if key not in valid:
             raise unknown_key_error("config", key, valid)
-    if not composed.get("recipe"):
+    if not composed.get("recipe") or composed.get("recipe") == "???":
         raise CompressError("the recipe file must set `recipe: <name>`")
     stages = composed.get("stages") or []
     if not stages:
@@ -88,4 +290,9 @@ def build_run_config(composed: dict[str, Any]) -> RunConfig:
     sections = {name: build_section(cls, composed.get(name), name) for name, cls in SECTIONS.items()}
     scalars = {key: composed[key] for key in SCALARS if key in composed}
     scalars["gate"] = scalars.get("gate") or {}
-    return RunConfig(**scalars, **sections, raw=composed)
+    config = RunConfig(**scalars, **sections, raw=composed)
+    check_values(config)
+    check_stage_types(config.stages)
+    build_chain(config.stages)  # unknown stage keys and illegal orders
+    check_gate(config.gate)
+    return config

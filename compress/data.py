@@ -58,23 +58,34 @@ def _pydoc_documents() -> list[str]:
     return [topics[key] for key in sorted(topics)]
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        line = path.read_bytes()[: error.start].count(b"\n") + 1
+        raise CompressError(
+            f"data file {path} is not UTF-8 text (line {line}, byte {error.start}: {error.reason}); convert it, "
+            f"e.g. `iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}`"
+        ) from None
+
+
 def _file_documents(path: Path, text_field: str) -> list[str]:
     if not path.is_file():
         raise CompressError(f"data file {path} does not exist")
     if path.suffix == ".jsonl":
         documents = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for number, line in enumerate(_read_text(path).splitlines(), start=1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise CompressError(f"{path}:{number} is not valid JSON: {error.msg}") from error
-            if text_field not in record:
+            if not isinstance(record, dict) or text_field not in record:
                 raise CompressError(f"{path}:{number} has no field {text_field!r}; set data.text_field=<field>")
             documents.append(str(record[text_field]))
         return documents
-    return [path.read_text(encoding="utf-8")]
+    return [_read_text(path)]
 
 
 def _hub_documents(spec: DataSpec) -> list[str]:

@@ -197,7 +197,11 @@ def load_model(spec: ModelSpec, layerwise: bool = False):
                 use_safetensors=not spec.allow_pickle,
             )
     except Exception as error:  # missing files, corrupt safetensors, bad config: all end the run the same way
-        raise CompressError(f"cannot load model {spec.path!r}: {type(error).__name__}: {error}") from error
+        if "trust_remote_code" in str(error):
+            raise CompressError(f"model {spec.path!r} ships its own Python code to load: set "
+                                "model.trust_remote_code=true if you trust its source") from error
+        reason = " ".join(str(error).split())
+        raise CompressError(f"cannot load model {spec.path!r}: {type(error).__name__}: {reason}") from error
     model.eval()
     return model, tokenizer
 

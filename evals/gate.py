@@ -100,6 +100,7 @@ class RegistryPolicy:
 @dataclass
 class GatePolicy:
     enabled: bool = True
+    enforce: bool = False  # `compress run` exits 1 on a block only when true (the gate command always does)
     layers: list[str] = field(default_factory=lambda: list(LAYER_ORDER))
     backend: str = "auto"  # auto | engine | transformers
     engine: dict[str, Any] = field(default_factory=dict)  # compress.engine.EngineConfig options
