@@ -64,9 +64,11 @@ def _row(run) -> Row:
 
 def load_rows(model: str | None, recipe: str | None, since: dt.date | None, kind: str | None, limit: int) -> list[Row]:
     """Runs of every experiment in the store, newest first, filtered."""
-    from evals.tracking import client
+    from mlflow import MlflowClient
 
-    tracking = client()
+    from compress.tracking import tracking_uri
+
+    tracking = MlflowClient(tracking_uri=tracking_uri())
     experiment_ids = [experiment.experiment_id for experiment in tracking.search_experiments()]
     if not experiment_ids:
         return []
