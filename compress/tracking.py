@@ -238,7 +238,7 @@ def record_verdict(run: RunLog, verdict, files: list[Path], checkpoint: Path | N
         for path in files:
             run.artifact(path, "gate")
         registry = verdict.policy["registry"]
-        if verdict.passed and registry["register"]:
+        if verdict.passed and registry["register"] and verdict.policy["enabled"]:  # a disabled gate vouches for nothing
             if checkpoint is None:
                 verdict.registry = {"skipped": "the candidate was passed in memory without candidate_path"}
             else:
