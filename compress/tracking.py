@@ -49,18 +49,18 @@ def _folder_problem(folder: Path) -> str | None:
 
 def _sqlite_problem(database: Path) -> str | None:
     """Why ``database`` cannot be written (sqlite's own words, e.g. "attempt to write a readonly database")."""
-    problem = _folder_problem(database.parent)  # sqlite writes its journal beside the database
-    if problem or not database.exists():
-        return problem
-    connection = sqlite3.connect(database, timeout=10)
-    try:
-        connection.execute("BEGIN IMMEDIATE")  # takes the write lock: fails at once on a read-only file
-        connection.rollback()
-    except sqlite3.DatabaseError as error:
-        return str(error)
-    finally:
-        connection.close()
-    return None
+    if database.exists():
+        connection = sqlite3.connect(database, timeout=10, isolation_level=None)
+        try:  # a write (the header's user_version, rewritten unchanged) inside a transaction that is rolled back
+            version = connection.execute("PRAGMA user_version").fetchone()[0]
+            connection.execute("BEGIN IMMEDIATE")
+            connection.execute(f"PRAGMA user_version = {int(version)}")
+            connection.execute("ROLLBACK")
+        except sqlite3.DatabaseError as error:
+            return str(error)
+        finally:
+            connection.close()
+    return _folder_problem(database.parent)  # sqlite writes its journal beside the database
 
 
 def local_path(uri: str) -> Path | None:
