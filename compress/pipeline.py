@@ -44,7 +44,8 @@ from evals.perplexity import PerplexityResult, perplexity
 log = logging.getLogger(__name__)
 
 STAGING_OWNER = "owner.json"  # {"pid", "host"} of the process a staging folder belongs to
-STORAGE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 @dataclass
@@ -201,7 +202,7 @@ def run(config: RunConfig) -> RunResult:
         except BaseException as error:
             shutil.rmtree(staging, ignore_errors=True)
             _close_failed_run(run_log, error)
-            problem = _storage_problem(error)
+            problem = _storage_problem(error, runs_dir)
             if problem is not None:
                 where = getattr(error, "filename", None) or runs_dir
                 raise CompressError(
@@ -291,12 +292,15 @@ def _close_failed_run(run_log: RunLog | None, error: BaseException) -> None:
         log.warning("could not mark MLflow run %s as failed: %s", run_log.run_id, tracking_error)
 
 
-def _storage_problem(error: BaseException) -> str | None:
-    """"No space left on device" and the like, from an OSError or from safetensors' Rust I/O error text."""
-    if isinstance(error, OSError) and error.errno in STORAGE_ERRORS:
+def _storage_problem(error: BaseException, runs_dir: Path) -> str | None:
+    """"No space left on device" (from an OSError, or in safetensors' Rust I/O error text), or a write refused inside
+    the output folder; None for anything else, which keeps its own message."""
+    if isinstance(error, OSError) and error.errno in DISK_FULL:
         return os.strerror(error.errno)
-    text = str(error)
-    return next((os.strerror(code) for code in STORAGE_ERRORS if os.strerror(code) in text), None)
+    if isinstance(error, OSError) and error.errno in NOT_WRITABLE and error.filename:
+        if Path(error.filename).resolve().is_relative_to(runs_dir.resolve()):
+            return os.strerror(error.errno)
+    return next((os.strerror(code) for code in DISK_FULL if os.strerror(code) in str(error)), None)
 
 
 def _execute(config, stages, device, staging: Path, save_dtype, timer: Timer) -> dict:
