@@ -200,8 +200,7 @@ def register_checkpoint(run: RunLog, checkpoint: Path, name: str, tags: dict[str
     ``candidate`` (and ``champion``): the registry then holds the files, not a path on one machine."""
     from mlflow.exceptions import MlflowException
 
-    for file in sorted(checkpoint.iterdir()):
-        run.artifact(file, "checkpoint")
+    run.client.log_artifacts(run.run_id, str(checkpoint), artifact_path="checkpoint")
     try:
         run.client.get_registered_model(name)
     except MlflowException:
