@@ -1,20 +1,26 @@
 """``compress run``: model → calibration → stages → checkpoint → evaluation → report and MLflow, one way only.
 
 Everything a run writes goes to a hidden staging folder that is renamed to ``artifacts/runs/<run-id>`` only when the
-run succeeds, so a failed or interrupted run never leaves something that looks like a result.
+run succeeds (release gate included), so a failed or interrupted run never leaves something that looks like a result.
+SIGTERM is handled like Ctrl-C (staging removed, MLflow run KILLED); what SIGKILL leaves behind, a staging folder and a
+RUNNING MLflow run, carries the owner's process id and is cleaned up by the next run once that process is gone.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import errno
 import json
 import logging
 import os
 import resource
 import shutil
+import signal
+import socket
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +38,14 @@ from compress.models import check_model_source, load_model, materialize_all, mat
 from compress.paths import artifacts_dir
 from compress.stages import LayerContext, Stage, build_chain
 from compress.stages.rtn import RTNConfig, RTNStage
-from compress.tracking import RunLog, flatten, tracking_uri
+from compress.tracking import RunLog, check_writable, flatten, process_alive, record_verdict, tracking_uri
 from evals.perplexity import PerplexityResult, perplexity
 
 log = logging.getLogger(__name__)
+
+STAGING_OWNER = "owner.json"  # {"pid", "host"} of the process a staging folder belongs to
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 @dataclass
@@ -174,50 +184,140 @@ def run(config: RunConfig) -> RunResult:
     save_dtype = getattr(torch, config.output.save_dtype) if config.output.save_dtype else None
     device = select_device(config.device)
     check_model_source(config.model)  # a missing model fails here, before a run folder or MLflow run exists
+    uri = tracking_uri(config.tracking.uri) if config.tracking.enabled else None
+    if uri is not None:
+        check_writable(uri, "set tracking.uri=<a writable store> or tracking.enabled=false")
     torch.manual_seed(config.seed)
     run_id = _run_id(config)
     runs_dir = Path(config.output.dir) if config.output.dir else artifacts_dir() / "runs"
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{run_id}-", dir=runs_dir))
-    run_log = None
-    if config.tracking.enabled:
-        run_log = RunLog(
-            tracking_uri(config.tracking.uri), config.tracking.experiment, run_id,
-            tags={"compress.kind": "run", "compress.recipe": config.recipe, "compress.model": config.model.path},
-        )
-        run_log.params(flatten({k: v for k, v in config.raw.items() if k != "gate"}))
-        for stage in stages:
-            stage.metrics_sink = run_log.metrics
-    timer = Timer()
-    wall_start = time.perf_counter()
-    try:
-        report = _execute(config, stages, device, staging, save_dtype, timer)
-        report.update(run_id=run_id, wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb())
-        report["timings_s"] = timer.seconds
-        _write_report(report, staging)
-        final = runs_dir / run_id
-        os.replace(staging, final)
-        report["checkpoint"]["path"] = str(final / "checkpoint")
-        (final / "report.json").write_text(json.dumps(report, indent=2))
-        if config.gate.get("enabled", True):
-            with timer.phase("gate"):
-                report["gate"] = _gate(config, final, run_log)
+    final = runs_dir / run_id
+    with _sigterm_as_interrupt():
+        staging = _make_staging(runs_dir, run_id)
+        run_log = None
+        timer = Timer()
+        wall_start = time.perf_counter()
+        try:
+            if uri is not None:
+                run_log = _open_run_log(config, uri, run_id, stages)
+            report = _execute(config, stages, device, staging, save_dtype, timer)
+            report.update(run_id=run_id, wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb())
+            report["checkpoint"]["path"] = str(final / "checkpoint")
+            if config.gate.get("enabled", True):
+                with timer.phase("gate"):
+                    report["gate"] = _gate(config, staging, final, run_log)
             report["timings_s"] = timer.seconds
-            (final / "report.json").write_text(json.dumps(report, indent=2))
-            (final / "report.md").write_text("\n".join(summary_lines(report)) + "\n")
-        if run_log is not None:
-            run_log.metrics(_metrics(report))
-            run_log.tag("compress.run_dir", str(final))
-            for name in ("report.json", "report.md", "checkpoint/recipe.yaml"):
-                run_log.artifact(final / name)
-            run_log.finish(ok=True)
-    except BaseException as error:
-        shutil.rmtree(staging, ignore_errors=True)
-        if run_log is not None:
-            run_log.tag("compress.error", str(error)[:4000])
-            run_log.finish(ok=False)
-        raise
+            _write_report(report, staging)
+            if run_log is not None:
+                run_log.metrics(_metrics(report))
+                run_log.tag("compress.run_dir", str(final))
+                for name in ("report.json", "report.md", "checkpoint/recipe.yaml"):
+                    run_log.artifact(staging / name)
+            (staging / STAGING_OWNER).unlink()
+            os.replace(staging, final)
+            if run_log is not None:
+                run_log.finish()
+        except BaseException as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            _close_failed_run(run_log, error)
+            problem = _storage_problem(error, runs_dir)
+            if problem is not None:
+                where = getattr(error, "filename", None) or runs_dir
+                raise CompressError(
+                    f"cannot write {where} ({problem}); free space there or set output.dir=<a writable folder>"
+                ) from error
+            raise
     return RunResult(run_id, final, report, run_log.run_id if run_log else None, timer.seconds)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, so that it gets Ctrl-C's cleanup: staging removed, MLflow run KILLED."""
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into ``Terminated`` for the block; afterwards the process still dies of SIGTERM as asked."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the cleanup
+        raise Terminated(f"terminated by signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except Terminated:
+        signal.signal(signal.SIGTERM, previous)
+        if previous == signal.SIG_DFL:  # nobody else wants it: exit as killed by SIGTERM, without a traceback
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _make_staging(runs_dir: Path, run_id: str) -> Path:
+    """A hidden folder for this run's outputs, labelled with its owner; stale ones of dead runs are removed first."""
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        sweep_stale_staging(runs_dir)
+        staging = Path(tempfile.mkdtemp(prefix=f".{run_id}-", dir=runs_dir))
+        owner = {"pid": os.getpid(), "host": socket.gethostname()}
+        (staging / STAGING_OWNER).write_text(json.dumps(owner))
+    except OSError as error:
+        raise CompressError(
+            f"output folder {runs_dir}: cannot write ({error.strerror or error}); set output.dir=<a writable folder>"
+        ) from error
+    return staging
+
+
+def sweep_stale_staging(runs_dir: Path) -> list[Path]:
+    """Remove staging folders whose owner process (on this host) is gone: what SIGKILL, an OOM kill or a power loss
+    left behind. Folders of live runs, of other hosts, and without an owner label are left alone."""
+    removed = []
+    for label in runs_dir.glob(f".*/{STAGING_OWNER}"):
+        try:
+            owner = json.loads(label.read_text())
+        except (OSError, ValueError):
+            continue
+        if owner.get("host") == socket.gethostname() and not process_alive(int(owner.get("pid", 0))):
+            shutil.rmtree(label.parent, ignore_errors=True)
+            log.warning("removed %s: staging folder of run process %s, which is gone", label.parent, owner["pid"])
+            removed.append(label.parent)
+    return removed
+
+
+def _open_run_log(config: RunConfig, uri: str, run_id: str, stages: list[Stage]) -> RunLog:
+    run_log = RunLog(
+        uri, config.tracking.experiment, run_id,
+        tags={"compress.kind": "run", "compress.recipe": config.recipe, "compress.model": config.model.path},
+    )
+    run_log.params(flatten({k: v for k, v in config.raw.items() if k != "gate"}))
+    for stage in stages:
+        stage.metrics_sink = run_log.metrics
+    return run_log
+
+
+def _close_failed_run(run_log: RunLog | None, error: BaseException) -> None:
+    """Record why the run ended (KILLED for Ctrl-C and SIGTERM); never hide ``error`` behind a tracking failure."""
+    if run_log is None:
+        return
+    try:
+        run_log.tag("compress.error", (str(error) or type(error).__name__)[:4000])
+        run_log.finish("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+    except Exception as tracking_error:
+        log.warning("could not mark MLflow run %s as failed: %s", run_log.run_id, tracking_error)
+
+
+def _storage_problem(error: BaseException, runs_dir: Path) -> str | None:
+    """"No space left on device" (from an OSError, or in safetensors' Rust I/O error text), or a write refused inside
+    the output folder; None for anything else, which keeps its own message."""
+    if isinstance(error, OSError) and error.errno in DISK_FULL:
+        return os.strerror(error.errno)
+    if isinstance(error, OSError) and error.errno in NOT_WRITABLE and error.filename:
+        if Path(error.filename).resolve().is_relative_to(runs_dir.resolve()):
+            return os.strerror(error.errno)
+    return next((os.strerror(code) for code in DISK_FULL if os.strerror(code) in str(error)), None)
 
 
 def _execute(config, stages, device, staging: Path, save_dtype, timer: Timer) -> dict:
@@ -278,16 +378,19 @@ def _execute(config, stages, device, staging: Path, save_dtype, timer: Timer) ->
     }
 
 
-def _gate(config: RunConfig, run_dir: Path, run_log: RunLog | None) -> dict:
-    """The release gate on the saved checkpoint against the original model, logged into this run."""
+def _gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None) -> dict:
+    """The release gate on the saved checkpoint against the original model; its verdict is recorded in this run's
+    MLflow store (the same ``tracking.uri``) and a pass registers ``runs:/<run>/checkpoint``."""
     from evals.gate import run_gate
 
-    policy = {**config.gate, "data": dataclasses.asdict(config.data)}
     verdict = run_gate(
-        run_dir / "checkpoint", resolve_model_path(config.model), policy, run_dir / "gate",
-        candidate_path=run_dir / "checkpoint", mlflow_run_id=run_log.run_id if run_log else None,
+        staging / "checkpoint", resolve_model_path(config.model), config.gate, staging / "gate",
+        evaluation_texts=load_corpus(config.data).evaluation, candidate_label=str(final / "checkpoint"),
     )
-    return {"passed": verdict.passed, "reasons": verdict.reasons, "report": str(run_dir / "gate" / "gate.md")}
+    if run_log is not None:
+        record_verdict(run_log, verdict, verdict.files, staging / "checkpoint", own_run=False)
+    return {"passed": verdict.passed, "reasons": verdict.reasons, "report": str(final / "gate" / "gate.md"),
+            "registry": verdict.registry}
 
 
 def _metrics(report: dict) -> dict[str, float]:
@@ -331,16 +434,19 @@ def summary_lines(report: dict) -> list[str]:
         "",
         f"checkpoint: {ckpt['size_mb']:.1f} MB, {ckpt['quantized_linears']} quantized linears at "
         f"{ckpt['bits_per_weight']:.2f} stored bits/weight",
-        *(
-            [f"release gate: {'PASSED' if report['gate']['passed'] else 'BLOCKED'}"
-             + "".join(f"\n  - {reason}" for reason in report["gate"]["reasons"])
-             + f" (details: {report['gate']['report']})"]
-            if "gate" in report else []
-        ),
+        *(gate_lines(report["gate"]) if "gate" in report else []),
         f"wall time {report['wall_time_s']:.1f} s, peak RSS {report['peak_rss_mb']:.0f} MB; phases: "
         + ", ".join(f"{k} {v:.1f} s" for k, v in report["timings_s"].items()),
     ]
     return lines
+
+
+def gate_lines(gate: dict) -> list[str]:
+    """``release gate: BLOCKED — perplexity +23.5% > 5% limit``, then any further reasons, then the report's path."""
+    if gate["passed"]:
+        return [f"release gate: PASSED (details: {gate['report']})"]
+    first, *others = gate["reasons"]
+    return [f"release gate: BLOCKED — {first}", *(f"  - {reason}" for reason in others), f"  details: {gate['report']}"]
 
 
 def _write_report(report: dict, folder: Path) -> None:

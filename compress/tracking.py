@@ -1,11 +1,26 @@
-"""MLflow logging for runs. MLflow is imported lazily: the engine and kernels never need it."""
+"""MLflow for runs and release-gate verdicts: where the store is, whether it can be written, one run's logging, orphaned
+runs, and registering a checkpoint that passed. MLflow is imported lazily: the engine, kernels and evals never need it.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import socket
+import sqlite3
+import tempfile
+import time
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
+from compress.errors import CompressError
 from compress.paths import artifacts_dir
+
+log = logging.getLogger(__name__)
+
+CANDIDATE_ALIAS, CHAMPION_ALIAS = "candidate", "champion"
+PID_TAG, HOST_TAG = "compress.pid", "compress.host"
 
 
 def tracking_uri(configured: str | None = None) -> str:
@@ -14,8 +29,61 @@ def tracking_uri(configured: str | None = None) -> str:
         return configured
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    artifacts_dir().mkdir(parents=True, exist_ok=True)
+    try:
+        artifacts_dir().mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # check_writable names the problem; this only saves MLflow from failing on a missing folder
     return f"sqlite:///{artifacts_dir() / 'mlflow.db'}"
+
+
+def _folder_problem(folder: Path) -> str | None:
+    """Why nothing can be created in ``folder`` (made if missing), or None; tried for real (root ignores modes)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
+
+
+def _sqlite_problem(database: Path) -> str | None:
+    """Why ``database`` cannot be written (sqlite's own words, e.g. "attempt to write a readonly database")."""
+    if database.exists():
+        connection = sqlite3.connect(database, timeout=10, isolation_level=None)
+        try:  # a write (the header's user_version, rewritten unchanged) inside a transaction that is rolled back
+            version = connection.execute("PRAGMA user_version").fetchone()[0]
+            connection.execute("BEGIN IMMEDIATE")
+            connection.execute(f"PRAGMA user_version = {int(version)}")
+            connection.execute("ROLLBACK")
+        except sqlite3.DatabaseError as error:
+            return str(error)
+        finally:
+            connection.close()
+    return _folder_problem(database.parent)  # sqlite writes its journal beside the database
+
+
+def local_path(uri: str) -> Path | None:
+    """The file or folder behind a ``sqlite:///``, ``file:`` or plain-path URI; None for servers and in-memory."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "sqlite":
+        path = unquote(uri.split("://", 1)[1].removeprefix("/"))
+        return None if path in ("", ":memory:") else Path(path)
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.path))
+    if parsed.scheme == "" or len(parsed.scheme) == 1:  # a plain path (or a Windows drive letter)
+        return Path(uri)
+    return None
+
+
+def check_writable(uri: str, fix: str) -> None:
+    """Fail in milliseconds, in one line, on a local store MLflow cannot write (MLflow itself retries for minutes)."""
+    path = local_path(uri)
+    if path is None:
+        return
+    problem = _sqlite_problem(path) if uri.startswith("sqlite:") else _folder_problem(path)
+    if problem:
+        raise CompressError(f"MLflow store {uri}: cannot write ({problem}); {fix}")
 
 
 def flatten(values, prefix: str = "") -> dict[str, str]:
@@ -40,27 +108,70 @@ def experiment_id(client, name: str) -> str:
     return client.create_experiment(name, artifact_location=location)
 
 
-class RunLog:
-    """One MLflow run, opened at the start of the work so that failures are recorded too."""
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this machine (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
 
-    def __init__(self, uri: str, experiment: str, run_name: str, tags: dict[str, str]):
+
+def mark_orphaned_runs(client, experiment: str) -> list[str]:
+    """Runs still RUNNING whose process (recorded in their tags, on this host) is dead were killed: say so.
+
+    SIGKILL, OOM kills and power loss leave no chance to close a run; the next run on the machine closes it instead.
+    """
+    host = socket.gethostname()
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    runs = client.search_runs(
+        [found.experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{host}'"
+    )
+    orphans = [run for run in runs if not process_alive(int(run.data.tags.get(PID_TAG, "0") or 0))]
+    for run in orphans:
+        client.set_tag(run.info.run_id, "compress.error", f"process {run.data.tags.get(PID_TAG)} ended without "
+                       "closing this run (killed); marked KILLED by a later run")
+        client.set_terminated(run.info.run_id, status="KILLED")
+        log.warning("MLflow run %s was left RUNNING by dead process %s: marked KILLED",
+                    run.info.run_id, run.data.tags.get(PID_TAG))
+    return [run.info.run_id for run in orphans]
+
+
+class RunLog:
+    """One MLflow run, opened at the start of the work so that failures are recorded too.
+
+    The run carries its process id and host, so a later run can close it as KILLED if this process dies unannounced.
+    """
+
+    def __init__(self, uri: str, experiment: str, run_name: str | None, tags: dict[str, str]):
         from mlflow.tracking import MlflowClient
 
         self.uri = uri
-        self.client = MlflowClient(tracking_uri=uri)
+        self.client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+        mark_orphaned_runs(self.client, experiment)
+        tags = {**tags, PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
         run = self.client.create_run(experiment_id(self.client, experiment), run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
+        location = local_path(run.info.artifact_uri)
+        if location is not None and (problem := _folder_problem(location)):
+            self.finish("FAILED")
+            raise CompressError(
+                f"MLflow artifact store {run.info.artifact_uri}: cannot write ({problem}); "
+                "set COMPRESS_ARTIFACTS=<writable folder> or tracking.enabled=false"
+            )
 
     def params(self, values: dict[str, str]) -> None:
         from mlflow.entities import Param
 
-        entries = [Param(key, value) for key, value in values.items()]
-        for start in range(0, len(entries), 100):
+        entries = [Param(key, value[:500]) for key, value in values.items()]
+        for start in range(0, len(entries), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=entries[start : start + 100])
 
     def metrics(self, values: dict[str, float], step: int = 0) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -70,8 +181,72 @@ class RunLog:
     def tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, value)
 
-    def artifact(self, path: Path) -> None:
-        self.client.log_artifact(self.run_id, str(path))
+    def artifact(self, path: Path, folder: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path=folder)
 
-    def finish(self, ok: bool) -> None:
-        self.client.set_terminated(self.run_id, status="FINISHED" if ok else "FAILED")
+    def finish(self, status: str = "FINISHED") -> None:
+        """``FINISHED``, ``FAILED`` or ``KILLED`` (interrupted)."""
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def registered_name(baseline_label: str) -> str:
+    """Default registry name: compressed variants of one base model are versions of one registered model."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(baseline_label.rstrip("/")).name).strip("-")
+    return f"compress-{slug or 'model'}"
+
+
+def register_checkpoint(run: RunLog, checkpoint: Path, name: str, tags: dict[str, str], promote: bool) -> dict:
+    """Log the checkpoint folder into the run and make ``runs:/<run>/checkpoint`` a new model version aliased
+    ``candidate`` (and ``champion``): the registry then holds the files, not a path on one machine."""
+    from mlflow.exceptions import MlflowException
+
+    run.client.log_artifacts(run.run_id, str(checkpoint), artifact_path="checkpoint")
+    try:
+        run.client.get_registered_model(name)
+    except MlflowException:
+        run.client.create_registered_model(name, description="Checkpoints that passed the compress release gate")
+    source = f"runs:/{run.run_id}/checkpoint"
+    version = run.client.create_model_version(name, source=source, run_id=run.run_id, tags=tags)
+    aliases = [CANDIDATE_ALIAS] + ([CHAMPION_ALIAS] if promote else [])
+    for alias in aliases:
+        run.client.set_registered_model_alias(name, alias, version.version)
+    return {"name": name, "version": int(version.version), "aliases": aliases, "source": source}
+
+
+def record_verdict(run: RunLog, verdict, files: list[Path], checkpoint: Path | None, own_run: bool) -> None:
+    """Log a release-gate verdict (``evals.gate.GateResult``) into ``run`` and register the checkpoint on pass.
+
+    Fails closed: a verdict MLflow could not record is not a release, so the verdict turns into a block and the gate's
+    report files are rewritten to say why. ``own_run``: the run exists for this verdict alone (``compress gate``),
+    so it also takes the policy as params and the checkpoint size.
+    """
+    from evals.gate import summary_metrics, write_report
+
+    metrics = summary_metrics(verdict)
+    if own_run and checkpoint is not None and checkpoint.is_dir():
+        metrics["size_mb"] = sum(file.stat().st_size for file in checkpoint.glob("*.safetensors")) / 2**20
+    try:
+        run.metrics(metrics)
+        for key, value in {"compress.gate": "pass" if verdict.passed else "block",
+                           "compress.gate.backend": verdict.backend}.items():
+            run.tag(key, value)
+        if own_run:
+            params = {"candidate": verdict.candidate, "baseline": verdict.baseline, "gate.backend": verdict.backend,
+                      "gate.kv_cache_dtype": str(verdict.kv_cache_dtype)}
+            run.params({**params, **flatten(verdict.policy, "gate.")})
+        for path in files:
+            run.artifact(path, "gate")
+        registry = verdict.policy["registry"]
+        if verdict.passed and registry["register"] and verdict.policy["enabled"]:  # a disabled gate vouches for nothing
+            if checkpoint is None:
+                verdict.registry = {"skipped": "the candidate was passed in memory without candidate_path"}
+            else:
+                name = registry["name"] or registered_name(verdict.baseline)
+                tags = {key: f"{value:.6g}" for key, value in metrics.items()}
+                verdict.registry = register_checkpoint(run, checkpoint, name, tags, registry["promote"])
+        verdict.mlflow_run_id = run.run_id
+    except Exception as error:  # fail closed
+        log.exception("the release gate's verdict could not be recorded in MLflow")
+        verdict.passed = False
+        verdict.reasons.append(f"mlflow: could not record the verdict (fail closed): {type(error).__name__}: {error}")
+    write_report(verdict, files[0].parent)

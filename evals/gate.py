@@ -3,8 +3,10 @@
 Layers run cheapest first (perplexity, lm-eval, JSON validity, needle-in-a-haystack, latency); each compares the
 candidate with the baseline under limits from ``recipes/gate/*.yaml``, either hard (``needle.min_accuracy``) or
 relative to the baseline (``perplexity.max_ratio``). The first blocking failure stops the gate, and the gate fails
-closed: an evaluator that raises blocks the release. Outputs: ``gate.json``, ``gate.md`` (the table a reviewer reads),
-the needle heatmap, MLflow metrics, and on pass a new registry version aliased ``candidate``.
+closed: an evaluator that raises blocks the release, and so does a gate that ran no check at all. Outputs: ``gate.json``
+and ``gate.md`` (the table a reviewer reads) and the needle heatmap. The gate only judges: recording the verdict in
+MLflow and registering the checkpoint is the caller's job (``compress.tracking.record_verdict``), so this package never
+imports the CLI, pipeline or tracking layers.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-from compress.data import DataSpec, load_corpus, tokenize
+from compress.data import tokenize
 from compress.errors import CompressError
 from evals import generation, latency, loading, needle
 from evals.json_validity import evaluate_json
@@ -92,6 +94,8 @@ class LatencyPolicy:
 
 @dataclass
 class RegistryPolicy:
+    """Read by the caller that records the verdict (``compress.tracking.record_verdict``), validated here."""
+
     register: bool = True
     name: str | None = None  # default: compress-<baseline name>
     promote: bool = False  # also move the ``champion`` alias to the new version
@@ -106,8 +110,7 @@ class GatePolicy:
     engine: dict[str, Any] = field(default_factory=dict)  # compress.engine.EngineConfig options
     kv_cache_dtype: str | None = None  # null: the candidate's kv_cache_scheme, else the model dtype
     seed: int = 0
-    experiment: str = "compress"
-    data: DataSpec = field(default_factory=DataSpec)
+    experiment: str = "compress"  # MLflow experiment of gate-only runs (read by compress.commands.gate)
     perplexity: PerplexityPolicy = field(default_factory=PerplexityPolicy)
     lm_eval: LmEvalPolicy = field(default_factory=LmEvalPolicy)
     json: JsonPolicy = field(default_factory=JsonPolicy)
@@ -134,7 +137,7 @@ def resolve_policy(policy: dict | None) -> GatePolicy:
 
 @dataclass
 class Check:
-    """One limit applied to one metric."""
+    """One limit applied to one metric; ``summary`` is the line a reviewer reads ("perplexity +23.5% > 5% limit")."""
 
     layer: str
     metric: str
@@ -142,25 +145,34 @@ class Check:
     baseline: float | None
     limit: str
     passed: bool
+    summary: str
 
     def describe(self) -> str:
-        against = f" (baseline {self.baseline:.4g})" if self.baseline is not None else ""
-        return f"{self.layer}: {self.metric} = {self.candidate:.4g}{against}, limit {self.limit}"
+        return self.summary
 
 
 def ratio_check(layer, metric, candidate, baseline, max_ratio) -> Check:
-    return Check(layer, metric, candidate, baseline, f"≤ {max_ratio:g} × baseline", candidate <= max_ratio * baseline)
+    """Relative to the baseline, stated as a percentage change: a ratio of 1.235 against 1.05 is +23.5% > 5%."""
+    passed = candidate <= max_ratio * baseline
+    change = (candidate / baseline - 1) * 100 if baseline else float("inf")
+    summary = f"{metric} {change:+.1f}% {'≤' if passed else '>'} {round((max_ratio - 1) * 100, 2):g}% limit"
+    return Check(layer, metric, candidate, baseline, f"≤ {max_ratio:g} × baseline", passed, summary)
 
 
 def drop_check(layer, metric, candidate, baseline, max_drop_points) -> Check:
     """Fractions compared in percentage points: 0.90 vs 0.93 is a 3-point drop."""
     passed = candidate * 100 >= baseline * 100 - max_drop_points
-    return Check(layer, metric, candidate, baseline, f"≥ baseline − {max_drop_points:g} points", passed)
+    drop = (baseline - candidate) * 100
+    summary = (f"{metric} {-drop:+.1f} points ({candidate:.0%} vs baseline {baseline:.0%}) "
+               f"{'within' if passed else 'beyond'} the {max_drop_points:g}-point limit")
+    return Check(layer, metric, candidate, baseline, f"≥ baseline − {max_drop_points:g} points", passed, summary)
 
 
 def hard_check(layer, metric, candidate, bound, at_most: bool) -> Check:
     passed = candidate <= bound if at_most else candidate >= bound
-    return Check(layer, metric, candidate, None, f"{'≤' if at_most else '≥'} {bound:g}", passed)
+    op = ("≤" if passed else ">") if at_most else ("≥" if passed else "<")
+    summary = f"{metric} {candidate:.4g} {op} {bound:g} {'limit' if at_most else 'minimum'}"
+    return Check(layer, metric, candidate, None, f"{'≤' if at_most else '≥'} {bound:g}", passed, summary)
 
 
 @dataclass
@@ -183,11 +195,12 @@ class GateResult:
     backend: str
     kv_cache_dtype: str | None
     policy: dict
-    registry: dict | None = None
+    registry: dict | None = None  # filled in by whoever records the verdict (compress.tracking.record_verdict)
     mlflow_run_id: str | None = None
+    files: list[Path] = field(default_factory=list)  # what this gate wrote: gate.json, gate.md, plots
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items() if key != "files"}
 
     def metric(self, layer: str, name: str, model: str = "candidate") -> float | None:
         for result in self.layers:
@@ -378,11 +391,6 @@ def _subject(label: str, source, tokenizer) -> Subject:
     return Subject(label, source.eval(), tokenizer, None)
 
 
-def _evaluation_text(policy: GatePolicy, tokenizer) -> tuple[list[str], torch.Tensor]:
-    corpus = load_corpus(policy.data)
-    return corpus.evaluation, tokenize(tokenizer, corpus.evaluation_text)
-
-
 # --- the gate ---
 
 
@@ -392,17 +400,21 @@ def run_gate(
     policy: dict | None,
     out_dir: Path,
     *,
+    evaluation_texts: list[str],
     candidate_tokenizer=None,
     baseline_tokenizer=None,
     candidate_path: Path | None = None,
-    mlflow_run_id: str | None = None,
+    candidate_label: str | None = None,
 ) -> GateResult:
-    """Judge ``candidate`` against ``baseline`` (paths, model names or loaded models); write the report, log to
-    MLflow and, on pass, register the candidate checkpoint (``candidate_path`` when the model is in memory)."""
+    """Judge ``candidate`` against ``baseline`` (paths, model names or loaded models) on ``evaluation_texts`` (text
+    held out from calibration) and write ``gate.json``/``gate.md`` to ``out_dir``. ``candidate_path`` names the
+    checkpoint of an in-memory candidate; ``candidate_label`` is how reports name the candidate (default: its path)."""
     resolved = resolve_policy(policy)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    candidate_label = str(candidate) if isinstance(candidate, str | Path) else str(candidate_path or "<in memory>")
+    if candidate_label is None:
+        path_like = isinstance(candidate, str | Path)
+        candidate_label = str(candidate) if path_like else str(candidate_path or "<in memory>")
     baseline_label = str(baseline) if isinstance(baseline, str | Path) else "<in memory>"
     result = GateResult(
         passed=False, reasons=[], layers=[], candidate=candidate_label, baseline=baseline_label,
@@ -410,14 +422,20 @@ def run_gate(
     )
     if not resolved.enabled:
         result.passed, result.reasons = True, ["gate disabled by policy (gate.enabled=false): nothing was checked"]
-        write_report(result, out_dir)
+        result.files = write_report(result, out_dir)
+        return result
+    selected = [name for name in resolved.layers if getattr(resolved, name).enabled]
+    if not selected:
+        result.reasons.append(
+            f"no check ran: gate.layers={resolved.layers} with every listed layer disabled or none listed; "
+            "enable a layer, or set gate=none to skip the gate on purpose"
+        )
+        result.files = write_report(result, out_dir)
         return result
     context = _prepare(result, resolved, candidate, baseline, candidate_tokenizer, baseline_tokenizer,
-                       candidate_path, out_dir)
+                       candidate_path, evaluation_texts, out_dir)
     if context is not None:
-        for name in resolved.layers:
-            if not getattr(resolved, name).enabled:
-                continue
+        for name in selected:
             if result.reasons:  # a blocking failure already decided the verdict: skip the costlier layers
                 result.layers.append(LayerResult(name, "skipped"))
                 continue
@@ -428,9 +446,10 @@ def run_gate(
                 result.reasons.append(f"{name}: evaluator error (fail closed): {layer.error}")
             elif layer.status == "fail":
                 result.reasons += [check.describe() for check in layer.checks if not check.passed]
+        if not result.reasons and not any(layer.checks for layer in result.layers):
+            result.reasons.append(f"no check ran: layers {selected} ran with every limit set to null; set a limit")
         result.passed = not result.reasons
-    files = [*write_report(result, out_dir), *(context.files if context else [])]
-    _track(result, resolved, context, files, mlflow_run_id)
+    result.files = [*write_report(result, out_dir), *(context.files if context else [])]
     return result
 
 
@@ -440,7 +459,8 @@ def _policy_dict(policy: GatePolicy) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(policy))
 
 
-def _prepare(result, policy, candidate, baseline, candidate_tokenizer, baseline_tokenizer, candidate_path, out_dir):
+def _prepare(result, policy, candidate, baseline, candidate_tokenizer, baseline_tokenizer, candidate_path,
+             evaluation_texts, out_dir):
     """Load both sides and their generators; a failure here blocks like any evaluator error."""
     try:
         candidate_subject = _subject("candidate", candidate, candidate_tokenizer)
@@ -455,12 +475,12 @@ def _prepare(result, policy, candidate, baseline, candidate_tokenizer, baseline_
             subject.generator = generation.make_generator(
                 backend, subject.model, subject.tokenizer, subject_kv, dict(policy.engine)
             )
-        texts, ids = _evaluation_text(policy, candidate_subject.tokenizer)
+        ids = tokenize(candidate_subject.tokenizer, "\n\n".join(evaluation_texts))
     except Exception as error:  # fail closed
         log.error("gate could not prepare its inputs:\n%s", traceback.format_exc())
         result.reasons.append(f"setup: evaluator error (fail closed): {type(error).__name__}: {error}")
         return None
-    return GateContext(policy, candidate_subject, baseline_subject, texts, ids, out_dir)
+    return GateContext(policy, candidate_subject, baseline_subject, list(evaluation_texts), ids, out_dir)
 
 
 GATE_METRICS = {
@@ -489,45 +509,6 @@ def summary_metrics(result: GateResult) -> dict[str, float]:
         if layer.name == "latency" and layer.status != "error" and layer.metrics:
             metrics["ttft_ratio"], metrics["tpot_ratio"] = layer.metrics["ttft_ratio"], layer.metrics["tpot_ratio"]
     return metrics
-
-
-def _size_mb(path: Path | None) -> float | None:
-    if path is None or not path.is_dir():
-        return None
-    return sum(file.stat().st_size for file in path.glob("*.safetensors")) / 2**20
-
-
-def _track(result: GateResult, policy: GatePolicy, context, files: list[Path], mlflow_run_id: str | None) -> None:
-    """Log to MLflow and register on pass; a tracking failure blocks too (an unrecorded pass is not a release)."""
-    from compress.tracking import flatten
-    from evals import tracking
-
-    metrics = summary_metrics(result)
-    candidate_path = context.candidate.path if context else None
-    size = _size_mb(candidate_path)
-    if size is not None and mlflow_run_id is None:
-        metrics["size_mb"] = size
-    params = {"candidate": result.candidate, "baseline": result.baseline, "gate.backend": result.backend,
-              "gate.kv_cache_dtype": str(result.kv_cache_dtype)}
-    params.update(flatten({k: v for k, v in result.policy.items() if k != "data"}, "gate."))
-    tags = {"compress.gate": "pass" if result.passed else "block", "compress.gate.backend": result.backend}
-    try:
-        result.mlflow_run_id = tracking.log_gate(metrics, params, tags, files, mlflow_run_id, policy.experiment)
-        if result.passed and policy.registry.register:
-            if candidate_path is None:
-                result.registry = {"skipped": "the candidate was passed in memory without candidate_path"}
-                return
-            name = policy.registry.name or tracking.registered_name(result.baseline)
-            registry_tags = {key: f"{value:.6g}" for key, value in metrics.items()}
-            result.registry = tracking.register_checkpoint(
-                candidate_path, name, result.mlflow_run_id, registry_tags, policy.registry.promote
-            )
-    except Exception as error:  # fail closed
-        log.error("gate could not record its verdict:\n%s", traceback.format_exc())
-        result.passed = False
-        result.reasons.append(f"mlflow: could not record the verdict (fail closed): {type(error).__name__}: {error}")
-    finally:
-        write_report(result, files[0].parent)
 
 
 # --- report ---

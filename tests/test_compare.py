@@ -5,15 +5,18 @@ from __future__ import annotations
 import pytest
 
 from compress.commands import compare
-from compress.tracking import experiment_id
-from evals.tracking import client, log_gate
+from compress.tracking import RunLog, experiment_id, tracking_uri
 
 
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     monkeypatch.setenv("COMPRESS_ARTIFACTS", str(tmp_path / "artifacts"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    tracking = client()
+    gate = RunLog(tracking_uri(), "compress", None, tags={"compress.kind": "gate"})
+    gate.params({"candidate": "/ckpt/broken"})
+    gate.metrics({"gate_passed": 0.0, "needle_accuracy": 0.5})
+    gate.finish()
+    tracking = gate.client
     experiment = experiment_id(tracking, "compress")
     runs = {
         "awq_int4": {"size_mb": 90.0, "ppl_candidate": 21.0, "bits_per_weight": 4.25, "tpot_p50_ms": 9.0},
@@ -26,7 +29,6 @@ def store(tmp_path, monkeypatch):
         tracking.log_param(run_id, "model.path", "smollm2-135m")
         for key, value in metrics.items():
             tracking.log_metric(run_id, key, value)
-    log_gate({"gate_passed": 0.0, "needle_accuracy": 0.5}, {"candidate": "/ckpt/broken"}, {}, [], None)
     return tmp_path
 
 
@@ -43,6 +45,19 @@ def test_filters_by_recipe_kind_and_date(store):
     assert [row.kind for row in compare.load_rows(None, None, None, "gate", 100)] == ["gate"]
     assert len(compare.load_rows("smollm2", None, None, None, 100)) == 3
     assert compare.load_rows(None, None, compare.dt.date(2999, 1, 1), None, 100) == []
+
+
+def test_runs_without_tpot_are_drawn_in_grey(store):
+    """A colormap draws a NaN colour fully transparent: runs without TPOT were invisible though the legend says grey."""
+    figure = compare.pareto_figure(compare.load_rows(None, None, None, "run", 100))
+    figure.canvas.draw()
+    visible = set()
+    for collection in figure.axes[0].collections:
+        offsets, colours = collection.get_offsets().tolist(), collection.get_facecolors()
+        colours = colours if len(colours) == len(offsets) else [colours[0]] * len(offsets)  # one colour for all
+        visible |= {tuple(offset) for offset, colour in zip(offsets, colours, strict=True) if colour[3] > 0}
+    assert visible == {(90.0, 21.0), (90.0, 24.0), (270.0, 20.0)}
+    assert "TPOT not measured" in [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
 
 
 def test_pareto_front_keeps_only_undominated_points():

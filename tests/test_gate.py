@@ -4,14 +4,23 @@ MLflow sqlite store."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from test_gate_support import save, scale_by_noise, tiny_model, tiny_tokenizer
 
 from compress.commands import gate as gate_command
+from compress.data import DataSpec, load_corpus
+from compress.tracking import tracking_uri
 from evals.gate import run_gate
-from evals.tracking import client
+
+
+def client():
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri(), registry_uri=tracking_uri())
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +63,12 @@ def test_unchanged_model_passes_against_itself_and_is_registered(checkpoints, tm
     candidate = store.get_model_version_by_alias("tiny-llama", "candidate")
     champion = store.get_model_version_by_alias("tiny-llama", "champion")
     assert int(candidate.version) == int(champion.version) == 1
-    assert candidate.source == str(checkpoints["base"].resolve())
+    assert candidate.source == f"runs:/{candidate.run_id}/checkpoint"  # the registry holds the files, not a path
+    import mlflow
+
+    downloaded = Path(mlflow.artifacts.download_artifacts(candidate.source, tracking_uri=tracking_uri(),
+                                                          dst_path=str(tmp_path / "download")))
+    assert sorted(p.name for p in checkpoints["base"].iterdir()) == sorted(p.name for p in downloaded.iterdir())
     run = store.get_run(candidate.run_id)
     assert run.data.tags["compress.kind"] == "gate"
     assert run.data.metrics["gate_passed"] == 1.0
@@ -71,7 +85,7 @@ def test_broken_checkpoint_is_blocked_by_the_perplexity_layer(checkpoints, tmp_p
     statuses = {layer["name"]: layer["status"] for layer in report["layers"]}
     assert statuses == {"perplexity": "fail", "lm_eval": "skipped", "json": "skipped", "needle": "skipped",
                         "latency": "skipped"}
-    assert report["reasons"][0].startswith("perplexity: perplexity = ")
+    assert re.fullmatch(r"perplexity \+\d+\.\d% > 5% limit", report["reasons"][0]), report["reasons"][0]
     markdown = (out / "gate.md").read_text()
     assert "# Release gate: BLOCKED" in markdown and report["reasons"][0] in markdown
     assert report["registry"] is None
@@ -86,7 +100,8 @@ def test_an_evaluator_that_raises_blocks(tokenizer, tmp_path):
         candidate.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
     policy = {"layers": ["perplexity", "json"], "backend": "transformers",
               "perplexity": {"seq_len": 64, "max_windows": 2}}
-    result = run_gate(candidate, baseline, policy, tmp_path, candidate_tokenizer=tokenizer)
+    texts = load_corpus(DataSpec()).evaluation
+    result = run_gate(candidate, baseline, policy, tmp_path, evaluation_texts=texts, candidate_tokenizer=tokenizer)
     assert not result.passed
     assert [layer.status for layer in result.layers] == ["error", "skipped"]
     assert "evaluator error (fail closed): FloatingPointError" in result.reasons[0]
@@ -105,3 +120,24 @@ def test_disabled_gate_checks_nothing(checkpoints, tmp_path):
                               f"out={tmp_path}"])
     assert code == 0
     assert json.loads((tmp_path / "gate.json").read_text())["layers"] == []
+    assert client().search_registered_models() == []  # "nothing is checked and nothing is registered"
+
+
+@pytest.mark.parametrize(
+    "layers", [["gate.layers=[]"], ["gate.layers=[perplexity,json]", "gate.perplexity.enabled=false",
+                                    "gate.json.enabled=false"]]
+)
+def test_a_gate_that_ran_no_check_blocks(checkpoints, tmp_path, layers):
+    code = gate_command.main([f"candidate={checkpoints['base']}", f"baseline={checkpoints['base']}", "gate=quick",
+                              f"out={tmp_path}", *layers])
+    assert code == 1
+    report = json.loads((tmp_path / "gate.json").read_text())
+    assert not report["passed"] and report["reasons"][0].startswith("no check ran")
+    assert client().search_registered_models() == []
+
+
+def test_a_gate_whose_limits_are_all_null_blocks(checkpoints, tmp_path):
+    code = gate_command.main([f"candidate={checkpoints['base']}", f"baseline={checkpoints['base']}", "gate=quick",
+                              f"out={tmp_path}", "gate.layers=[perplexity]", "gate.perplexity.max_ratio=null"])
+    assert code == 1
+    assert "every limit set to null" in json.loads((tmp_path / "gate.json").read_text())["reasons"][0]

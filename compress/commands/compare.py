@@ -64,9 +64,11 @@ def _row(run) -> Row:
 
 def load_rows(model: str | None, recipe: str | None, since: dt.date | None, kind: str | None, limit: int) -> list[Row]:
     """Runs of every experiment in the store, newest first, filtered."""
-    from evals.tracking import client
+    from mlflow import MlflowClient
 
-    tracking = client()
+    from compress.tracking import tracking_uri
+
+    tracking = MlflowClient(tracking_uri=tracking_uri())
     experiment_ids = [experiment.experiment_id for experiment in tracking.search_experiments()]
     if not experiment_ids:
         return []
@@ -100,8 +102,9 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     ]
 
 
-def plot_pareto(rows: list[Row], path: Path) -> Path | None:
-    """Perplexity against size, colour = TPOT; the Pareto front is joined. None when no run has both numbers."""
+def pareto_figure(rows: list[Row]):
+    """Perplexity against size, colour = TPOT (grey where not measured); the Pareto front is joined. None when no run
+    has both size and perplexity."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,9 +114,18 @@ def plot_pareto(rows: list[Row], path: Path) -> Path | None:
     if not plotted:
         return None
     points = [(row.metrics["size_mb"], row.metrics["ppl_candidate"]) for row in plotted]
-    latency = [row.metrics.get("tpot_p50_ms", float("nan")) for row in plotted]
+    timed = [index for index, row in enumerate(plotted) if "tpot_p50_ms" in row.metrics]
+    untimed = [index for index in range(len(plotted)) if index not in timed]
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    scatter = axis.scatter(*zip(*points, strict=True), c=latency, cmap="viridis", s=60, plotnonfinite=True)
+    if timed:  # a colormap draws NaN transparent, so runs without TPOT get their own grey markers below
+        scatter = axis.scatter(
+            [points[i][0] for i in timed], [points[i][1] for i in timed],
+            c=[plotted[i].metrics["tpot_p50_ms"] for i in timed], cmap="viridis", s=60,
+        )
+        figure.colorbar(scatter, ax=axis, label="TPOT p50 (ms)")
+    if untimed:
+        axis.scatter([points[i][0] for i in untimed], [points[i][1] for i in untimed], color="tab:gray", s=60,
+                     label="TPOT not measured")
     front = sorted(points[index] for index in pareto_front(points))
     axis.plot(*zip(*front, strict=True), color="tab:red", linewidth=1, label="Pareto front")
     for row, (size, ppl) in zip(plotted, points, strict=True):
@@ -121,8 +133,17 @@ def plot_pareto(rows: list[Row], path: Path) -> Path | None:
                       textcoords="offset points")
     axis.set_xlabel("checkpoint size (MB)")
     axis.set_ylabel("perplexity (lower is better)")
-    figure.colorbar(scatter, ax=axis, label="TPOT p50 (ms; grey: not measured)")
     axis.legend(loc="upper right")
+    return figure
+
+
+def plot_pareto(rows: list[Row], path: Path) -> Path | None:
+    """The Pareto figure saved as ``path``; None when there is nothing to plot."""
+    import matplotlib.pyplot as plt
+
+    figure = pareto_figure(rows)
+    if figure is None:
+        return None
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)

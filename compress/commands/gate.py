@@ -46,19 +46,41 @@ def parse_arguments(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     return arguments, overrides
 
 
+def evaluation_texts(policy: dict) -> list[str]:
+    """The held-out split of ``gate.data`` (default: the pipeline's default corpus), popped from the policy: the
+    evaluators take text, not a data source."""
+    from compress.config import build_section
+    from compress.data import DataSpec, load_corpus
+
+    return load_corpus(build_section(DataSpec, policy.pop("data", None), "gate.data")).evaluation
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from evals.gate import run_gate
+    from compress.tracking import RunLog, check_writable, record_verdict, tracking_uri
+    from evals.gate import resolve_policy, run_gate
 
     try:
         arguments, overrides = parse_arguments(argv)
         if "promote" in arguments:
             overrides.append(f"registry.promote={arguments['promote']}")
         policy = load_policy(arguments.get("gate", "default"), overrides)
+        texts = evaluation_texts(policy)
+        experiment = resolve_policy(policy).experiment  # a bad policy is reported before MLflow hears of it
+        uri = tracking_uri()
+        check_writable(uri, "set MLFLOW_TRACKING_URI=<writable store>")  # before minutes of evaluation, not after
         candidate = arguments["candidate"]
         default_out = artifacts_dir() / "gates" / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(candidate).name}"
         out_dir = Path(arguments.get("out", default_out))
-        result = run_gate(candidate, arguments["baseline"], policy, out_dir)
+        run = RunLog(uri, experiment, None, tags={"compress.kind": "gate"})
+        try:
+            result = run_gate(candidate, arguments["baseline"], policy, out_dir, evaluation_texts=texts)
+            checkpoint = Path(candidate).expanduser()
+            record_verdict(run, result, result.files, checkpoint if checkpoint.is_dir() else None, own_run=True)
+        except BaseException as error:
+            run.finish("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+            raise
+        run.finish()
     except CompressError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
