@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from compress.calibration import capture_first_layer_inputs, decoder_layers, restore_dtypes, run_layer, upcast
 from compress.checkpoint import load_checkpoint, save_checkpoint
-from compress.config import RunConfig
+from compress.config import RunConfig, check_evaluation_length
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
 from compress.models import check_model_source, load_model, materialize_all, materialize_layer, resolve_model_path
@@ -330,6 +330,7 @@ def _execute(config, stages, device, staging: Path, save_dtype, timer: Timer) ->
     with timer.phase("data"):
         calibration_ids = tokenize(tokenizer, corpus.calibration_text)
         eval_ids = tokenize(tokenizer, corpus.evaluation_text)
+        check_evaluation_length(int(eval_ids.numel()), config)
         samples = calibration_samples(calibration_ids, config.data.num_samples, config.data.seq_len, config.seed)
     results: dict[str, PerplexityResult] = {}
     if config.eval.perplexity:
