@@ -6,7 +6,8 @@ The rules:
 
 * ``kernels/`` and ``compress/engine/`` are the runtime a bare GPU box installs: they import the standard library,
   torch, triton, transformers, safetensors, numpy, each other, and the runtime modules ``compress.checkpoint``,
-  ``compress.qlinear`` and ``compress.quant`` (the quantized layers a checkpoint loads into); never Hydra, MLflow,
+  ``compress.qlinear``, ``compress.quant`` and ``compress.kv_quant`` (the quantized layers and KV scheme a checkpoint
+  loads into); never Hydra, MLflow,
   lm-eval, the pipeline or the gate.
 * ``evals/`` may add the gate's own libraries (lm-eval, matplotlib, jsonschema, omegaconf for its policy schema,
   tqdm) and the runtime side of ``compress`` (engine, checkpoint, models, errors, data, qlinear, quant), but never
@@ -24,13 +25,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME_THIRD_PARTY = {"torch", "triton", "transformers", "safetensors", "numpy"}
-RUNTIME_COMPRESS = {"compress.engine", "compress.checkpoint", "compress.qlinear", "compress.quant", "compress.errors"}
+RUNTIME_COMPRESS = {
+    "compress.engine", "compress.checkpoint", "compress.qlinear", "compress.quant", "compress.kv_quant",
+    "compress.errors",
+}
 RUNTIME_ALLOWED = RUNTIME_THIRD_PARTY | RUNTIME_COMPRESS | {"kernels"}
 EVALS_ALLOWED = RUNTIME_ALLOWED | {
     "evals", "compress.models", "compress.data", "lm_eval", "matplotlib", "jsonschema", "omegaconf", "tqdm",
 }
-# benchmarks moving to benchmarks/ (issue 11): compress/engine/bench.py, kernels/bench.py are the bench layer's
-BENCH_FILES = {"compress/engine/bench.py", "kernels/bench.py"}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -55,7 +57,7 @@ def violations(folder: str, rules: set[str]) -> dict[str, list[str]]:
     for path in sorted((ROOT / folder).glob("*.py")):
         name = str(path.relative_to(ROOT))
         bad = sorted(module for module in imported_modules(path) if not allowed(module, rules))
-        if bad and name not in BENCH_FILES:
+        if bad:
             found[name] = bad
     return found
 

@@ -142,7 +142,7 @@ def test_the_gate_logs_and_registers_into_the_runs_own_store(tiny_model_dir, art
 
 def test_a_blocked_run_states_the_reason_in_one_line(tiny_model_dir, artifacts, capsys):
     args = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", *SMALL, *PERPLEXITY_GATE,
-            "gate.perplexity.max_ratio=0.5", "tracking.enabled=false"]
+            "gate.perplexity.max_ratio=0.5", "tracking.enabled=false", "gate.enforce=true"]
     assert main(args) == 1
     out = capsys.readouterr().out
     [run_dir] = (artifacts / "runs").iterdir()
@@ -202,8 +202,8 @@ def test_unwritable_storage_fails_fast_in_one_line_without_leftovers(tiny_model_
                           "database); set tracking.uri=<a writable store> or tracking.enabled=false",
         "store_folder_readonly": f"error: MLflow store sqlite:///{ro}/new/mlflow.db: cannot write (Read-only file "
                                  "system); set tracking.uri=<a writable store> or tracking.enabled=false",
-        "output_readonly": f"error: output folder {ro}/runs: cannot write (Read-only file system); "
-                           "set output.dir=<a writable folder>",
+        "output_readonly": f"error: output.dir: cannot write run folders under {ro}/runs ({ro} is not a writable "
+                           "folder); point it at a folder you can write",
         "disk_full": "(No space left on device); free space there or set output.dir=<a writable folder>",
     }
     for name, message in expected.items():

@@ -225,7 +225,7 @@ def test_tracking_store_is_created_once_before_parallel_jobs(tiny_model_dir, art
     config = build_run_config(tiny_config(tiny_model_dir, tracking={"uri": uri, "experiment": "sweep"}))
     prepare_tracking([config])
     code = ("import sys; from compress.tracking import RunLog; "
-            f"RunLog({uri!r}, 'sweep', sys.argv[1], tags={{}}).finish(ok=True)")
+            f"RunLog({uri!r}, 'sweep', sys.argv[1], tags={{}}).finish()")
     env = {**os.environ, "COMPRESS_ARTIFACTS": str(artifacts)}
     jobs = [subprocess.Popen([sys.executable, "-c", code, f"job-{i}"], cwd=REPO, env=env, stderr=subprocess.PIPE,
                              text=True) for i in range(3)]
