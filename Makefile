@@ -28,6 +28,7 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 clean-venv:
 	rm -rf $(VENV)

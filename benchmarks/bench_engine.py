@@ -32,23 +32,59 @@ from compress.engine.loading import load_model
 from compress.engine.sequence import SamplingParams
 
 DEFAULTS = {
-    "checkpoint": "artifacts/models/smollm2-135m-instruct", "mode": "serve", "dtype": "auto",
-    "requests": "48", "rate": "2", "batch": "8",
-    "max_num_seqs": "32", "seed": "0", "slo_ttft": "2.0", "slo_tpot": "0.25", "system_tokens": "1024",
-    "kv_dtypes": "bf16,int8,fp8", "text": "docs/engine.md", "out": "benchmarks/results",
-    "decode_weights": "w4a16,int8,fp8", "decode_tokens": "256", "group_size": "128",
+    "checkpoint": "artifacts/models/smollm2-135m-instruct",
+    "mode": "serve",
+    "dtype": "auto",
+    "requests": "48",
+    "rate": "2",
+    "batch": "8",
+    "max_num_seqs": "32",
+    "seed": "0",
+    "slo_ttft": "2.0",
+    "slo_tpot": "0.25",
+    "system_tokens": "1024",
+    "kv_dtypes": "bf16,int8,fp8",
+    "text": "docs/engine.md",
+    "out": "benchmarks/results",
+    "decode_weights": "w4a16,int8,fp8",
+    "decode_tokens": "256",
+    "group_size": "128",
 }
 MODES = ("serve", "decode")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Real architectures with random weights (``checkpoint=random:<name>``).
 PRESETS = {
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
+    "llama-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -126,16 +162,24 @@ def summarize(arrivals: list[float], token_times: list[list[float]], slo_ttft: f
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times if len(t) > 1]
     itl = [b - a for t in token_times for a, b in zip(t, t[1:], strict=False)]
     span = max(t[-1] for t in token_times) - min(arrivals)
-    good = sum(1 for first, t in zip(ttft, token_times, strict=True)
-               if first <= slo_ttft and (len(t) < 2 or (t[-1] - t[0]) / (len(t) - 1) <= slo_tpot))
+    good = sum(
+        1
+        for first, t in zip(ttft, token_times, strict=True)
+        if first <= slo_ttft and (len(t) < 2 or (t[-1] - t[0]) / (len(t) - 1) <= slo_tpot)
+    )
 
     def pct(values):
         q = statistics.quantiles(values, n=100, method="inclusive")
         return {"p50": q[49], "p95": q[94], "p99": q[98]}
 
-    return {"ttft_s": pct(ttft), "tpot_s": pct(tpot), "itl_s": pct(itl),
-            "throughput_tok_s": sum(len(t) for t in token_times) / span, "goodput_req_s": good / span,
-            "makespan_s": span}
+    return {
+        "ttft_s": pct(ttft),
+        "tpot_s": pct(tpot),
+        "itl_s": pct(itl),
+        "throughput_tok_s": sum(len(t) for t in token_times) / span,
+        "goodput_req_s": good / span,
+        "makespan_s": span,
+    }
 
 
 def run_engine(llm: LLM, requests, params_for) -> tuple[list[float], list[list[float]]]:
@@ -181,14 +225,21 @@ def run_transformers(model, requests, batch_size: int) -> tuple[list[float], lis
             time.sleep(wait)
         now = time.perf_counter()
         batch = [r for r in pending[:batch_size] if start + r[0] <= now]
-        pending = pending[len(batch):]
+        pending = pending[len(batch) :]
         width = max(len(p) for _, p, _ in batch)
         ids = torch.tensor([[0] * (width - len(p)) + p for _, p, _ in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p, _ in batch])
         steps = max(n for _, _, n in batch)
         clock = _StepClock()
-        model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=steps,
-                       min_new_tokens=steps, do_sample=False, pad_token_id=0, streamer=clock)
+        model.generate(
+            ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=clock,
+        )
         for offset, _, n in batch:
             arrivals.append(start + offset)
             token_times.append(clock.times[:n])
@@ -215,8 +266,10 @@ def parse_options(argv: list[str]) -> dict[str, str] | None:
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep or key not in DEFAULTS:
-            print(f"error: bad argument {arg!r}; options: {', '.join(f'{k}={v}' for k, v in DEFAULTS.items())}",
-                  file=sys.stderr)
+            print(
+                f"error: bad argument {arg!r}; options: {', '.join(f'{k}={v}' for k, v in DEFAULTS.items())}",
+                file=sys.stderr,
+            )
             return None
         options[key] = value
     if options["mode"] not in MODES or options["dtype"] not in ("auto", *DTYPES):
@@ -277,11 +330,16 @@ def serve(model, tokenizer, options: dict[str, str], device: str) -> dict:
     prefix = prefix_cache_gain(LLM(model, tokenizer, **engine_options), int(options["system_tokens"]), vocab)
     log(f"prefix cache: {prefix['speedup']:.1f}x TTFT; KV cache dtypes")
     return {
-        "mode": "serve", "device": device_name(device), "model": options["checkpoint"],
-        "dtype": str(model.dtype).removeprefix("torch."), "options": options, "engine": engine,
+        "mode": "serve",
+        "device": device_name(device),
+        "model": options["checkpoint"],
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "options": options,
+        "engine": engine,
         "transformers_static": baseline,
         "throughput_ratio": engine["throughput_tok_s"] / baseline["throughput_tok_s"],
-        "prefix_cache": prefix, "kv_perplexity": kv_perplexity(model, tokenizer, options),
+        "prefix_cache": prefix,
+        "kv_perplexity": kv_perplexity(model, tokenizer, options),
     }
 
 
@@ -319,8 +377,12 @@ def decode_speed(model, tokenizer, options: dict[str, str], device: str) -> dict
             torch.cuda.empty_cache()
         log(f"{weights}: {rates[weights]:.1f} tok/s ({rates[weights] / rates['dense']:.2f}x dense)")
     return {
-        "mode": "decode", "device": device_name(device), "model": options["checkpoint"], "dtype": dtype,
-        "options": options, "decode_tok_s": rates,
+        "mode": "decode",
+        "device": device_name(device),
+        "model": options["checkpoint"],
+        "dtype": dtype,
+        "options": options,
+        "decode_tok_s": rates,
         "speedup_vs_dense": {k: v / rates["dense"] for k, v in rates.items() if k != "dense"},
     }
 
@@ -339,30 +401,47 @@ def kv_perplexity(model, tokenizer, options) -> dict:
 
 def write_results(results: dict, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    slug = "-".join(re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-                    for text in (results["mode"], Path(results["model"]).name, results["device"]))
+    slug = "-".join(
+        re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+        for text in (results["mode"], Path(results["model"]).name, results["device"])
+    )
     name = f"engine-{slug}"
     (folder / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
-    lines = [f"# Engine benchmark, {results['mode']} ({results['device']}, {results['model']}, {results['dtype']})",
-             "", f"Options: `{' '.join(f'{k}={v}' for k, v in results['options'].items())}`", ""]
+    lines = [
+        f"# Engine benchmark, {results['mode']} ({results['device']}, {results['model']}, {results['dtype']})",
+        "",
+        f"Options: `{' '.join(f'{k}={v}' for k, v in results['options'].items())}`",
+        "",
+    ]
     if results["mode"] == "decode":
-        lines += ["Batch-1 decode, 128-token prompt, median of 3 requests, our engine for every row.", "",
-                  "| weights | tok/s | vs dense |", "|---|---|---|"]
+        lines += [
+            "Batch-1 decode, 128-token prompt, median of 3 requests, our engine for every row.",
+            "",
+            "| weights | tok/s | vs dense |",
+            "|---|---|---|",
+        ]
         for weights, rate in results["decode_tok_s"].items():
             ratio = results["speedup_vs_dense"].get(weights, 1.0)
             lines.append(f"| {weights} | {rate:.1f} | {ratio:.2f}x |")
         (folder / f"{name}.md").write_text("\n".join(lines) + "\n")
         return
-    lines += ["| system | TTFT p50/p95/p99 s | TPOT p50/p95/p99 s | ITL p50/p95/p99 s | tok/s | goodput req/s |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "| system | TTFT p50/p95/p99 s | TPOT p50/p95/p99 s | ITL p50/p95/p99 s | tok/s | goodput req/s |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, key in (("compress engine", "engine"), ("transformers generate (static)", "transformers_static")):
         r = results[key]
         cells = ["/".join(f"{r[m][p]:.3f}" for p in ("p50", "p95", "p99")) for m in ("ttft_s", "tpot_s", "itl_s")]
         lines.append(f"| {label} | {' | '.join(cells)} | {r['throughput_tok_s']:.1f} | {r['goodput_req_s']:.3f} |")
     prefix = results["prefix_cache"]
-    lines += ["", f"Throughput ratio engine / transformers: **{results['throughput_ratio']:.2f}x**", "",
-              f"Prefix cache ({results['options']['system_tokens']}-token shared system prompt): cold TTFT "
-              f"{prefix['cold_ttft_s']:.3f} s, warm {prefix['warm_ttft_s']:.3f} s, **{prefix['speedup']:.1f}x**, "
-              f"hit rate {prefix['hit_rate']:.1%}", "",
-              f"KV cache perplexity: `{json.dumps(results['kv_perplexity'])}`"]
+    lines += [
+        "",
+        f"Throughput ratio engine / transformers: **{results['throughput_ratio']:.2f}x**",
+        "",
+        f"Prefix cache ({results['options']['system_tokens']}-token shared system prompt): cold TTFT "
+        f"{prefix['cold_ttft_s']:.3f} s, warm {prefix['warm_ttft_s']:.3f} s, **{prefix['speedup']:.1f}x**, "
+        f"hit rate {prefix['hit_rate']:.1%}",
+        "",
+        f"KV cache perplexity: `{json.dumps(results['kv_perplexity'])}`",
+    ]
     (folder / f"{name}.md").write_text("\n".join(lines) + "\n")

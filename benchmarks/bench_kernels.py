@@ -52,8 +52,13 @@ GOALS = [
     ("int8 W8A8 (with act quant) M>=1024 speedup >= 1.6x", "int8", lambda m: m >= 1024, "speedup", 1.6),
     ("FP8 W8A8 (with act quant) M>=1024 speedup >= 1.5x", "fp8", lambda m: m >= 1024, "speedup", 1.5),
     ("act-quant M>=1024 >= 70% of copy bandwidth", "act-quant", lambda m: m >= 1024, "copy_bandwidth_pct", 70.0),
-    ("int8-KV paged decode attention >= 70% of copy bandwidth (issue 6)", "paged-attn-int8", lambda m: m >= 16,
-     "copy_bandwidth_pct", 70.0),
+    (
+        "int8-KV paged decode attention >= 70% of copy bandwidth (issue 6)",
+        "paged-attn-int8",
+        lambda m: m >= 16,
+        "copy_bandwidth_pct",
+        70.0,
+    ),
 ]
 
 
@@ -188,10 +193,26 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[list[Row], floa
                         continue  # once per distinct K
                     seconds = measure(lambda x=x: ops.quantize_per_token(x, torch.int8)) * 1e-3
                     moved = m * k * (x.element_size() + 1) + m * 4
-                    rows.append(Row(kernel, 0, k, m, seconds * 1e6, 0.0, moved / seconds / 1e9,
-                                    100 * moved / seconds / 1e9 / copy_gbps, None, None, None))
-                    print(f"{kernel:>10} K={k:<6} M={m:<5} {seconds * 1e6:9.1f} us  "
-                          f"{rows[-1].copy_bandwidth_pct:5.1f}% copy BW", flush=True)
+                    rows.append(
+                        Row(
+                            kernel,
+                            0,
+                            k,
+                            m,
+                            seconds * 1e6,
+                            0.0,
+                            moved / seconds / 1e9,
+                            100 * moved / seconds / 1e9 / copy_gbps,
+                            None,
+                            None,
+                            None,
+                        )
+                    )
+                    print(
+                        f"{kernel:>10} K={k:<6} M={m:<5} {seconds * 1e6:9.1f} us  "
+                        f"{rows[-1].copy_bandwidth_pct:5.1f}% copy BW",
+                        flush=True,
+                    )
                     continue
                 x_bf16 = x.to(torch.bfloat16)
                 baseline = measure(lambda a=x_bf16, w=dense_weight: torch.matmul(a, w.T)) * 1e-3
@@ -199,12 +220,26 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[list[Row], floa
                 seconds = measure(lambda x=x, op=op: op(x)) * 1e-3
                 moved = weight_bytes + m * k * x.element_size() + m * n * x.element_size()
                 error = relative_error(out, x.double() @ dense.T)
-                rows.append(Row(
-                    kernel, n, k, m, seconds * 1e6, 2 * m * n * k / seconds / 1e12, moved / seconds / 1e9,
-                    100 * moved / seconds / 1e9 / copy_gbps, baseline * 1e6, baseline / seconds, error,
-                ))
-                print(f"{kernel:>10} N={n:<6} K={k:<6} M={m:<5} {seconds * 1e6:9.1f} us  "
-                      f"x{baseline / seconds:5.2f} vs bf16  {rows[-1].copy_bandwidth_pct:5.1f}% copy BW", flush=True)
+                rows.append(
+                    Row(
+                        kernel,
+                        n,
+                        k,
+                        m,
+                        seconds * 1e6,
+                        2 * m * n * k / seconds / 1e12,
+                        moved / seconds / 1e9,
+                        100 * moved / seconds / 1e9 / copy_gbps,
+                        baseline * 1e6,
+                        baseline / seconds,
+                        error,
+                    )
+                )
+                print(
+                    f"{kernel:>10} N={n:<6} K={k:<6} M={m:<5} {seconds * 1e6:9.1f} us  "
+                    f"x{baseline / seconds:5.2f} vs bf16  {rows[-1].copy_bandwidth_pct:5.1f}% copy BW",
+                    flush=True,
+                )
         del dense_weight
     rows += attention_rows(args, device, measure, copy_gbps)
     return rows, copy_gbps
@@ -255,11 +290,26 @@ def attention_rows(args: argparse.Namespace, device: torch.device, measure, copy
             baseline = measure(sdpa) * 1e-3
             del dense_k, dense_v
             moved = 2 * batch * context * kv_heads * dim * k_cache.element_size() + 2 * q.numel() * q.element_size()
-            rows.append(Row(kernel, heads, context, batch, seconds * 1e6, 4 * batch * heads * context * dim / seconds
-                            / 1e12, moved / seconds / 1e9, 100 * moved / seconds / 1e9 / copy_gbps, baseline * 1e6,
-                            baseline / seconds, error))
-            print(f"{kernel:>15} ctx={context:<6} batch={batch:<5} {seconds * 1e6:9.1f} us  x{baseline / seconds:5.2f} "
-                  f"vs SDPA bf16  {rows[-1].copy_bandwidth_pct:5.1f}% copy BW", flush=True)
+            rows.append(
+                Row(
+                    kernel,
+                    heads,
+                    context,
+                    batch,
+                    seconds * 1e6,
+                    4 * batch * heads * context * dim / seconds / 1e12,
+                    moved / seconds / 1e9,
+                    100 * moved / seconds / 1e9 / copy_gbps,
+                    baseline * 1e6,
+                    baseline / seconds,
+                    error,
+                )
+            )
+            print(
+                f"{kernel:>15} ctx={context:<6} batch={batch:<5} {seconds * 1e6:9.1f} us  x{baseline / seconds:5.2f} "
+                f"vs SDPA bf16  {rows[-1].copy_bandwidth_pct:5.1f}% copy BW",
+                flush=True,
+            )
             del keys, values, k_cache, v_cache
     return rows
 
@@ -269,8 +319,9 @@ def judge_goals(rows: list[Row]) -> list[dict]:
     for description, kernel, wanted_rows, metric, threshold in GOALS:
         values = [getattr(row, metric) for row in rows if row.kernel == kernel and wanted_rows(row.m)]
         worst = min(values) if values else None
-        verdicts.append(dict(goal=description, worst=worst, threshold=threshold,
-                             met=None if worst is None else worst >= threshold))
+        verdicts.append(
+            dict(goal=description, worst=worst, threshold=threshold, met=None if worst is None else worst >= threshold)
+        )
     return verdicts
 
 
@@ -320,8 +371,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device: checks the script only")
     parser.add_argument("--shapes", type=parse_shapes, help="weight shapes N x K, comma separated")
     parser.add_argument("--rows", type=lambda t: [int(v) for v in t.split(",")], help="M values, comma separated")
-    parser.add_argument("--kernels", type=lambda t: t.split(","), default=KERNELS + ATTENTION,
-                        help=",".join(KERNELS + ATTENTION))
+    parser.add_argument(
+        "--kernels", type=lambda t: t.split(","), default=KERNELS + ATTENTION, help=",".join(KERNELS + ATTENTION)
+    )
     parser.add_argument("--context", type=int, help="cached tokens per sequence for attention (default 4096; smoke 64)")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="activation dtype")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
@@ -339,16 +391,24 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
-        print("error: the kernel benchmark needs a CUDA GPU and none is visible. GPU numbers are still missing; "
-              "run it on an H100 with `python -m compress bench kernels`, or check the script on CPU with "
-              "`--smoke`.", file=sys.stderr)
+        print(
+            "error: the kernel benchmark needs a CUDA GPU and none is visible. GPU numbers are still missing; "
+            "run it on an H100 with `python -m compress bench kernels`, or check the script on CPU with "
+            "`--smoke`.",
+            file=sys.stderr,
+        )
         return 2
     rows, copy_gbps = run(args, device)
     goals = [] if args.smoke else judge_goals(rows)  # tiny shapes say nothing about the goals
     meta = dict(
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
-        smoke=args.smoke, torch=torch.__version__, triton=triton.__version__, dtype=args.dtype,
-        copy_gbps=copy_gbps, group_size=GROUP_SIZE, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        smoke=args.smoke,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        dtype=args.dtype,
+        copy_gbps=copy_gbps,
+        group_size=GROUP_SIZE,
+        timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"kernels-{device_slug(device, args.smoke)}"
@@ -358,6 +418,8 @@ def main(argv: list[str]) -> int:
     stem.with_suffix(".md").write_text(markdown(meta, rows, goals))
     print(f"wrote {stem}.json and {stem}.md")
     for goal in goals:
-        print(f"  {'MET ' if goal['met'] else 'MISS' if goal['met'] is False else '  - '} {goal['goal']}: "
-              f"worst {goal['worst'] if goal['worst'] is None else round(goal['worst'], 2)}")
+        print(
+            f"  {'MET ' if goal['met'] else 'MISS' if goal['met'] is False else '  - '} {goal['goal']}: "
+            f"worst {goal['worst'] if goal['worst'] is None else round(goal['worst'], 2)}"
+        )
     return 0

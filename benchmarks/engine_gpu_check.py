@@ -23,9 +23,14 @@ def transformers_perplexity(model, ids: list[int]) -> float:
 
 @torch.inference_mode()
 def transformers_greedy(model, prompt: list[int], tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=tokens, do_sample=False,
-                         min_new_tokens=tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt], device=model.device),
+        max_new_tokens=tokens,
+        do_sample=False,
+        min_new_tokens=tokens,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def main() -> int:
@@ -44,9 +49,12 @@ def main() -> int:
             same = sum(o.token_ids == e for o, e in zip(outputs, expected, strict=True))
             first_token = sum(o.token_ids[0] == e[0] for o, e in zip(outputs, expected, strict=True))
             ppl = llm.perplexity(text)
-            print(f"{str(dtype):>15} kv={kv:<5} greedy identical {same}/{len(prompts)} "
-                  f"(first token {first_token}/{len(prompts)})  ppl {ppl:.4f} vs transformers {reference_ppl:.4f} "
-                  f"({100 * (ppl / reference_ppl - 1):+.3f}%)", flush=True)
+            print(
+                f"{str(dtype):>15} kv={kv:<5} greedy identical {same}/{len(prompts)} "
+                f"(first token {first_token}/{len(prompts)})  ppl {ppl:.4f} vs transformers {reference_ppl:.4f} "
+                f"({100 * (ppl / reference_ppl - 1):+.3f}%)",
+                flush=True,
+            )
             if dtype == torch.float32 and kv == "auto" and same != len(prompts):
                 failures += 1
             del llm

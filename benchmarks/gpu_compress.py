@@ -30,10 +30,23 @@ from compress.models import ModelSpec, load_model
 from compress.pipeline import apply_stages
 from compress.stages import build_chain
 
-LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)
-TINY = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512)
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    rope_theta=500000.0,
+)
+TINY = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
 ALGORITHMS = ("gptq", "awq")
 
 
@@ -41,8 +54,9 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def compress_once(model_dir: Path, algorithm: str, samples: torch.Tensor, device: torch.device,
-                  batch_size: int) -> dict:
+def compress_once(
+    model_dir: Path, algorithm: str, samples: torch.Tensor, device: torch.device, batch_size: int
+) -> dict:
     """One lazily loaded model through one W4A16 g128 stage; the model is dropped afterwards."""
     model, _ = load_model(ModelSpec(path=str(model_dir)), layerwise=True)
     [stage] = build_chain([{"type": algorithm, "bits": 4, "group_size": 128, "symmetric": True}])
@@ -116,10 +130,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{algorithm}: {row['seconds']:.1f} s, peak GPU {row['peak_gpu_mb']} MB", flush=True)
     name = device_name(device)
     result = {
-        "shape_name": "tiny llama" if args.tiny else "Llama-3-8B shape", "shape": shape, "params": params,
-        "device": str(device), "device_name": name, "torch": torch.__version__,
-        "samples": samples_count, "seq_len": seq_len, "batch_size": args.batch_size,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "algorithms": algorithms,
+        "shape_name": "tiny llama" if args.tiny else "Llama-3-8B shape",
+        "shape": shape,
+        "params": params,
+        "device": str(device),
+        "device_name": name,
+        "torch": torch.__version__,
+        "samples": samples_count,
+        "seq_len": seq_len,
+        "batch_size": args.batch_size,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "algorithms": algorithms,
     }
     print(json.dumps(result, indent=2))
     out = args.out or (None if args.tiny else REPO / "benchmarks" / "results")

@@ -13,8 +13,6 @@ for sdist in .whl/gemlite-*.tar.gz; do  # from benchmarks/fetch_gemlite.sh, carr
   mkdir -p /tmp/gemlite && tar -xzf "$sdist" -C /tmp/gemlite
   export PYTHONPATH=$(ls -d /tmp/gemlite/gemlite-*/ | head -n 1):$PYTHONPATH
 done
-KERNEL_TESTS="tests/test_kernels_w4a16.py tests/test_kernels_w8a8.py tests/test_paged_attention.py
-  tests/test_qlinear_kernels.py tests/test_engine.py tests/test_kernels_bench.py tests/test_kernels_peers.py"
 
 run_step() {  # name, time limit (s), command...
   local name=$1 limit=$2 start=$SECONDS
@@ -31,7 +29,7 @@ for step in $steps; do
     info) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv
           python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)";;
     tests) run_step tests ${LIMIT_TESTS:-300} env COMPRESS_TEST_DEVICE=cuda COMPRESS_AUTOTUNE=0 \
-             python3 -m pytest -q -rfE -n 8 -p no:cacheprovider $KERNEL_TESTS;;
+             python3 -m pytest -q -rfE -n 8 -p no:cacheprovider -m gpu tests;;
     check) run_step check ${LIMIT_CHECK:-180} python3 -m benchmarks.engine_gpu_check;;
     kernels) run_step kernels ${LIMIT_KERNELS:-420} python3 -m compress bench kernels --out-dir "$RESULTS" ${KERNEL_ARGS:-};;
     peers) run_step peers ${LIMIT_PEERS:-480} python3 -m compress bench peers --out-dir "$RESULTS" ${PEER_ARGS:-};;

@@ -107,13 +107,16 @@ def torch_w8a8_op(weight: QuantizedWeight, quantize_activations: bool) -> Op:
         return cache[x.data_ptr()]
 
     if weight.values.dtype == torch.int8:
+
         def op(x):
             codes, a_scale = quantized(x)
             return (torch._int_mm(codes, w_t).float() * a_scale * w_scale.T).to(x.dtype)
     else:
+
         def op(x):
             codes, a_scale = quantized(x)
             return torch._scaled_mm(codes, w_t, scale_a=a_scale, scale_b=w_scale.T, out_dtype=x.dtype)
+
     return op
 
 
@@ -140,8 +143,11 @@ def gemlite_op(fmt: str, weight: QuantizedWeight, dtype: torch.dtype) -> Op:
 def implementations(fmt: str) -> dict[str, Callable[[QuantizedWeight, torch.dtype], Op]]:
     """Name -> builder for every implementation of ``fmt``; names starting with ``ours`` are ours."""
     if fmt == "w4a16":
-        return {"ours": lambda w, d: our_op("w4a16", w), "tinygemm": tinygemm_op,
-                "gemlite": lambda w, d: gemlite_op(fmt, w, d)}
+        return {
+            "ours": lambda w, d: our_op("w4a16", w),
+            "tinygemm": tinygemm_op,
+            "gemlite": lambda w, d: gemlite_op(fmt, w, d),
+        }
     torch_name = "torch._int_mm" if fmt == "int8" else "torch._scaled_mm"
     return {
         "ours": lambda w, d: our_op(fmt, w),
@@ -207,8 +213,11 @@ def report(row: Row) -> None:
     if row.time_us is None:
         print(f"{row.format:>5} {row.impl:<22} N={row.n:<6} K={row.k:<6} M={row.m:<5} n/a: {row.note}", flush=True)
     else:
-        print(f"{row.format:>5} {row.impl:<22} N={row.n:<6} K={row.k:<6} M={row.m:<5} {row.time_us:9.1f} us  "
-              f"x{row.vs_bf16:5.2f} vs bf16 {row.note}", flush=True)
+        print(
+            f"{row.format:>5} {row.impl:<22} N={row.n:<6} K={row.k:<6} M={row.m:<5} {row.time_us:9.1f} us  "
+            f"x{row.vs_bf16:5.2f} vs bf16 {row.note}",
+            flush=True,
+        )
 
 
 def best_peer_ratios(rows: list[Row]) -> dict[tuple[str, int, int, int], dict]:
@@ -219,14 +228,23 @@ def best_peer_ratios(rows: list[Row]) -> dict[tuple[str, int, int, int], dict]:
         groups.setdefault((row.format, row.n, row.k, row.m), []).append(row)
     summary = {}
     for key, group in groups.items():
-        peers = [r for r in group if r.time_us is not None and not r.impl.startswith("ours") and r.impl != BASELINE
-                 and not r.note.startswith("WRONG")]
+        peers = [
+            r
+            for r in group
+            if r.time_us is not None
+            and not r.impl.startswith("ours")
+            and r.impl != BASELINE
+            and not r.note.startswith("WRONG")
+        ]
         best = min(peers, key=lambda r: r.time_us, default=None)
         summary[key] = dict(
             best_peer=None if best is None else best.impl,
             best_peer_us=None if best is None else best.time_us,
-            ours_vs_best_peer={r.impl: None if best is None or r.time_us is None else best.time_us / r.time_us
-                               for r in group if r.impl.startswith("ours")},
+            ours_vs_best_peer={
+                r.impl: None if best is None or r.time_us is None else best.time_us / r.time_us
+                for r in group
+                if r.impl.startswith("ours")
+            },
         )
     return summary
 
@@ -246,18 +264,32 @@ def markdown(meta: dict, rows: list[Row], summary: dict) -> str:
     for fmt in meta["formats"]:
         names = list(dict.fromkeys(r.impl for r in rows if r.format == fmt))
         ours = [name for name in names if name.startswith("ours")]
-        lines += [f"## {fmt}", "", "| N | K | M | " + " | ".join(names) + " | best peer | "
-                  + " | ".join(f"{name}/best" for name in ours) + " |",
-                  "|" + "---|" * (4 + len(names) + len(ours))]
+        lines += [
+            f"## {fmt}",
+            "",
+            "| N | K | M | "
+            + " | ".join(names)
+            + " | best peer | "
+            + " | ".join(f"{name}/best" for name in ours)
+            + " |",
+            "|" + "---|" * (4 + len(names) + len(ours)),
+        ]
         for (row_fmt, n, k, m), entry in summary.items():
             if row_fmt != fmt:
                 continue
             by_name = {r.impl: r for r in rows if (r.format, r.n, r.k, r.m) == (fmt, n, k, m)}
             cells = [cell(by_name.get(name)) for name in names]
-            ratios = ["-" if entry["ours_vs_best_peer"].get(name) is None else f"{entry['ours_vs_best_peer'][name]:.2f}"
-                      for name in ours]
-            lines.append(f"| {n} | {k} | {m} | " + " | ".join(cells) + f" | {entry['best_peer'] or '-'} | "
-                         + " | ".join(ratios) + " |")
+            ratios = [
+                "-" if entry["ours_vs_best_peer"].get(name) is None else f"{entry['ours_vs_best_peer'][name]:.2f}"
+                for name in ours
+            ]
+            lines.append(
+                f"| {n} | {k} | {m} | "
+                + " | ".join(cells)
+                + f" | {entry['best_peer'] or '-'} | "
+                + " | ".join(ratios)
+                + " |"
+            )
         lines.append("")
     notes = sorted({f"{r.impl}: {r.note}" for r in rows if r.note})
     if notes:
@@ -302,27 +334,43 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
-        print("error: the peer benchmark needs a CUDA GPU and none is visible, so its GPU numbers are still missing; "
-              "run `bash benchmarks/gpu_session.sh peers` on a GPU box, or check the script here with --smoke.",
-              file=sys.stderr)
+        print(
+            "error: the peer benchmark needs a CUDA GPU and none is visible, so its GPU numbers are still missing; "
+            "run `bash benchmarks/gpu_session.sh peers` on a GPU box, or check the script here with --smoke.",
+            file=sys.stderr,
+        )
         return 2
     rows = run(args, device)
     summary = best_peer_ratios(rows)
     meta = dict(
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
-        smoke=args.smoke, torch=torch.__version__, triton=triton.__version__, gemlite=gemlite_version(),
-        dtype=args.dtype, formats=args.formats, group_size=GROUP_SIZE, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        smoke=args.smoke,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        gemlite=gemlite_version(),
+        dtype=args.dtype,
+        formats=args.formats,
+        group_size=GROUP_SIZE,
+        timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"kernel-peers-{device_slug(device, args.smoke)}"
-    stem.with_suffix(".json").write_text(json.dumps(dict(
-        meta=meta, rows=[asdict(row) for row in rows],
-        best_peer=[dict(format=f, n=n, k=k, m=m, **entry) for (f, n, k, m), entry in summary.items()],
-    ), indent=2) + "\n")
+    stem.with_suffix(".json").write_text(
+        json.dumps(
+            dict(
+                meta=meta,
+                rows=[asdict(row) for row in rows],
+                best_peer=[dict(format=f, n=n, k=k, m=m, **entry) for (f, n, k, m), entry in summary.items()],
+            ),
+            indent=2,
+        )
+        + "\n"
+    )
     stem.with_suffix(".md").write_text(markdown(meta, rows, summary))
     for (fmt, n, k, m), entry in summary.items():
-        ratios = ", ".join(f"{name} {'-' if ratio is None else f'{ratio:.2f}'}"
-                           for name, ratio in entry["ours_vs_best_peer"].items())
+        ratios = ", ".join(
+            f"{name} {'-' if ratio is None else f'{ratio:.2f}'}" for name, ratio in entry["ours_vs_best_peer"].items()
+        )
         print(f"{fmt:>5} N={n:<6} K={k:<6} M={m:<5} best peer {entry['best_peer'] or '-'}, its time / ours: {ratios}")
     print(f"wrote {stem}.json and {stem}.md")
     return 0

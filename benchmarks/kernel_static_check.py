@@ -28,10 +28,16 @@ from triton.compiler import ASTSource
 from kernels import configs, w4a16, w8a8
 
 SHARED_MEMORY_LIMIT = 232448  # bytes of dynamic shared memory per block on sm90 (227 KiB)
-UNIT_STRIDES = ("stride_xk", "stride_pn", "stride_sn", "stride_zn", "stride_on", "stride_ak", "stride_bk",
-                "stride_bsn")
-W4A16_FLAGS = dict(BITS=4, GROUP_SIZE=128, HAS_ZERO=False, HAS_G_IDX=False, HAS_BIAS=False, ONE_GROUP_PER_TILE=True,
-                   DOT_PRECISION="tf32")
+UNIT_STRIDES = ("stride_xk", "stride_pn", "stride_sn", "stride_zn", "stride_on", "stride_ak", "stride_bk", "stride_bsn")
+W4A16_FLAGS = dict(
+    BITS=4,
+    GROUP_SIZE=128,
+    HAS_ZERO=False,
+    HAS_G_IDX=False,
+    HAS_BIAS=False,
+    ONE_GROUP_PER_TILE=True,
+    DOT_PRECISION="tf32",
+)
 
 
 @dataclass
@@ -55,8 +61,15 @@ class Compiled:
 
 def kernel_cases(table: str, dtype: str) -> tuple[triton.JITFunction, dict[str, str], dict]:
     """(kernel, pointer dtypes, fixed constexprs) for a table name; ``dtype`` is fp8 or int8 for SCALED_MM."""
-    w4 = dict(x_ptr="bf16", packed_ptr="i32", scale_ptr="bf16", zero_ptr="bf16", bias_ptr="bf16", g_idx_ptr="i32",
-              out_ptr="bf16")
+    w4 = dict(
+        x_ptr="bf16",
+        packed_ptr="i32",
+        scale_ptr="bf16",
+        zero_ptr="bf16",
+        bias_ptr="bf16",
+        g_idx_ptr="i32",
+        out_ptr="bf16",
+    )
     if table == "W4A16_SKINNY":
         return w4a16._skinny_kernel, w4, dict(W4A16_FLAGS, BLOCK_M=16)
     if table == "W4A16_GEMV":
@@ -68,8 +81,9 @@ def kernel_cases(table: str, dtype: str) -> tuple[triton.JITFunction, dict[str, 
         flags = {k: v for k, v in W4A16_FLAGS.items() if k not in ("HAS_BIAS", "DOT_PRECISION")}
         return w4a16._dequantize_kernel, w4, flags
     operand = "fp8e4nv" if dtype == "fp8" else "i8"
-    pointers = dict(a_ptr=operand, b_ptr=operand, a_scale_ptr="fp32", b_scale_ptr="fp32", bias_ptr="bf16",
-                    out_ptr="bf16")
+    pointers = dict(
+        a_ptr=operand, b_ptr=operand, a_scale_ptr="fp32", b_scale_ptr="fp32", bias_ptr="bf16", out_ptr="bf16"
+    )
     return w8a8._scaled_mm_kernel, pointers, dict(INT8=dtype == "int8", DECODE_FP8=False, HAS_BIAS=False)
 
 
@@ -104,8 +118,12 @@ def inspect(table: str, config: dict, dtype: str = "") -> Compiled:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "kernel.ptx"
         path.write_text(ptx)
-        report = subprocess.run([ptxas_path(), "-arch=sm_90a", "-v", str(path), "-o", str(path.with_suffix(".o"))],
-                                capture_output=True, text=True, check=True)
+        report = subprocess.run(
+            [ptxas_path(), "-arch=sm_90a", "-v", str(path), "-o", str(path.with_suffix(".o"))],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     text = report.stdout + report.stderr
     registers = int(re.search(r"Used (\d+) registers", text).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", text).group(1))
@@ -128,17 +146,24 @@ def tables(family: str) -> list[tuple[str, dict, str]]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernel_static_check",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernel_static_check", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--family", default="hopper", choices=["hopper", "ampere"])
-    parser.add_argument("--tables", type=lambda t: t.split(","), help="only these (W4A16_GEMV, W4A16_SKINNY, "
-                        "W4A16_GEMM, W4A16_DEQUANT, SCALED_MM), comma separated")
+    parser.add_argument(
+        "--tables",
+        type=lambda t: t.split(","),
+        help="only these (W4A16_GEMV, W4A16_SKINNY, W4A16_GEMM, W4A16_DEQUANT, SCALED_MM), comma separated",
+    )
     parser.add_argument("--first-only", action="store_true", help="only the entry COMPRESS_AUTOTUNE=0 takes")
     parser.add_argument("--json", action="store_true", help="one JSON list instead of the Markdown table")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        print("error: TRITON_INTERPRET=1 turns the kernels into interpreted functions that cannot be compiled; "
-              "run with TRITON_INTERPRET=0", file=sys.stderr)
+        print(
+            "error: TRITON_INTERPRET=1 turns the kernels into interpreted functions that cannot be compiled; "
+            "run with TRITON_INTERPRET=0",
+            file=sys.stderr,
+        )
         return 2
     seen: set[tuple[str, str]] = set()
     results = []
@@ -154,8 +179,10 @@ def main(argv: list[str]) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for result in results:
         entry = " ".join(f"{k}={v}" for k, v in result.config.items())
-        print(f"| {result.table} | {entry} | {result.registers} | {result.spill_bytes} | {result.shared_bytes} | "
-              f"{result.mma} | {result.global_loads} | {'; '.join(result.problems()) or '-'} |")
+        print(
+            f"| {result.table} | {entry} | {result.registers} | {result.spill_bytes} | {result.shared_bytes} | "
+            f"{result.mma} | {result.global_loads} | {'; '.join(result.problems()) or '-'} |"
+        )
     return 0
 
 

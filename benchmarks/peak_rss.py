@@ -26,10 +26,22 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = {
-    "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=5632, num_attention_heads=16,
-               num_key_value_heads=16, vocab_size=32000),
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512),
+    "1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        intermediate_size=5632,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+    ),
+    "tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
 }
 MODES = {
     "eager_fp32": ["model.dtype=float32", "model.lazy=false"],
@@ -74,9 +86,21 @@ def measure(model_dir: Path, mode: str, work: Path, extra: list[str]) -> dict:
     """One `compress run` in a fresh process; its own peak RSS from wait4."""
     runs = work / f"runs-{mode}"
     command = [
-        sys.executable, "-m", "compress", "run", "recipe=rtn_int4", f"model={model_dir}", *MODES[mode],
-        "tracking.enabled=false", "gate=none", "eval.perplexity=false", "device=cpu",
-        "data.num_samples=4", "data.seq_len=128", f"output.dir={runs}", *extra,
+        sys.executable,
+        "-m",
+        "compress",
+        "run",
+        "recipe=rtn_int4",
+        f"model={model_dir}",
+        *MODES[mode],
+        "tracking.enabled=false",
+        "gate=none",
+        "eval.perplexity=false",
+        "device=cpu",
+        "data.num_samples=4",
+        "data.seq_len=128",
+        f"output.dir={runs}",
+        *extra,
     ]
     env = {**os.environ, "COMPRESS_ARTIFACTS": str(work / "artifacts"), "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
@@ -110,8 +134,10 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for mode, row in result["modes"].items():
-        lines.append(f"| {mode} | `{' '.join(row['overrides'])}` | {row['peak_rss_mb']:.0f} | "
-                     f"{row['ratio_to_bf16_file']:.2f}x | {row['wall_s']:.0f} |")
+        lines.append(
+            f"| {mode} | `{' '.join(row['overrides'])}` | {row['peak_rss_mb']:.0f} | "
+            f"{row['ratio_to_bf16_file']:.2f}x | {row['wall_s']:.0f} |"
+        )
     lines += ["", f"Lazy source-dtype peak is {result['lazy_vs_eager']:.2f}x the eager fp32 peak."]
     return "\n".join(lines) + "\n"
 
@@ -137,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in modes.values():
         row["ratio_to_bf16_file"] = row["peak_rss_mb"] / weights_mb
     result = {
-        "shape_name": shape_name, "shape": shape, "params": params, "weights_mb": weights_mb,
+        "shape_name": shape_name,
+        "shape": shape,
+        "params": params,
+        "weights_mb": weights_mb,
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}",
         "modes": modes,
         "lazy_vs_eager": modes["lazy_source_dtype"]["peak_rss_mb"] / modes["eager_fp32"]["peak_rss_mb"],

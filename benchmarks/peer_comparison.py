@@ -55,7 +55,11 @@ def measured_run(command: list[str], log: Path, timeout: float) -> dict:
     with log.open("w") as out:
         process = subprocess.Popen(
             ["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *command],
-            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
         )
         try:
             code = process.wait(timeout=timeout)
@@ -109,7 +113,8 @@ def markdown(report: dict) -> str:
             peer = row.get("llm-compressor", {})
             if toolkit == "compress" and peer.get("ok"):
                 ratios = [
-                    f"{entry['wall_s'] / peer['wall_s']:.2f}x", f"{entry['peak_rss_mb'] / peer['peak_rss_mb']:.2f}x"
+                    f"{entry['wall_s'] / peer['wall_s']:.2f}x",
+                    f"{entry['peak_rss_mb'] / peer['peak_rss_mb']:.2f}x",
                 ]
             lines.append(
                 f"| {scheme} | {toolkit} | {ppl:.4f} | {100 * (ppl / base - 1):+.2f}% | {entry['wall_s']:.1f} | "
@@ -133,8 +138,10 @@ def main() -> None:
     args = parser.parse_args()
 
     if "llm-compressor" in args.toolkits and not PEER_PYTHON.exists():
-        raise SystemExit(f"{PEER_PYTHON} missing: python3 -m venv artifacts/peer-venv && "
-                         "artifacts/peer-venv/bin/pip install llmcompressor")
+        raise SystemExit(
+            f"{PEER_PYTHON} missing: python3 -m venv artifacts/peer-venv && "
+            "artifacts/peer-venv/bin/pip install llmcompressor"
+        )
     model_dir = Path(resolve_model_path(ModelSpec()))
     run_dir = args.work / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True)
@@ -149,10 +156,14 @@ def main() -> None:
     print(f"baseline perplexity {baseline.perplexity:.4f} on {baseline.tokens} tokens", flush=True)
 
     report = {
-        "model": str(model_dir), "num_samples": args.num_samples, "seq_len": args.seq_len,
-        "eval_tokens": baseline.tokens, "baseline_perplexity": baseline.perplexity,
+        "model": str(model_dir),
+        "num_samples": args.num_samples,
+        "seq_len": args.seq_len,
+        "eval_tokens": baseline.tokens,
+        "baseline_perplexity": baseline.perplexity,
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, shared with other jobs",
-        "date": time.strftime("%Y-%m-%d %H:%M"), "schemes": {},
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "schemes": {},
     }
     for scheme in args.schemes:
         row = report["schemes"].setdefault(scheme, {})

@@ -35,8 +35,10 @@ def recipe(scheme: str, alpha: float) -> list:
     if scheme == "smoothquant_w8a8":
         from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
-        return [SmoothQuantModifier(smoothing_strength=alpha), GPTQModifier(scheme="W8A8", targets="Linear",
-                                                                           ignore=["lm_head"])]
+        return [
+            SmoothQuantModifier(smoothing_strength=alpha),
+            GPTQModifier(scheme="W8A8", targets="Linear", ignore=["lm_head"]),
+        ]
     if scheme == "fp8_dynamic":
         return [QuantizationModifier(scheme="FP8_DYNAMIC", targets="Linear", ignore=["lm_head"])]
     raise SystemExit(f"unknown scheme {scheme}")
@@ -60,8 +62,12 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     oneshot(
-        model=model, dataset=dataset, recipe=recipe(args.scheme, args.alpha), max_seq_length=samples.shape[1],
-        num_calibration_samples=len(samples), shuffle_calibration_samples=False,
+        model=model,
+        dataset=dataset,
+        recipe=recipe(args.scheme, args.alpha),
+        max_seq_length=samples.shape[1],
+        num_calibration_samples=len(samples),
+        shuffle_calibration_samples=False,
     )
     model.save_pretrained(Path(args.output), save_compressed=True)
     tokenizer.save_pretrained(Path(args.output))

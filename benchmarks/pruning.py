@@ -79,7 +79,9 @@ def compare(bench: Bench) -> dict:
         stages, seconds = bench.compress(model, [args])
         summary = stages[0].finalize(model)
         runs[kind] = {
-            "ppl": bench.ppl(model, kind), "stage_seconds": seconds, "mean_sparsity": summary["mean_sparsity"],
+            "ppl": bench.ppl(model, kind),
+            "stage_seconds": seconds,
+            "mean_sparsity": summary["mean_sparsity"],
             "per_layer_sparsity": summary["per_layer_sparsity"],
         }
         del model
@@ -91,12 +93,14 @@ def chain(bench: Bench) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         adapter = fresh_adapter(Path(folder) / "adapter", model.config)
         distill = {"type": "distill", "max_minutes": bench.args.distill_minutes, "steps": bench.args.distill_steps}
-        stages = build_chain([
-            {"type": "lora_merge", "adapters": [str(adapter)]},
-            {"type": "sparsegpt", "sequential": bench.args.sequential},
-            distill,
-            {**GPTQ, "true_sequential": bench.args.sequential},
-        ])
+        stages = build_chain(
+            [
+                {"type": "lora_merge", "adapters": [str(adapter)]},
+                {"type": "sparsegpt", "sequential": bench.args.sequential},
+                distill,
+                {**GPTQ, "true_sequential": bench.args.sequential},
+            ]
+        )
         for stage in stages:
             stage.prepare(model)
         apply_stages(model, stages[:3], bench.samples, CPU, batch_size=8)
@@ -138,11 +142,14 @@ def markdown(model: str, stored: dict) -> str:
     runs, settings = stored["runs"], stored.get("settings", {})
     dense = runs.get("dense", {}).get("ppl")
     lines = [
-        f"# Pruning on `{model}`", "",
+        f"# Pruning on `{model}`",
+        "",
         "2:4 semi-structured sparsity on every decoder linear (lm_head dense). "
         + "; ".join(f"{k}: {v}" for k, v in settings.items())
-        + ". Seconds are wall time on a shared, heavily loaded 2-core CPU.", "",
-        "| run | perplexity | Δ vs dense | stage seconds |", "|---|---|---|---|",
+        + ". Seconds are wall time on a shared, heavily loaded 2-core CPU.",
+        "",
+        "| run | perplexity | Δ vs dense | stage seconds |",
+        "|---|---|---|---|",
     ]
     for label, r in runs.items():
         delta = f"{r['ppl'] - dense:+.3f}" if dense else "n/a"

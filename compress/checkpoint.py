@@ -110,19 +110,31 @@ def _activation_groups(model: nn.Module) -> list[dict]:
     single = len(by_scheme) == 1 and not any(isinstance(m, QuantizedLinear) for m in model.modules())
     groups = []
     for (kind, static), names in sorted(by_scheme.items()):
-        groups.append({
-            "targets": ["Linear"] if single else [f"re:^{re.escape(n)}$" for n in names],
-            "weights": {
-                "num_bits": 8, "type": kind, "symmetric": True, "strategy": "channel", "group_size": None,
-                "dynamic": False, "actorder": None,
-            },
-            "input_activations": {
-                "num_bits": 8, "type": kind, "symmetric": True, "strategy": "tensor" if static else "token",
-                "group_size": None, "dynamic": not static, "actorder": None,
-            },
-            "output_activations": None,
-            "format": INT_FORMAT if kind == "int" else FLOAT_FORMAT,
-        })
+        groups.append(
+            {
+                "targets": ["Linear"] if single else [f"re:^{re.escape(n)}$" for n in names],
+                "weights": {
+                    "num_bits": 8,
+                    "type": kind,
+                    "symmetric": True,
+                    "strategy": "channel",
+                    "group_size": None,
+                    "dynamic": False,
+                    "actorder": None,
+                },
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": kind,
+                    "symmetric": True,
+                    "strategy": "tensor" if static else "token",
+                    "group_size": None,
+                    "dynamic": not static,
+                    "actorder": None,
+                },
+                "output_activations": None,
+                "format": INT_FORMAT if kind == "int" else FLOAT_FORMAT,
+            }
+        )
     return groups
 
 
@@ -194,8 +206,12 @@ def save_checkpoint(
         sparsity = sparsity_config(model)
         if sparsity is not None:  # compressed-tensors records sparsity inside quantization_config
             qconfig = qconfig or {
-                "quant_method": "compressed-tensors", "format": DENSE, "quantization_status": "compressed",
-                "config_groups": {}, "ignore": [], "kv_cache_scheme": None,
+                "quant_method": "compressed-tensors",
+                "format": DENSE,
+                "quantization_status": "compressed",
+                "config_groups": {},
+                "ignore": [],
+                "kv_cache_scheme": None,
             }
             qconfig["sparsity_config"] = sparsity
         if qconfig is not None:
@@ -278,8 +294,14 @@ def _quantized_module(name: str, weights: dict, tensors: dict[str, torch.Tensor]
     bias = tensors.pop(f"{name}.bias", None)
     scale = tensors.pop(f"{name}.weight_scale")
     module = QuantizedLinear(
-        in_features, out_features, bits, group_size, symmetric=zero is None,
-        bias=bias is not None, dtype=scale.dtype, act_order=g_idx is not None,
+        in_features,
+        out_features,
+        bits,
+        group_size,
+        symmetric=zero is None,
+        bias=bias is not None,
+        dtype=scale.dtype,
+        act_order=g_idx is not None,
     )
     module.weight_packed.copy_(tensors.pop(f"{name}.weight_packed"))
     module.weight_scale.copy_(scale)
@@ -302,7 +324,10 @@ def _replace_activation_quantized(model: nn.Module, name: str, dense: nn.Linear,
         module = Int8Linear(dense.in_features, dense.out_features, dense.bias is not None, dense.weight.dtype)
     elif stored == torch.float8_e4m3fn:
         module = Fp8Linear(
-            dense.in_features, dense.out_features, dense.bias is not None, dense.weight.dtype,
+            dense.in_features,
+            dense.out_features,
+            dense.bias is not None,
+            dense.weight.dtype,
             static_input_scale=f"{name}.input_scale" in tensors,
         )
     else:

@@ -141,8 +141,11 @@ def _expected(owner: Any, key: Any) -> str | None:
     if not dataclasses.is_dataclass(owner) or not isinstance(key, str):
         return None
     hint = typing.get_type_hints(owner).get(key)
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+    options = (
+        typing.get_args(hint)
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
         else (hint,)
+    )
     words = [TYPE_WORDS.get(typing.get_origin(option) or option) for option in options]
     if typing.get_origin(hint) in (list, tuple):
         return "a list, e.g. [a, b]"
@@ -204,12 +207,16 @@ def check_values(config: RunConfig) -> None:
     if config.data.source == "file" and config.data.path and not Path(config.data.path).expanduser().is_file():
         raise CompressError(f"data.path={config.data.path}: no such file; give a .txt or .jsonl file")
     if config.output.save_dtype not in (None, *SAVE_DTYPES):
-        raise CompressError(f"output.save_dtype={config.output.save_dtype!r} is not supported; "
-                            f"use one of {', '.join(SAVE_DTYPES)} (or null to keep the model's dtype)")
+        raise CompressError(
+            f"output.save_dtype={config.output.save_dtype!r} is not supported; "
+            f"use one of {', '.join(SAVE_DTYPES)} (or null to keep the model's dtype)"
+        )
     name = config.output.run_name
     if name is not None and not SAFE_NAME.fullmatch(name):
-        raise CompressError(f"output.run_name={name!r} names a folder: use letters, digits, '.', '_' and '-' only "
-                            "(not starting with '.' or '-')")
+        raise CompressError(
+            f"output.run_name={name!r} names a folder: use letters, digits, '.', '_' and '-' only "
+            "(not starting with '.' or '-')"
+        )
     check_writable(config.output.dir)
     check_model_context(config)
 
@@ -220,8 +227,10 @@ def check_writable(output_dir: str | None) -> None:
     existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         key = "output.dir" if output_dir else "$COMPRESS_ARTIFACTS"
-        raise CompressError(f"{key}: cannot write run folders under {folder} ({existing} is not a writable folder); "
-                            "point it at a folder you can write")
+        raise CompressError(
+            f"{key}: cannot write run folders under {folder} ({existing} is not a writable folder); "
+            "point it at a folder you can write"
+        )
 
 
 def check_gate(gate: dict) -> None:
@@ -256,8 +265,9 @@ def check_model_context(config: RunConfig) -> None:
         return
     for key, length in (("data.seq_len", config.data.seq_len), ("eval.seq_len", config.eval.seq_len)):
         if length > context:
-            raise CompressError(f"{key}={length} is longer than the model's context ({context} tokens); "
-                                f"set {key}≤{context}")
+            raise CompressError(
+                f"{key}={length} is longer than the model's context ({context} tokens); set {key}≤{context}"
+            )
 
 
 def check_evaluation_length(evaluation_tokens: int, config: RunConfig) -> None:

@@ -174,8 +174,9 @@ def calibration_samples(token_ids: torch.Tensor, num_samples: int, seq_len: int,
             f"the calibration text has {token_ids.numel()} tokens, fewer than one window of data.seq_len={seq_len}"
         )
     if available < num_samples:
-        log.warning("calibration text holds %d windows of %d tokens; using all of them, not %d",
-                    available, seq_len, num_samples)
+        log.warning(
+            "calibration text holds %d windows of %d tokens; using all of them, not %d", available, seq_len, num_samples
+        )
         num_samples = available
     order = torch.randperm(available, generator=torch.Generator().manual_seed(seed))[:num_samples]
     windows = token_ids[: available * seq_len].view(available, seq_len)

@@ -56,8 +56,15 @@ class KVCacheScheme:
     def to_dict(self) -> dict:
         """The ``kv_cache_scheme`` block of a compressed-tensors ``quantization_config``."""
         return {
-            "num_bits": 8, "type": self.type, "symmetric": True, "strategy": self.strategy, "dynamic": False,
-            "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax",
+            "num_bits": 8,
+            "type": self.type,
+            "symmetric": True,
+            "strategy": self.strategy,
+            "dynamic": False,
+            "group_size": None,
+            "block_structure": None,
+            "actorder": None,
+            "observer": "minmax",
         }
 
     @classmethod
@@ -110,7 +117,8 @@ AttentionMaskInterface.register(EAGER_ATTENTION_NAME, eager_mask)
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``name → self_attn`` of every decoder layer."""
     found = {
-        name: m for name, m in model.named_modules()
+        name: m
+        for name, m in model.named_modules()
         if name.endswith("self_attn") and (hasattr(m, "k_proj") or hasattr(m, "qkv_proj"))  # qkv_proj: Phi-3
     }
     if not found:

@@ -198,8 +198,10 @@ def load_model(spec: ModelSpec, layerwise: bool = False):
             )
     except Exception as error:  # missing files, corrupt safetensors, bad config: all end the run the same way
         if "trust_remote_code" in str(error):
-            raise CompressError(f"model {spec.path!r} ships its own Python code to load: set "
-                                "model.trust_remote_code=true if you trust its source") from error
+            raise CompressError(
+                f"model {spec.path!r} ships its own Python code to load: set "
+                "model.trust_remote_code=true if you trust its source"
+            ) from error
         reason = " ".join(str(error).split())
         raise CompressError(f"cannot load model {spec.path!r}: {type(error).__name__}: {reason}") from error
     model.eval()
@@ -262,8 +264,12 @@ def _load_lazy(folder: Path, spec: ModelSpec, dtype: torch.dtype | str):
     tied = getattr(model, "all_tied_weights_keys", None) or {}  # {tied name: name it shares its tensor with}
     missing = {key for key in expected - stored if tied.get(key) not in stored}
     if missing or stored - expected:
-        log.info("%s: tensor names differ from the model's (%d missing, %d extra); loading eagerly", folder,
-                 len(missing), len(stored - expected))
+        log.info(
+            "%s: tensor names differ from the model's (%d missing, %d extra); loading eagerly",
+            folder,
+            len(missing),
+            len(stored - expected),
+        )
         return None
     layers = decoder_layers(model)
     weights.layers_prefix = next(name for name, module in model.named_modules() if module is layers)

@@ -289,7 +289,9 @@ def sweep_stale_staging(runs_dir: Path) -> list[Path]:
 
 def _open_run_log(config: RunConfig, uri: str, run_id: str, stages: list[Stage]) -> RunLog:
     run_log = RunLog(
-        uri, config.tracking.experiment, run_id,
+        uri,
+        config.tracking.experiment,
+        run_id,
         tags={"compress.kind": "run", "compress.recipe": config.recipe, "compress.model": config.model.path},
     )
     run_log.params(flatten({k: v for k, v in config.raw.items() if k != "gate"}))
@@ -310,7 +312,7 @@ def _close_failed_run(run_log: RunLog | None, error: BaseException) -> None:
 
 
 def _storage_problem(error: BaseException, runs_dir: Path) -> str | None:
-    """"No space left on device" (from an OSError, or in safetensors' Rust I/O error text), or a write refused inside
+    """ "No space left on device" (from an OSError, or in safetensors' Rust I/O error text), or a write refused inside
     the output folder; None for anything else, which keeps its own message."""
     if isinstance(error, OSError) and error.errno in DISK_FULL:
         return os.strerror(error.errno)
@@ -345,7 +347,11 @@ def _execute(config, stages, device, staging: Path, save_dtype, timer: Timer) ->
         recipe_yaml = yaml.safe_dump({"recipe": config.recipe, "stages": config.stages}, sort_keys=False)
         kv_cache_scheme = next((s.kv_cache_scheme for s in stages if hasattr(s, "kv_cache_scheme")), None)
         summary = save_checkpoint(
-            model, tokenizer, staging / "checkpoint", dtype=save_dtype, kv_cache_scheme=kv_cache_scheme,
+            model,
+            tokenizer,
+            staging / "checkpoint",
+            dtype=save_dtype,
+            kv_cache_scheme=kv_cache_scheme,
             extra_files={
                 "recipe.yaml": recipe_yaml,
                 "config.yaml": yaml.safe_dump(config.raw, sort_keys=False),
@@ -385,13 +391,21 @@ def _gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None)
     from evals.gate import run_gate
 
     verdict = run_gate(
-        staging / "checkpoint", resolve_model_path(config.model), config.gate, staging / "gate",
-        evaluation_texts=load_corpus(config.data).evaluation, candidate_label=str(final / "checkpoint"),
+        staging / "checkpoint",
+        resolve_model_path(config.model),
+        config.gate,
+        staging / "gate",
+        evaluation_texts=load_corpus(config.data).evaluation,
+        candidate_label=str(final / "checkpoint"),
     )
     if run_log is not None:
         record_verdict(run_log, verdict, verdict.files, staging / "checkpoint", own_run=False)
-    return {"passed": verdict.passed, "reasons": verdict.reasons, "report": str(final / "gate" / "gate.md"),
-            "registry": verdict.registry}
+    return {
+        "passed": verdict.passed,
+        "reasons": verdict.reasons,
+        "report": str(final / "gate" / "gate.md"),
+        "registry": verdict.registry,
+    }
 
 
 def _metrics(report: dict) -> dict[str, float]:

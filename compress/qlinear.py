@@ -65,8 +65,14 @@ class QuantizedLinear(nn.Module):
         out_features, in_features = codes.shape
         with torch.device(scale.device):  # build where the codes live: no host round trip for large models
             module = cls(
-                in_features, out_features, num_bits, group_size, symmetric=zero_point is None,
-                bias=bias is not None, dtype=scale.dtype, act_order=g_idx is not None,
+                in_features,
+                out_features,
+                num_bits,
+                group_size,
+                symmetric=zero_point is None,
+                bias=bias is not None,
+                dtype=scale.dtype,
+                act_order=g_idx is not None,
             )
         module.weight_packed.copy_(pack_int32(codes.to(torch.int8), num_bits))
         module.weight_scale.copy_(scale)
@@ -88,8 +94,13 @@ class QuantizedLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_packed(
-            self.weight_packed, self.weight_scale, self.weight_zero_point, self.num_bits,
-            self.in_features, self.group_size, self.weight_g_idx,
+            self.weight_packed,
+            self.weight_scale,
+            self.weight_zero_point,
+            self.num_bits,
+            self.in_features,
+            self.group_size,
+            self.weight_g_idx,
         )
 
     def packed_for_kernels(self) -> torch.Tensor | None:
@@ -105,19 +116,24 @@ class QuantizedLinear(nn.Module):
             return None, self.weight_scale, self.weight_zero_point
         source = self._buffers_key()
         if getattr(self, "_layout_source", None) != source:
+
             def n_contiguous(t):
                 return None if t is None else t.t().contiguous().t()
 
-            self._layout = (repack_n_contiguous(self.weight_packed), n_contiguous(self.weight_scale),
-                            n_contiguous(self.weight_zero_point))
+            self._layout = (
+                repack_n_contiguous(self.weight_packed),
+                n_contiguous(self.weight_scale),
+                n_contiguous(self.weight_zero_point),
+            )
             self._layout_source = source
         return self._layout
 
     def _buffers_key(self) -> tuple:
         """Changes when the packed weight or its scales are moved or overwritten: what the derived copies (kernel
         layout, CPU dense weight) depend on. Inference tensors keep no version counter; their storage decides."""
-        return tuple((t.data_ptr(), -1 if t.is_inference() else t._version)
-                     for t in (self.weight_packed, self.weight_scale))
+        return tuple(
+            (t.data_ptr(), -1 if t.is_inference() else t._version) for t in (self.weight_packed, self.weight_scale)
+        )
 
     def _cpu_dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight, kept between calls on CPU: there is no int4 CPU kernel, and dequantizing every
@@ -127,8 +143,13 @@ class QuantizedLinear(nn.Module):
         if getattr(self, "_dense_source", None) != source:
             with torch.inference_mode(False), torch.no_grad():
                 self._dense = dequantize_packed(
-                    self.weight_packed, self.weight_scale.float(), self.weight_zero_point, self.num_bits,
-                    self.in_features, self.group_size, self.weight_g_idx,
+                    self.weight_packed,
+                    self.weight_scale.float(),
+                    self.weight_zero_point,
+                    self.num_bits,
+                    self.in_features,
+                    self.group_size,
+                    self.weight_g_idx,
                 ).to(dtype)
             self._dense_source = source
         return self._dense
@@ -139,8 +160,16 @@ class QuantizedLinear(nn.Module):
             return F.linear(x, self._cpu_dense_weight(x.dtype), bias)
         packed, scale, zero = self._kernel_layout()
         return ops.weight_only_linear(
-            x, self.weight_packed, scale, zero, self.num_bits,
-            self.in_features, self.group_size, self.weight_g_idx, self.bias, packed,
+            x,
+            self.weight_packed,
+            scale,
+            zero,
+            self.num_bits,
+            self.in_features,
+            self.group_size,
+            self.weight_g_idx,
+            self.bias,
+            packed,
         )
 
     def extra_repr(self) -> str:
@@ -151,9 +180,7 @@ class QuantizedLinear(nn.Module):
         )
 
 
-def _per_channel_codes(
-    weight: torch.Tensor, qmax: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_channel_codes(weight: torch.Tensor, qmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Round-to-nearest per-output-channel absmax quantization of a dense ``[out, in]`` weight."""
     values = weight.detach().float()
     scale = values.abs().amax(dim=1, keepdim=True).clamp(min=SCALE_EPS) / qmax
@@ -169,9 +196,7 @@ class _ActivationQuantizedLinear(nn.Module):
     weight_dtype: torch.dtype
     qmax: float
 
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32
-    ):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=self.weight_dtype))
@@ -237,7 +262,10 @@ class Fp8Linear(_ActivationQuantizedLinear):
         static per-tensor (``x / input_scale`` must fit in +-448)."""
         with torch.device(linear.weight.device):
             module = cls(
-                linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
+                linear.in_features,
+                linear.out_features,
+                linear.bias is not None,
+                linear.weight.dtype,
                 static_input_scale=input_scale is not None,
             )
         module._load_dense(linear)

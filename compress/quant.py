@@ -101,9 +101,7 @@ def quantize(
     return codes, scale.squeeze(-1).to(out_dtype), zero_point
 
 
-def dequantize(
-    codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group: int
-) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group: int) -> torch.Tensor:
     values = _grouped(codes.float(), group)
     if zero_point is not None:
         values = values - zero_point.float().unsqueeze(-1)

@@ -133,11 +133,18 @@ def mark_orphaned_runs(client, experiment: str) -> list[str]:
     )
     orphans = [run for run in runs if not process_alive(int(run.data.tags.get(PID_TAG, "0") or 0))]
     for run in orphans:
-        client.set_tag(run.info.run_id, "compress.error", f"process {run.data.tags.get(PID_TAG)} ended without "
-                       "closing this run (killed); marked KILLED by a later run")
+        client.set_tag(
+            run.info.run_id,
+            "compress.error",
+            f"process {run.data.tags.get(PID_TAG)} ended without "
+            "closing this run (killed); marked KILLED by a later run",
+        )
         client.set_terminated(run.info.run_id, status="KILLED")
-        log.warning("MLflow run %s was left RUNNING by dead process %s: marked KILLED",
-                    run.info.run_id, run.data.tags.get(PID_TAG))
+        log.warning(
+            "MLflow run %s was left RUNNING by dead process %s: marked KILLED",
+            run.info.run_id,
+            run.data.tags.get(PID_TAG),
+        )
     return [run.info.run_id for run in orphans]
 
 
@@ -227,12 +234,18 @@ def record_verdict(run: RunLog, verdict, files: list[Path], checkpoint: Path | N
         metrics["size_mb"] = sum(file.stat().st_size for file in checkpoint.glob("*.safetensors")) / 2**20
     try:
         run.metrics(metrics)
-        for key, value in {"compress.gate": "pass" if verdict.passed else "block",
-                           "compress.gate.backend": verdict.backend}.items():
+        for key, value in {
+            "compress.gate": "pass" if verdict.passed else "block",
+            "compress.gate.backend": verdict.backend,
+        }.items():
             run.tag(key, value)
         if own_run:
-            params = {"candidate": verdict.candidate, "baseline": verdict.baseline, "gate.backend": verdict.backend,
-                      "gate.kv_cache_dtype": str(verdict.kv_cache_dtype)}
+            params = {
+                "candidate": verdict.candidate,
+                "baseline": verdict.baseline,
+                "gate.backend": verdict.backend,
+                "gate.kv_cache_dtype": str(verdict.kv_cache_dtype),
+            }
             run.params({**params, **flatten(verdict.policy, "gate.")})
         for path in files:
             run.artifact(path, "gate")

@@ -163,8 +163,10 @@ def drop_check(layer, metric, candidate, baseline, max_drop_points) -> Check:
     """Fractions compared in percentage points: 0.90 vs 0.93 is a 3-point drop."""
     passed = candidate * 100 >= baseline * 100 - max_drop_points
     drop = (baseline - candidate) * 100
-    summary = (f"{metric} {-drop:+.1f} points ({candidate:.0%} vs baseline {baseline:.0%}) "
-               f"{'within' if passed else 'beyond'} the {max_drop_points:g}-point limit")
+    summary = (
+        f"{metric} {-drop:+.1f} points ({candidate:.0%} vs baseline {baseline:.0%}) "
+        f"{'within' if passed else 'beyond'} the {max_drop_points:g}-point limit"
+    )
     return Check(layer, metric, candidate, baseline, f"≥ baseline − {max_drop_points:g} points", passed, summary)
 
 
@@ -239,8 +241,13 @@ def perplexity_layer(context: GateContext):
     metrics = {}
     for subject in (context.candidate, context.baseline):
         result = perplexity(
-            subject.model, context.evaluation_ids, policy.seq_len, policy.batch_size, policy.max_windows,
-            label=f"perplexity ({subject.label})", progress=False,
+            subject.model,
+            context.evaluation_ids,
+            policy.seq_len,
+            policy.batch_size,
+            policy.max_windows,
+            label=f"perplexity ({subject.label})",
+            progress=False,
         )
         metrics[subject.label] = result.to_dict()
     candidate, baseline = metrics["candidate"]["perplexity"], metrics["baseline"]["perplexity"]
@@ -291,11 +298,16 @@ def json_layer(context: GateContext):
         # Constrained decoding needs per-step logits: always the transformers loop, whatever the backend.
         generator = (
             generation.TransformersGenerator(subject.model, subject.tokenizer)
-            if policy.constrained else subject.generator
+            if policy.constrained
+            else subject.generator
         )
         metrics[subject.label] = evaluate_json(
-            generator, subject.tokenizer, subject.model.config.vocab_size, policy.max_new_tokens,
-            policy.num_prompts, policy.constrained,
+            generator,
+            subject.tokenizer,
+            subject.model.config.vocab_size,
+            policy.max_new_tokens,
+            policy.num_prompts,
+            policy.constrained,
         )
     checks = []
     for name, max_drop in (
@@ -323,7 +335,12 @@ def needle_layer(context: GateContext):
     filler = context.evaluation_ids.tolist()
     metrics = {
         subject.label: needle.evaluate_needle(
-            subject.generator, subject.tokenizer, filler, lengths, list(policy.depths), policy.trials,
+            subject.generator,
+            subject.tokenizer,
+            filler,
+            lengths,
+            list(policy.depths),
+            policy.trials,
             context.policy.seed,
         )
         for subject in (context.candidate, context.baseline)
@@ -343,7 +360,11 @@ def latency_layer(context: GateContext):
     policy = context.policy.latency
     prompt = context.evaluation_ids[: policy.prompt_tokens].tolist()
     result = latency.measure_latency(
-        context.candidate.generator, context.baseline.generator, prompt, policy.new_tokens, policy.repeats,
+        context.candidate.generator,
+        context.baseline.generator,
+        prompt,
+        policy.new_tokens,
+        policy.repeats,
         policy.warmup,
     )
     checks = []
@@ -417,8 +438,14 @@ def run_gate(
         candidate_label = str(candidate) if path_like else str(candidate_path or "<in memory>")
     baseline_label = str(baseline) if isinstance(baseline, str | Path) else "<in memory>"
     result = GateResult(
-        passed=False, reasons=[], layers=[], candidate=candidate_label, baseline=baseline_label,
-        backend="none", kv_cache_dtype=None, policy=_policy_dict(resolved),
+        passed=False,
+        reasons=[],
+        layers=[],
+        candidate=candidate_label,
+        baseline=baseline_label,
+        backend="none",
+        kv_cache_dtype=None,
+        policy=_policy_dict(resolved),
     )
     if not resolved.enabled:
         result.passed, result.reasons = True, ["gate disabled by policy (gate.enabled=false): nothing was checked"]
@@ -432,8 +459,17 @@ def run_gate(
         )
         result.files = write_report(result, out_dir)
         return result
-    context = _prepare(result, resolved, candidate, baseline, candidate_tokenizer, baseline_tokenizer,
-                       candidate_path, evaluation_texts, out_dir)
+    context = _prepare(
+        result,
+        resolved,
+        candidate,
+        baseline,
+        candidate_tokenizer,
+        baseline_tokenizer,
+        candidate_path,
+        evaluation_texts,
+        out_dir,
+    )
     if context is not None:
         for name in selected:
             if result.reasons:  # a blocking failure already decided the verdict: skip the costlier layers
@@ -459,8 +495,17 @@ def _policy_dict(policy: GatePolicy) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(policy))
 
 
-def _prepare(result, policy, candidate, baseline, candidate_tokenizer, baseline_tokenizer, candidate_path,
-             evaluation_texts, out_dir):
+def _prepare(
+    result,
+    policy,
+    candidate,
+    baseline,
+    candidate_tokenizer,
+    baseline_tokenizer,
+    candidate_path,
+    evaluation_texts,
+    out_dir,
+):
     """Load both sides and their generators; a failure here blocks like any evaluator error."""
     try:
         candidate_subject = _subject("candidate", candidate, candidate_tokenizer)
@@ -552,8 +597,9 @@ def write_report(result: GateResult, out_dir: Path) -> list[Path]:
             f"| {check.limit} | {'pass' if check.passed else '**FAIL**'} |"
             for check in checks
         ]
-    if (out_dir / "needle_heatmap.png").exists() and any(layer.name == "needle" and layer.metrics
-                                                         for layer in result.layers):
+    if (out_dir / "needle_heatmap.png").exists() and any(
+        layer.name == "needle" and layer.metrics for layer in result.layers
+    ):
         lines += ["", "## Needle in a haystack", "", "![needle accuracy](needle_heatmap.png)"]
     markdown = out_dir / "gate.md"
     markdown.write_text("\n".join(lines) + "\n")

@@ -43,7 +43,12 @@ def write_local_task(texts: list[str], folder: Path) -> Path:
 
 
 def run_lm_eval(
-    model, tokenizer, tasks: list[str], include_paths: list[Path], limit: int | None, batch_size: int,
+    model,
+    tokenizer,
+    tasks: list[str],
+    include_paths: list[Path],
+    limit: int | None,
+    batch_size: int,
     max_length: int,
 ) -> dict:
     """``{task: {"metrics": {name: value}, "higher_is_better": {name: bool}}}`` for one model."""
@@ -58,7 +63,12 @@ def run_lm_eval(
     builtin = any(task != LOCAL_TASK for task in tasks)
     manager = TaskManager(include_path=[str(path) for path in include_paths] or None, include_defaults=builtin)
     output = lm_eval.simple_evaluate(
-        model=wrapped, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False, bootstrap_iters=0,
+        model=wrapped,
+        tasks=list(tasks),
+        task_manager=manager,
+        limit=limit,
+        log_samples=False,
+        bootstrap_iters=0,
     )
     results = {}
     for task, values in output["results"].items():

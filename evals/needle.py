@@ -51,7 +51,12 @@ def context_lengths(requested: list[int], max_context: int) -> list[int]:
 
 
 def evaluate_needle(
-    generator: Generator, tokenizer, filler_ids: list[int], lengths: list[int], depths: list[float], trials: int,
+    generator: Generator,
+    tokenizer,
+    filler_ids: list[int],
+    lengths: list[int],
+    depths: list[float],
+    trials: int,
     seed: int,
 ) -> dict:
     """Accuracy per (length, depth) cell and overall (``needle_accuracy``, a fraction)."""

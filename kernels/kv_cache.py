@@ -33,8 +33,10 @@ def scale_mode(cache: torch.Tensor, scale: torch.Tensor | None) -> int:
     if not is_quantized(cache.dtype):
         return SCALE_NONE
     if scale is None:
-        raise ValueError(f"a {cache.dtype} KV cache needs scales: pass per-head [num_kv_heads] or per-token "
-                         "[num_blocks, block_size, num_kv_heads] fp32 scales")
+        raise ValueError(
+            f"a {cache.dtype} KV cache needs scales: pass per-head [num_kv_heads] or per-token "
+            "[num_blocks, block_size, num_kv_heads] fp32 scales"
+        )
     return SCALE_PER_HEAD if scale.dim() == 1 else SCALE_PER_TOKEN
 
 
@@ -92,9 +94,21 @@ def write_kv_reference(
 
 
 @triton.jit
-def _quantize_store(x, cache_ptr, scale_ptr, slot, head, offs_d, mask_d,
-                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE_MODE: tl.constexpr,
-                    QMAX: tl.constexpr, IS_INT8: tl.constexpr, MIN_AMAX: tl.constexpr):
+def _quantize_store(
+    x,
+    cache_ptr,
+    scale_ptr,
+    slot,
+    head,
+    offs_d,
+    mask_d,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    QMAX: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
+):
     row = (slot * NUM_KV_HEADS + head) * HEAD_DIM
     if SCALE_MODE == 0:
         tl.store(cache_ptr + row + offs_d, x.to(cache_ptr.dtype.element_ty), mask=mask_d)
@@ -113,10 +127,24 @@ def _quantize_store(x, cache_ptr, scale_ptr, slot, head, offs_d, mask_d,
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    SCALE_MODE: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr, MIN_AMAX: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    QMAX: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -126,10 +154,36 @@ def _write_kv_kernel(
         mask_d = offs_d < HEAD_DIM
         k = tl.load(key_ptr + token * stride_kt + head * stride_kh + offs_d, mask=mask_d, other=0.0)
         v = tl.load(value_ptr + token * stride_vt + head * stride_vh + offs_d, mask=mask_d, other=0.0)
-        _quantize_store(k.to(tl.float32), k_cache_ptr, k_scale_ptr, slot, head, offs_d, mask_d,
-                        NUM_KV_HEADS, HEAD_DIM, SCALE_MODE, QMAX, IS_INT8, MIN_AMAX)
-        _quantize_store(v.to(tl.float32), v_cache_ptr, v_scale_ptr, slot, head, offs_d, mask_d,
-                        NUM_KV_HEADS, HEAD_DIM, SCALE_MODE, QMAX, IS_INT8, MIN_AMAX)
+        _quantize_store(
+            k.to(tl.float32),
+            k_cache_ptr,
+            k_scale_ptr,
+            slot,
+            head,
+            offs_d,
+            mask_d,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            SCALE_MODE,
+            QMAX,
+            IS_INT8,
+            MIN_AMAX,
+        )
+        _quantize_store(
+            v.to(tl.float32),
+            v_cache_ptr,
+            v_scale_ptr,
+            slot,
+            head,
+            offs_d,
+            mask_d,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            SCALE_MODE,
+            QMAX,
+            IS_INT8,
+            MIN_AMAX,
+        )
 
 
 def write_kv_triton(
@@ -152,11 +206,23 @@ def write_kv_triton(
         return
     dummy = slot_mapping  # unused pointer when there are no scales
     _write_kv_kernel[(num_tokens, num_kv_heads)](
-        key, value, k_cache, v_cache,
-        dummy if k_scale is None else k_scale, dummy if v_scale is None else v_scale, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        SCALE_MODE=mode, QMAX=QUANT_MAX.get(k_cache.dtype, 1.0), IS_INT8=k_cache.dtype == torch.int8,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        dummy if k_scale is None else k_scale,
+        dummy if v_scale is None else v_scale,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        SCALE_MODE=mode,
+        QMAX=QUANT_MAX.get(k_cache.dtype, 1.0),
+        IS_INT8=k_cache.dtype == torch.int8,
         MIN_AMAX=MIN_AMAX,
     )
 

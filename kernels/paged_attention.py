@@ -111,15 +111,41 @@ def paged_attention_reference(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-    block_tables_ptr, context_lens_ptr, query_start_ptr,
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    qk_scale, blocks_per_split, sliding_window, softcap,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SCALE_MODE: tl.constexpr, NEG_FLOOR: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    query_start_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    qk_scale,
+    blocks_per_split,
+    sliding_window,
+    softcap,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    NEG_FLOOR: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -206,8 +232,16 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     """Combine per-split ``(max, sum, unnormalised output)`` into the softmax over the whole context."""
     token = tl.program_id(0).to(tl.int64)
@@ -220,8 +254,11 @@ def _merge_splits_kernel(
     total = tl.sum(weight * tl.load(part_l_ptr + part), axis=0)
     acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :])
     out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 def num_kv_splits(max_blocks: int) -> int:
@@ -277,21 +314,54 @@ def paged_attention_triton(
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
     grid = (batch, num_kv_heads, triton.cdiv(max_query_len, block_m) * splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, dummy if k_scale is None else k_scale, dummy if v_scale is None else v_scale,
-        block_tables, context_lens, query_start_loc, out, part_acc, part_m, part_l,
-        sm_scale * (1.0 if softcap is not None else _LOG2E), triton.cdiv(max_blocks, splits),
-        sliding_window or 0, softcap or 0.0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_G=block_g, NUM_SPLITS=splits, SCALE_MODE=mode, NEG_FLOOR=_NEG_FLOOR,
+        q,
+        k_cache,
+        v_cache,
+        dummy if k_scale is None else k_scale,
+        dummy if v_scale is None else v_scale,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        sm_scale * (1.0 if softcap is not None else _LOG2E),
+        triton.cdiv(max_blocks, splits),
+        sliding_window or 0,
+        softcap or 0.0,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_G=block_g,
+        NUM_SPLITS=splits,
+        SCALE_MODE=mode,
+        NEG_FLOOR=_NEG_FLOOR,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 queries get fp32 accuracy
-        BLOCKS_PER_TILE=max(1, 64 // block_size), USE_WINDOW=sliding_window is not None,
+        BLOCKS_PER_TILE=max(1, 64 // block_size),
+        USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
+            part_acc,
+            part_m,
+            part_l,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=splits,
         )
     return out
 
@@ -312,6 +382,17 @@ def paged_attention(
 ) -> torch.Tensor:
     """``[tokens, heads, head_dim]`` attention outputs: Triton on CUDA (or the interpreter), torch on CPU."""
     attend = paged_attention_triton if use_triton(q) else paged_attention_reference
-    return attend(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, max_query_len,
-                  k_scale, v_scale, sm_scale, sliding_window, softcap)
-
+    return attend(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        max_query_len,
+        k_scale,
+        v_scale,
+        sm_scale,
+        sliding_window,
+        softcap,
+    )

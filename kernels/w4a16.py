@@ -47,9 +47,7 @@ def weight_only_linear_reference(
 ) -> torch.Tensor:
     """Plain torch: dequantize the whole weight in fp32 (as the kernels do), then ``F.linear`` in the
     activation dtype."""
-    weight = dequantize_packed(
-        weight_packed, scale.float(), zero_point, num_bits, in_features, group_size, g_idx
-    )
+    weight = dequantize_packed(weight_packed, scale.float(), zero_point, num_bits, in_features, group_size, g_idx)
     return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
@@ -61,10 +59,26 @@ def repack_n_contiguous(weight_packed: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _dequantized_tile(
-    packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, k_start, offs_n, K, N,
-    stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    ONE_GROUP_PER_TILE: tl.constexpr, BLOCK_K: tl.constexpr,
+    packed_ptr,
+    scale_ptr,
+    zero_ptr,
+    g_idx_ptr,
+    k_start,
+    offs_n,
+    K,
+    N,
+    stride_pk,
+    stride_pn,
+    stride_sn,
+    stride_sg,
+    stride_zn,
+    stride_zg,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    ONE_GROUP_PER_TILE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """``[BLOCK_K, BLOCK_N]`` fp32 weight tile (``k_start`` and BLOCK_K multiples of the codes per word). The
     ``[BLOCK_K / codes, BLOCK_N]`` words are loaded once and unpacked in registers: loading each word once per
@@ -106,10 +120,28 @@ def _dequantized_tile(
 
 @triton.jit
 def _dequantize_kernel(
-    packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, out_ptr, N, K,
-    stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg, stride_ok, stride_on,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    ONE_GROUP_PER_TILE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    packed_ptr,
+    scale_ptr,
+    zero_ptr,
+    g_idx_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_pk,
+    stride_pn,
+    stride_sn,
+    stride_sg,
+    stride_zn,
+    stride_zg,
+    stride_ok,
+    stride_on,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    ONE_GROUP_PER_TILE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Large-M path, first half: program (k-block, n-block) writes its ``[BLOCK_K, BLOCK_N]`` tile of the dense
     weight ``W.T`` in the output dtype, with the same arithmetic as the GEMM kernels (fp32, then one rounding)."""
@@ -117,9 +149,26 @@ def _dequantize_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = k_start + tl.arange(0, BLOCK_K)
     w = _dequantized_tile(
-        packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, k_start, offs_n, K, N,
-        stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
-        BITS, GROUP_SIZE, HAS_ZERO, HAS_G_IDX, ONE_GROUP_PER_TILE, BLOCK_K,
+        packed_ptr,
+        scale_ptr,
+        zero_ptr,
+        g_idx_ptr,
+        k_start,
+        offs_n,
+        K,
+        N,
+        stride_pk,
+        stride_pn,
+        stride_sn,
+        stride_sg,
+        stride_zn,
+        stride_zg,
+        BITS,
+        GROUP_SIZE,
+        HAS_ZERO,
+        HAS_G_IDX,
+        ONE_GROUP_PER_TILE,
+        BLOCK_K,
     )
     out_ptrs = out_ptr + offs_k[:, None] * stride_ok + offs_n[None, :] * stride_on
     tl.store(out_ptrs, w.to(out_ptr.dtype.element_ty), mask=(offs_k < K)[:, None] & (offs_n < N)[None, :])
@@ -127,12 +176,37 @@ def _dequantize_kernel(
 
 @triton.jit
 def _skinny_kernel(
-    x_ptr, packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, bias_ptr, out_ptr, M, N, K,
-    stride_xm, stride_xk, stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
-    stride_om, stride_on,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    x_ptr,
+    packed_ptr,
+    scale_ptr,
+    zero_ptr,
+    g_idx_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_pk,
+    stride_pn,
+    stride_sn,
+    stride_sg,
+    stride_zn,
+    stride_zg,
+    stride_om,
+    stride_on,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ONE_GROUP_PER_TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """Decode path: program (n-block, k-split) streams its slice of the weight once for all M <= 16 rows and
     adds its partial sum atomically when SPLIT_K > 1 (output zero-initialised by the launcher)."""
@@ -149,12 +223,30 @@ def _skinny_kernel(
         offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-            mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0,
+            mask=(offs_m < M)[:, None] & (offs_k < K)[None, :],
+            other=0.0,
         )
         w = _dequantized_tile(
-            packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, tile * BLOCK_K, offs_n, K, N,
-            stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
-            BITS, GROUP_SIZE, HAS_ZERO, HAS_G_IDX, ONE_GROUP_PER_TILE, BLOCK_K,
+            packed_ptr,
+            scale_ptr,
+            zero_ptr,
+            g_idx_ptr,
+            tile * BLOCK_K,
+            offs_n,
+            K,
+            N,
+            stride_pk,
+            stride_pn,
+            stride_sn,
+            stride_sg,
+            stride_zn,
+            stride_zg,
+            BITS,
+            GROUP_SIZE,
+            HAS_ZERO,
+            HAS_G_IDX,
+            ONE_GROUP_PER_TILE,
+            BLOCK_K,
         )
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
@@ -171,12 +263,37 @@ def _skinny_kernel(
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, bias_ptr, out_ptr, M, N, K,
-    stride_xm, stride_xk, stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
-    stride_om, stride_on,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    x_ptr,
+    packed_ptr,
+    scale_ptr,
+    zero_ptr,
+    g_idx_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_pk,
+    stride_pn,
+    stride_sn,
+    stride_sg,
+    stride_zn,
+    stride_zg,
+    stride_om,
+    stride_on,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ONE_GROUP_PER_TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """Prefill path: classic tiled GEMM, weight tile dequantized in registers right before the dot."""
     pid = tl.program_id(0)
@@ -194,12 +311,30 @@ def _gemm_kernel(
         offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-            mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0,
+            mask=(offs_m < M)[:, None] & (offs_k < K)[None, :],
+            other=0.0,
         )
         w = _dequantized_tile(
-            packed_ptr, scale_ptr, zero_ptr, g_idx_ptr, tile * BLOCK_K, offs_n, K, N,
-            stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
-            BITS, GROUP_SIZE, HAS_ZERO, HAS_G_IDX, ONE_GROUP_PER_TILE, BLOCK_K,
+            packed_ptr,
+            scale_ptr,
+            zero_ptr,
+            g_idx_ptr,
+            tile * BLOCK_K,
+            offs_n,
+            K,
+            N,
+            stride_pk,
+            stride_pn,
+            stride_sn,
+            stride_sg,
+            stride_zn,
+            stride_zg,
+            BITS,
+            GROUP_SIZE,
+            HAS_ZERO,
+            HAS_G_IDX,
+            ONE_GROUP_PER_TILE,
+            BLOCK_K,
         )
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
@@ -210,11 +345,32 @@ def _gemm_kernel(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, packed_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, N, K,
-    stride_xm, stride_xk, stride_pk, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg,
-    stride_om, stride_on,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ONE_GROUP_PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    x_ptr,
+    packed_ptr,
+    scale_ptr,
+    zero_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_pk,
+    stride_pn,
+    stride_sn,
+    stride_sg,
+    stride_zn,
+    stride_zg,
+    stride_om,
+    stride_on,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ONE_GROUP_PER_TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """Decode path without tensor cores, one activation row per program (grid axis 2): each packed word is
     loaded once and its codes become floats by an exponent trick (``code | 0x4B000000`` is the float
@@ -238,8 +394,12 @@ def _gemv_kernel(
         word_rows = tile * WORDS + offs_w
         first_k = word_rows * CODES
         mask = (first_k < K)[:, None] & mask_n[None, :]
-        words = tl.load(packed_ptr + word_rows[:, None] * stride_pk + offs_n[None, :] * stride_pn, mask=mask,
-                        other=0, eviction_policy="evict_first")
+        words = tl.load(
+            packed_ptr + word_rows[:, None] * stride_pk + offs_n[None, :] * stride_pn,
+            mask=mask,
+            other=0,
+            eviction_policy="evict_first",
+        )
         if ONE_GROUP_PER_TILE:  # one [BLOCK_N] scale row per tile instead of a gather per word row
             groups = tile * BLOCK_K // GROUP_SIZE
             scale = tl.load(scale_ptr + offs_n * stride_sn + groups * stride_sg, mask=mask_n, other=0.0)[None, :]
@@ -307,11 +467,28 @@ def dequantize_weight_kn(
     zero = zero_point if zero_point is not None else scale
     grid = (triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(N, meta["BLOCK_N"]))
     _dequantize_kernel[grid](
-        packed_kn, scale, zero, scale if g_idx is None else g_idx, weight, N, K,
-        packed_kn.stride(0), packed_kn.stride(1), scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1),
-        weight.stride(0), weight.stride(1), BITS=num_bits, GROUP_SIZE=group_size, HAS_ZERO=zero_point is not None,
-        HAS_G_IDX=g_idx is not None, ONE_GROUP_PER_TILE=g_idx is None and group_size % meta["BLOCK_K"] == 0,
-        **meta, **options,
+        packed_kn,
+        scale,
+        zero,
+        scale if g_idx is None else g_idx,
+        weight,
+        N,
+        K,
+        packed_kn.stride(0),
+        packed_kn.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        zero.stride(0),
+        zero.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        BITS=num_bits,
+        GROUP_SIZE=group_size,
+        HAS_ZERO=zero_point is not None,
+        HAS_G_IDX=g_idx is not None,
+        ONE_GROUP_PER_TILE=g_idx is None and group_size % meta["BLOCK_K"] == 0,
+        **meta,
+        **options,
     )
     return weight
 
@@ -348,9 +525,14 @@ def weight_only_matmul(
     else:
         table = W4A16_GEMM
     zero = zero_point if zero_point is not None else scale
-    shared = dict(BITS=num_bits, GROUP_SIZE=group_size, HAS_ZERO=zero_point is not None,
-                  HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None,
-                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # fp32 in, fp32 accuracy out
+    shared = dict(
+        BITS=num_bits,
+        GROUP_SIZE=group_size,
+        HAS_ZERO=zero_point is not None,
+        HAS_G_IDX=g_idx is not None,
+        HAS_BIAS=bias is not None,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+    )  # fp32 in, fp32 accuracy out
 
     def launch(chosen: dict[str, int]) -> torch.Tensor:
         meta, options = launch_options(chosen)
@@ -371,16 +553,46 @@ def weight_only_matmul(
         else:
             out = torch.zeros(M, N, device=x.device, dtype=x.dtype if atomic_in_place else torch.float32)
         args = (
-            x, packed_kn, scale, zero, scale if g_idx is None else g_idx, scale if bias is None else bias,
-            out, M, N, K, x.stride(0), x.stride(1), packed_kn.stride(0), packed_kn.stride(1),
-            scale.stride(0), scale.stride(1), zero.stride(0), zero.stride(1), out.stride(0), out.stride(1),
+            x,
+            packed_kn,
+            scale,
+            zero,
+            scale if g_idx is None else g_idx,
+            scale if bias is None else bias,
+            out,
+            M,
+            N,
+            K,
+            x.stride(0),
+            x.stride(1),
+            packed_kn.stride(0),
+            packed_kn.stride(1),
+            scale.stride(0),
+            scale.stride(1),
+            zero.stride(0),
+            zero.stride(1),
+            out.stride(0),
+            out.stride(1),
         )
         if gemv:
             grid = (triton.cdiv(N, meta["BLOCK_N"]), split_k, M)
             _gemv_kernel[grid](
-                x, packed_kn, scale, zero, scale if bias is None else bias, out, N, K, *args[10:],
-                BITS=num_bits, GROUP_SIZE=group_size, HAS_ZERO=zero_point is not None, HAS_BIAS=bias is not None,
-                ONE_GROUP_PER_TILE=one_group, **meta, **options,
+                x,
+                packed_kn,
+                scale,
+                zero,
+                scale if bias is None else bias,
+                out,
+                N,
+                K,
+                *args[10:],
+                BITS=num_bits,
+                GROUP_SIZE=group_size,
+                HAS_ZERO=zero_point is not None,
+                HAS_BIAS=bias is not None,
+                ONE_GROUP_PER_TILE=one_group,
+                **meta,
+                **options,
             )
         elif skinny:
             grid = (triton.cdiv(N, meta["BLOCK_N"]), split_k)
@@ -391,7 +603,17 @@ def weight_only_matmul(
         return out.to(x.dtype)
 
     if config is None:
-        key = (m_bucket(M), N, K, num_bits, group_size, x.dtype, zero_point is not None, g_idx is not None,
-               packed_kn.stride(), bias is not None)
+        key = (
+            m_bucket(M),
+            N,
+            K,
+            num_bits,
+            group_size,
+            x.dtype,
+            zero_point is not None,
+            g_idx is not None,
+            packed_kn.stride(),
+            bias is not None,
+        )
         config = pick_config(table, key, x.device, launch)
     return launch(config)

@@ -71,8 +71,17 @@ def _round_to_e4m3_grid(values):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, codes_ptr, scale_ptr, K, stride_xm, stride_cm,
-    QMAX: tl.constexpr, EPS: tl.constexpr, TO_FP8: tl.constexpr, STATIC: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    codes_ptr,
+    scale_ptr,
+    K,
+    stride_xm,
+    stride_cm,
+    QMAX: tl.constexpr,
+    EPS: tl.constexpr,
+    TO_FP8: tl.constexpr,
+    STATIC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """One row per program: the row is read twice (absmax, then codes); the second read hits L2."""
     row = tl.program_id(0).to(tl.int64)
@@ -120,9 +129,18 @@ def quantize_per_token(
     def launch(config: dict[str, int]) -> None:
         meta, options = launch_options(config)
         _quantize_rows_kernel[(M,)](
-            x, codes, scale, K, x.stride(0), codes.stride(0),
-            QMAX=QUANT_MAX[dtype], EPS=SCALE_EPS, TO_FP8=dtype != torch.int8,
-            STATIC=static_scale is not None, **meta, **options,
+            x,
+            codes,
+            scale,
+            K,
+            x.stride(0),
+            codes.stride(0),
+            QMAX=QUANT_MAX[dtype],
+            EPS=SCALE_EPS,
+            TO_FP8=dtype != torch.int8,
+            STATIC=static_scale is not None,
+            **meta,
+            **options,
         )
 
     launch(pick_config(ACT_QUANT, (m_bucket(M), K, x.dtype, dtype, static_scale is None), x.device, launch))
@@ -144,10 +162,30 @@ def _e4m3_bits_to_fp16(bits):
 
 @triton.jit
 def _scaled_mm_kernel(
-    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, M, N, K,
-    stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_bsn, stride_om, stride_on,
-    INT8: tl.constexpr, DECODE_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bn,
+    stride_bk,
+    stride_asm,
+    stride_bsn,
+    stride_om,
+    stride_on,
+    INT8: tl.constexpr,
+    DECODE_FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """Tiled ``a @ b.T`` on 8-bit operands; ``b`` is the ``[N, K]`` weight, read K-major."""
     pid = tl.program_id(0)
@@ -165,11 +203,13 @@ def _scaled_mm_kernel(
         offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
         a = tl.load(
             a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
-            mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0,
+            mask=(offs_m < M)[:, None] & (offs_k < K)[None, :],
+            other=0.0,
         )
         b = tl.load(
             b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-            mask=(offs_k < K)[:, None] & (offs_n < N)[None, :], other=0.0,
+            mask=(offs_k < K)[:, None] & (offs_n < N)[None, :],
+            other=0.0,
         )
         if INT8:
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
@@ -223,10 +263,28 @@ def scaled_mm(
         out = torch.empty(M, N, device=a.device, dtype=out_dtype)
         grid = (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
         _scaled_mm_kernel[grid](
-            a, b, a_scale, b_scale, bias if bias is not None else b_scale, out, M, N, K,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), a_scale.stride(0), b_scale.stride(0),
-            out.stride(0), out.stride(1), INT8=int8, DECODE_FP8=decode, HAS_BIAS=bias is not None,
-            **meta, **options,
+            a,
+            b,
+            a_scale,
+            b_scale,
+            bias if bias is not None else b_scale,
+            out,
+            M,
+            N,
+            K,
+            a.stride(0),
+            a.stride(1),
+            b.stride(0),
+            b.stride(1),
+            a_scale.stride(0),
+            b_scale.stride(0),
+            out.stride(0),
+            out.stride(1),
+            INT8=int8,
+            DECODE_FP8=decode,
+            HAS_BIAS=bias is not None,
+            **meta,
+            **options,
         )
         return out
 

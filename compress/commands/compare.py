@@ -75,7 +75,8 @@ def load_rows(model: str | None, recipe: str | None, since: dt.date | None, kind
     runs = tracking.search_runs(experiment_ids, order_by=["attributes.start_time DESC"], max_results=limit)
     rows = [_row(run) for run in runs]
     return [
-        row for row in rows
+        row
+        for row in rows
         if (model is None or model in row.model)
         and (recipe is None or row.recipe == recipe)
         and (since is None or row.started.date() >= since)
@@ -94,7 +95,8 @@ def format_table(rows: list[Row]) -> str:
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     """Indices of points no other point beats on both size and perplexity (lower is better for both)."""
     return [
-        index for index, (size, ppl) in enumerate(points)
+        index
+        for index, (size, ppl) in enumerate(points)
         if not any(
             other_size <= size and other_ppl <= ppl and (other_size, other_ppl) != (size, ppl)
             for other_size, other_ppl in points
@@ -119,18 +121,27 @@ def pareto_figure(rows: list[Row]):
     figure, axis = plt.subplots(figsize=(7, 4.5))
     if timed:  # a colormap draws NaN transparent, so runs without TPOT get their own grey markers below
         scatter = axis.scatter(
-            [points[i][0] for i in timed], [points[i][1] for i in timed],
-            c=[plotted[i].metrics["tpot_p50_ms"] for i in timed], cmap="viridis", s=60,
+            [points[i][0] for i in timed],
+            [points[i][1] for i in timed],
+            c=[plotted[i].metrics["tpot_p50_ms"] for i in timed],
+            cmap="viridis",
+            s=60,
         )
         figure.colorbar(scatter, ax=axis, label="TPOT p50 (ms)")
     if untimed:
-        axis.scatter([points[i][0] for i in untimed], [points[i][1] for i in untimed], color="tab:gray", s=60,
-                     label="TPOT not measured")
+        axis.scatter(
+            [points[i][0] for i in untimed],
+            [points[i][1] for i in untimed],
+            color="tab:gray",
+            s=60,
+            label="TPOT not measured",
+        )
     front = sorted(points[index] for index in pareto_front(points))
     axis.plot(*zip(*front, strict=True), color="tab:red", linewidth=1, label="Pareto front")
     for row, (size, ppl) in zip(plotted, points, strict=True):
-        axis.annotate(f"{row.recipe} ({row.verdict})", (size, ppl), fontsize=7, xytext=(4, 4),
-                      textcoords="offset points")
+        axis.annotate(
+            f"{row.recipe} ({row.verdict})", (size, ppl), fontsize=7, xytext=(4, 4), textcoords="offset points"
+        )
     axis.set_xlabel("checkpoint size (MB)")
     axis.set_ylabel("perplexity (lower is better)")
     axis.legend(loc="upper right")
@@ -164,8 +175,13 @@ def main(argv: list[str]) -> int:
     try:
         arguments = parse_arguments(argv)
         since = dt.date.fromisoformat(arguments["since"]) if "since" in arguments else None
-        rows = load_rows(arguments.get("model"), arguments.get("recipe"), since, arguments.get("kind"),
-                         int(arguments.get("limit", 200)))
+        rows = load_rows(
+            arguments.get("model"),
+            arguments.get("recipe"),
+            since,
+            arguments.get("kind"),
+            int(arguments.get("limit", 200)),
+        )
     except (CompressError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

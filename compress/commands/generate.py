@@ -11,8 +11,16 @@ from compress.errors import CompressError
 
 USAGE = "python -m compress generate checkpoint=PATH prompt=TEXT [key=value ...]"
 OPTIONS = {
-    "checkpoint": None, "prompt": None, "max_tokens": "64", "temperature": "0", "top_p": "1", "top_k": "0",
-    "seed": "", "kv_cache_dtype": "auto", "chat": "auto", "stream": "true",
+    "checkpoint": None,
+    "prompt": None,
+    "max_tokens": "64",
+    "temperature": "0",
+    "top_p": "1",
+    "top_k": "0",
+    "seed": "",
+    "kv_cache_dtype": "auto",
+    "chat": "auto",
+    "stream": "true",
 }
 
 
@@ -21,12 +29,15 @@ def _choice(*choices: str) -> Callable[[str], str]:
         if value not in choices:
             raise ValueError(f"choose {' or '.join(choices)}")
         return value
+
     return check
 
 
 CONVERTERS: dict[str, tuple[Callable[[str], object], str]] = {
-    "max_tokens": (int, "an integer ≥ 1"), "top_k": (int, "an integer ≥ 0 (0: off)"),
-    "temperature": (float, "a number ≥ 0"), "top_p": (float, "a number in (0, 1]"),
+    "max_tokens": (int, "an integer ≥ 1"),
+    "top_k": (int, "an integer ≥ 0 (0: off)"),
+    "temperature": (float, "a number ≥ 0"),
+    "top_p": (float, "a number in (0, 1]"),
     "seed": (lambda value: int(value) if value else None, "an integer, or empty for none"),
     "chat": (_choice("auto", "true", "false"), "auto, true or false"),
     "stream": (_choice("true", "false"), "true or false"),
@@ -55,16 +66,21 @@ def parse(argv: list[str]) -> dict:
 
     try:  # the engine's own checks, before the model loads
         options["params"] = SamplingParams(
-            temperature=options["temperature"], top_p=options["top_p"], top_k=options["top_k"],
-            max_tokens=options["max_tokens"], seed=options["seed"],
+            temperature=options["temperature"],
+            top_p=options["top_p"],
+            top_k=options["top_k"],
+            max_tokens=options["max_tokens"],
+            seed=options["seed"],
         )
         EngineConfig(kv_cache_dtype=options["kv_cache_dtype"])
     except ValueError as error:
         raise CompressError(str(error)) from None
     folder = Path(options["checkpoint"]).expanduser()
     if not (folder / "config.json").is_file():
-        raise CompressError(f"checkpoint={options['checkpoint']}: no config.json there; give a checkpoint folder "
-                            "(e.g. artifacts/runs/<run-id>/checkpoint)")
+        raise CompressError(
+            f"checkpoint={options['checkpoint']}: no config.json there; give a checkpoint folder "
+            "(e.g. artifacts/runs/<run-id>/checkpoint)"
+        )
     return options
 
 
@@ -77,8 +93,9 @@ def _generate(options: dict) -> None:
         prompt = options["prompt"]
         template = getattr(llm.tokenizer, "chat_template", None)
         if options["chat"] == "true" or (options["chat"] == "auto" and template):
-            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                       add_generation_prompt=True)
+            prompt = llm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
         if options["stream"] == "true":
             for event in llm.stream(prompt, params):
                 print(event.text, end="", flush=True)

@@ -171,8 +171,9 @@ def prepare_tracking(configs: list) -> None:
 
     from compress.tracking import experiment_id, tracking_uri
 
-    for uri, experiment in {(tracking_uri(c.tracking.uri), c.tracking.experiment) for c in configs
-                            if c.tracking.enabled}:
+    for uri, experiment in {
+        (tracking_uri(c.tracking.uri), c.tracking.experiment) for c in configs if c.tracking.enabled
+    }:
         experiment_id(MlflowClient(tracking_uri=uri), experiment)
 
 
@@ -181,8 +182,11 @@ def gate_line(gate: dict, enforce: bool) -> str:
     if gate["passed"]:
         return "release gate: PASSED"
     reason = gate["reasons"][0] if gate.get("reasons") else "see the gate report"
-    consequence = ("gate.enforce=true: exiting 1" if enforce
-                   else "this is the gate working; see README; gate.enforce=true makes it fail the command")
+    consequence = (
+        "gate.enforce=true: exiting 1"
+        if enforce
+        else "this is the gate working; see README; gate.enforce=true makes it fail the command"
+    )
     return f"release gate: BLOCKED — {reason} ({consequence})"
 
 

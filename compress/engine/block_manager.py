@@ -63,7 +63,7 @@ class BlockManager:
             return []
         hits, parent = [], b""
         for start in range(0, seq.num_tokens - self.block_size + 1, self.block_size):
-            tokens = seq.token_ids[start:start + self.block_size]
+            tokens = seq.token_ids[start : start + self.block_size]
             parent = chain_hash(parent, tokens)
             block_id = self.hash_to_block.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
@@ -121,7 +121,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         for index in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
-            tokens = seq.token_ids[index * self.block_size:(index + 1) * self.block_size]
+            tokens = seq.token_ids[index * self.block_size : (index + 1) * self.block_size]
             block_hash = chain_hash(seq.block_hashes[-1] if seq.block_hashes else b"", tokens)
             seq.block_hashes.append(block_hash)
             block = self.blocks[seq.block_table[index]]

@@ -62,6 +62,8 @@ def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype, calibrated:
     if requested == "auto":
         return calibrated or kv_cache_dtype_name(model_dtype)
     if calibrated is not None and is_quantized(KV_CACHE_DTYPES[requested]) and requested != calibrated:
-        raise ValueError(f"kv_cache_dtype={requested!r}, but the checkpoint's K/V scales are calibrated for "
-                         f"{calibrated}; use auto (or {calibrated}), or a float dtype for an unquantized cache")
+        raise ValueError(
+            f"kv_cache_dtype={requested!r}, but the checkpoint's K/V scales are calibrated for "
+            f"{calibrated}; use auto (or {calibrated}), or a float dtype for an unquantized cache"
+        )
     return requested

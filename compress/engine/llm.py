@@ -58,19 +58,22 @@ class LLM:
             tokenizer = tokenizer or loaded_tokenizer
         self.config = EngineConfig(**engine_options)
         self.config.kv_cache_dtype = resolve_kv_cache_dtype(
-            self.config.kv_cache_dtype, model.get_input_embeddings().weight.dtype, calibrated_kv_cache_dtype(model))
+            self.config.kv_cache_dtype, model.get_input_embeddings().weight.dtype, calibrated_kv_cache_dtype(model)
+        )
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, self.config)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.eos_token_ids = _eos_token_ids(model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.requests: dict[int, Sequence] = {}
 
     # --- requests and steps ---------------------------------------------------------------------------------
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> int:
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0, arrival_time: float | None = None
+    ) -> int:
         params = params or SamplingParams()
         return self._enqueue(self._checked_token_ids(prompt, params), params, priority, arrival_time)
 
@@ -86,15 +89,20 @@ class LLM:
             raise ValueError("empty prompt: give at least one token")
         total = len(token_ids) + params.max_tokens
         if total > self.runner.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len={self.runner.max_model_len}; shorten one or raise max_model_len")
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len={self.runner.max_model_len}; shorten one or raise max_model_len"
+            )
         if blocks_for(total, self.config.block_size) > self.block_manager.num_blocks:
-            raise ValueError(f"the KV pool ({self.block_manager.num_blocks} blocks) cannot hold one request of "
-                             f"{total} tokens; enlarge the pool (kv_cache_memory_gb / num_kv_blocks)")
+            raise ValueError(
+                f"the KV pool ({self.block_manager.num_blocks} blocks) cannot hold one request of "
+                f"{total} tokens; enlarge the pool (kv_cache_memory_gb / num_kv_blocks)"
+            )
         return token_ids
 
-    def _enqueue(self, token_ids: list[int], params: SamplingParams, priority: int = 0,
-                 arrival_time: float | None = None) -> int:
+    def _enqueue(
+        self, token_ids: list[int], params: SamplingParams, priority: int = 0, arrival_time: float | None = None
+    ) -> int:
         seq = Sequence(token_ids, params, time.perf_counter() if arrival_time is None else arrival_time, priority)
         self.requests[seq.seq_id] = seq
         self.scheduler.add(seq)
@@ -138,8 +146,9 @@ class LLM:
         return None
 
     # --- user-facing loops ----------------------------------------------------------------------------------
-    def generate(self, prompts: Prompt | Seq[Prompt],
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order."""
         ids = self._add_all(prompts, params)
         with self._owned(ids):
@@ -147,8 +156,9 @@ class LLM:
                 self.step()
             return [self.output(i) for i in ids]
 
-    def stream(self, prompts: Prompt | Seq[Prompt],
-               params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[StreamEvent]:
+    def stream(
+        self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> Iterator[StreamEvent]:
         """Yield every token as it is produced, with the text it adds."""
         ids = set(self._add_all(prompts, params))
         emitted = {i: "" for i in ids}
@@ -160,7 +170,7 @@ class LLM:
                     text = None
                     if self.tokenizer is not None:
                         full = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-                        text, emitted[seq.seq_id] = full[len(emitted[seq.seq_id]):], full
+                        text, emitted[seq.seq_id] = full[len(emitted[seq.seq_id]) :], full
                     yield StreamEvent(seq.seq_id, token, text, seq.finish_reason is not None)
 
     @contextmanager
@@ -176,10 +186,18 @@ class LLM:
 
     def output(self, request_id: int) -> RequestOutput:
         seq = self.requests[request_id]
-        text = None if self.tokenizer is None else self.tokenizer.decode(seq.output_token_ids,
-                                                                        skip_special_tokens=True)
-        return RequestOutput(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids, text, seq.finish_reason,
-                             seq.arrival_time, seq.token_times, seq.num_cached_tokens, seq.num_preemptions)
+        text = None if self.tokenizer is None else self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return RequestOutput(
+            seq.seq_id,
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+            text,
+            seq.finish_reason,
+            seq.arrival_time,
+            seq.token_times,
+            seq.num_cached_tokens,
+            seq.num_preemptions,
+        )
 
     @torch.inference_mode()
     def perplexity(self, prompt: Prompt) -> float:
@@ -197,10 +215,11 @@ class LLM:
         try:
             while seq.num_computed_tokens < seq.num_tokens - 1:
                 size = min(chunk, seq.num_tokens - 1 - seq.num_computed_tokens)
-                logits = self.runner.execute(ScheduledBatch([seq], [size],
-                                                            self.block_manager.take_pending_copies()), True)
+                logits = self.runner.execute(
+                    ScheduledBatch([seq], [size], self.block_manager.take_pending_copies()), True
+                )
                 start = seq.num_computed_tokens
-                targets = torch.tensor(token_ids[start + 1:start + size + 1], device=logits.device)
+                targets = torch.tensor(token_ids[start + 1 : start + size + 1], device=logits.device)
                 nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
                 seq.num_computed_tokens += size
         finally:
@@ -237,8 +256,10 @@ class LLM:
                 raise ValueError(f"a prompt is a text or a list of integer token ids, not {prompt!r:.80}") from None
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"token id {bad} is outside the model's vocabulary of {self.vocab_size} (ids 0 to "
-                             f"{self.vocab_size - 1}); encode prompts with this model's tokenizer")
+            raise ValueError(
+                f"token id {bad} is outside the model's vocabulary of {self.vocab_size} (ids 0 to "
+                f"{self.vocab_size - 1}); encode prompts with this model's tokenizer"
+            )
         return token_ids
 
 

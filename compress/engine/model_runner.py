@@ -61,10 +61,13 @@ def paged_attention_forward(
     ``[1, tokens, heads, head_dim]`` like its sdpa/eager functions. The causal structure comes from ``paged_step``
     (the mask is None: the runner builds none)."""
     if paged_step is None:
-        raise RuntimeError(f"attention implementation {PAGED_ATTENTION!r} runs only inside compress.engine's "
-                           "ModelRunner, which passes the step's paged_step")
-    return paged_step.runner.attend(paged_step, module.layer_idx, query, key, value, scaling, sliding_window,
-                                    softcap), None
+        raise RuntimeError(
+            f"attention implementation {PAGED_ATTENTION!r} runs only inside compress.engine's "
+            "ModelRunner, which passes the step's paged_step"
+        )
+    return paged_step.runner.attend(
+        paged_step, module.layer_idx, query, key, value, scaling, sliding_window, softcap
+    ), None
 
 
 AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
@@ -89,11 +92,15 @@ class ModelRunner:
     def __init__(self, model: nn.Module, config: EngineConfig):
         model_config = model.config
         if model_config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_config.model_type!r} is not supported; the engine runs "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)} models")
+            raise ValueError(
+                f"model_type {model_config.model_type!r} is not supported; the engine runs "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} models"
+            )
         if getattr(model_config, "use_bidirectional_attention", False):
-            raise ValueError("the model attends bidirectionally (an embedding model); the engine generates with "
-                             "causal attention only")
+            raise ValueError(
+                "the model attends bidirectionally (an embedding model); the engine generates with "
+                "causal attention only"
+            )
         self.model, self.config = model.eval(), config
         self.layers = model.model.layers
         embeddings = model.get_input_embeddings().weight
@@ -103,10 +110,16 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 8192)
         self.kv_dtype = config.kv_dtype
         backend = config.attention_backend
-        self._attend = {"auto": paged_attention.paged_attention, "triton": paged_attention.paged_attention_triton,
-                        "torch": paged_attention.paged_attention_reference}[backend]
-        self._write_kv = {"auto": kv_cache.write_kv, "triton": kv_cache.write_kv_triton,
-                          "torch": kv_cache.write_kv_reference}[backend]
+        self._attend = {
+            "auto": paged_attention.paged_attention,
+            "triton": paged_attention.paged_attention_triton,
+            "torch": paged_attention.paged_attention_reference,
+        }[backend]
+        self._write_kv = {
+            "auto": kv_cache.write_kv,
+            "triton": kv_cache.write_kv_triton,
+            "torch": kv_cache.write_kv_reference,
+        }[backend]
         if backend == "triton" and config.block_size < 16:
             raise ValueError(f"block_size={config.block_size}: the Triton kernels need 16 or more")
         self.num_blocks = config.num_kv_blocks or self._blocks_in_budget()
@@ -137,9 +150,11 @@ class ModelRunner:
         num_blocks = int(budget // self.block_bytes())
         needed = -(-self.max_model_len // self.config.block_size)
         if num_blocks < needed:
-            raise ValueError(f"a KV budget of {budget / 2**30:.2f} GiB holds {num_blocks} blocks, fewer than one "
-                             f"{self.max_model_len}-token sequence needs ({needed}); raise kv_cache_memory_gb or "
-                             "lower max_model_len")
+            raise ValueError(
+                f"a KV budget of {budget / 2**30:.2f} GiB holds {num_blocks} blocks, fewer than one "
+                f"{self.max_model_len}-token sequence needs ({needed}); raise kv_cache_memory_gb or "
+                "lower max_model_len"
+            )
         return num_blocks
 
     def _static_scales(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -188,8 +203,14 @@ class ModelRunner:
         CausalLM's own forward (so its final-logit soft-capping applies) on ``[1, tokens]``, with our attention."""
         step = PagedStep(self, slot_mapping, block_tables, context_lens, query_start_loc, max_query_len)
         with self._paged_attention():
-            output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                                logits_to_keep=logits_rows, return_dict=True, paged_step=step)
+            output = self.model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=logits_rows,
+                return_dict=True,
+                paged_step=step,
+            )
         return output.logits[0].float()
 
     @contextmanager
@@ -204,8 +225,17 @@ class ModelRunner:
         finally:
             model_config._attn_implementation = previous
 
-    def attend(self, step: PagedStep, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    def attend(
+        self,
+        step: PagedStep,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float | None,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
         """Write one layer's new K/V into the paged cache and attend over it; ``[1, tokens, heads, head_dim]``."""
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [tokens, heads, head_dim] views
         k_cache, v_cache = self.kv_pool[0, layer], self.kv_pool[1, layer]
@@ -213,8 +243,20 @@ class ModelRunner:
         self._write_kv(k, v, k_cache, v_cache, step.slot_mapping, k_scale, v_scale)
         if sliding_window is not None and sliding_window >= self.max_model_len:
             sliding_window = None  # no sequence is long enough for the window to hide anything
-        out = self._attend(q, k_cache, v_cache, step.block_tables, step.context_lens, step.query_start_loc,
-                           step.max_query_len, k_scale, v_scale, scaling, sliding_window, softcap)
+        out = self._attend(
+            q,
+            k_cache,
+            v_cache,
+            step.block_tables,
+            step.context_lens,
+            step.query_start_loc,
+            step.max_query_len,
+            k_scale,
+            v_scale,
+            scaling,
+            sliding_window,
+            softcap,
+        )
         return out[None]
 
     def prepare(self, batch: ScheduledBatch, all_logits: bool = False) -> dict:
@@ -224,7 +266,7 @@ class ModelRunner:
         for seq, num_tokens in zip(batch.seqs, batch.num_new_tokens, strict=True):
             first = seq.num_computed_tokens
             span = range(first, first + num_tokens)
-            input_ids += seq.token_ids[first:first + num_tokens]
+            input_ids += seq.token_ids[first : first + num_tokens]
             positions += span
             slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in span]
             context_lens.append(first + num_tokens)
@@ -240,9 +282,13 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
         return dict(
-            input_ids=tensor(input_ids, torch.long), positions=tensor(positions, torch.long),
-            slot_mapping=tensor(slots, torch.long), block_tables=tensor(tables), context_lens=tensor(context_lens),
-            query_start_loc=tensor(starts), max_query_len=max(batch.num_new_tokens),
+            input_ids=tensor(input_ids, torch.long),
+            positions=tensor(positions, torch.long),
+            slot_mapping=tensor(slots, torch.long),
+            block_tables=tensor(tables),
+            context_lens=tensor(context_lens),
+            query_start_loc=tensor(starts),
+            max_query_len=max(batch.num_new_tokens),
             logits_rows=tensor(logits_rows, torch.long),
         )
 
@@ -281,7 +327,7 @@ class ModelRunner:
         try:
             for size in sorted((b for b in _GRAPH_BATCH_SIZES if b <= max_size), reverse=True):
                 inputs = {name: t[:size] for name, t in self.graph_inputs.items()}
-                inputs["query_start_loc"] = self.graph_inputs["query_start_loc"][:size + 1]
+                inputs["query_start_loc"] = self.graph_inputs["query_start_loc"][: size + 1]
                 self.forward(**inputs, max_query_len=1)  # warm up: compile kernels outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
@@ -300,7 +346,7 @@ class ModelRunner:
         for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
             static[name][:size] = inputs[name]
         tables = inputs["block_tables"]
-        static["block_tables"][:size, :tables.shape[1]] = tables
+        static["block_tables"][:size, : tables.shape[1]] = tables
         self.graphs[graph_size].replay()
         return self.graph_outputs[graph_size][:size]
 

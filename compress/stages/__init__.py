@@ -99,6 +99,11 @@ def check_compression_order(stages: list[Stage]) -> None:
 
 
 __all__ = [
-    "STAGES", "LayerContext", "Stage", "build_chain", "build_stage", "check_compression_order",
+    "STAGES",
+    "LayerContext",
+    "Stage",
+    "build_chain",
+    "build_stage",
+    "check_compression_order",
     "check_quantization_order",
 ]

@@ -74,8 +74,9 @@ class W8A8Stage(GPTQStage):
             self.stats[f"{ctx.name}.{name}"] = {"weight_rel_mse": float(error), "hessian_rel_error": float("nan")}
             replace_module(ctx.layer, name, module)
 
-    def build_module(self, linear: nn.Linear, codes: torch.Tensor, scale: torch.Tensor,
-                     zero: torch.Tensor | None) -> nn.Module:
+    def build_module(
+        self, linear: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+    ) -> nn.Module:
         module = Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
         module.weight.copy_(codes)
         module.weight_scale.copy_(scale.float().reshape(-1, 1))

@@ -86,9 +86,12 @@ class FakeQuantLinear(nn.Module):
         source = self.source[0]
         bias = None if source.bias is None else source.bias.data
         return QuantizedLinear.from_codes(
-            self.codes().to(torch.int8).cpu(), source.weight_scale.cpu(),
+            self.codes().to(torch.int8).cpu(),
+            source.weight_scale.cpu(),
             None if source.weight_zero_point is None else source.weight_zero_point.cpu(),
-            source.num_bits, source.group_size, None if bias is None else bias.cpu(),
+            source.num_bits,
+            source.group_size,
+            None if bias is None else bias.cpu(),
             None if source.weight_g_idx is None else source.weight_g_idx.cpu(),
         )
 
@@ -109,8 +112,9 @@ def distillation_loss(student_out, teacher_out, temperature: float, hidden_weigh
 
 
 @torch.no_grad()
-def mean_kl(student: nn.Module, teacher: nn.Module, sequences: torch.Tensor, batch_size: int,
-            temperature: float = 1.0) -> float:
+def mean_kl(
+    student: nn.Module, teacher: nn.Module, sequences: torch.Tensor, batch_size: int, temperature: float = 1.0
+) -> float:
     """KL(teacher ‖ student) per token on ``sequences``: what distillation lowers."""
     total, count = 0.0, 0
     for start in range(0, len(sequences), batch_size):

@@ -93,8 +93,9 @@ def cholesky_inverse_upper(hessian: torch.Tensor, dampening: float, max_retries:
     )
 
 
-def _group_params(weight: torch.Tensor, hessian_block: torch.Tensor, scheme: WeightScheme, clip_search: bool,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _group_params(
+    weight: torch.Tensor, hessian_block: torch.Tensor, scheme: WeightScheme, clip_search: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (and zero point) per row for one group of columns; with ``clip_search`` the range ratio per row that
     minimises the group's Hessian-weighted rounding error."""
     channel = WeightScheme(scheme.bits, None, scheme.symmetric)
@@ -259,9 +260,16 @@ class GPTQStage(WeightQuantizerStage):
             raise CompressError(f"{full}: weight holds NaN/inf; the model or an earlier stage is broken")
         c = self.config
         result = gptq_quantize(
-            weight, hessian, c.scheme, block_size=c.block_size, dampening=c.dampening,
-            max_damp_retries=c.max_damp_retries, act_order=c.act_order, clip_search=c.clip_search,
-            scale_dtype=ctx.dtype, name=full,
+            weight,
+            hessian,
+            c.scheme,
+            block_size=c.block_size,
+            dampening=c.dampening,
+            max_damp_retries=c.max_damp_retries,
+            act_order=c.act_order,
+            clip_search=c.clip_search,
+            scale_dtype=ctx.dtype,
+            name=full,
         )
         if result.retries:
             self.retries[full] = result.retries
@@ -280,8 +288,9 @@ class GPTQStage(WeightQuantizerStage):
             }
             replace_module(ctx.layer, name, module.to(linear.weight.device))
 
-    def build_module(self, linear: nn.Linear, codes: torch.Tensor, scale: torch.Tensor,
-                     zero: torch.Tensor | None) -> nn.Module:
+    def build_module(
+        self, linear: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+    ) -> nn.Module:
         """The stored form of one quantized linear (packed int-N here; W8A8 overrides it)."""
         bias = None if linear.bias is None else linear.bias.data
         group = self.config.scheme.group_for(linear.in_features)

@@ -79,7 +79,8 @@ class KVCacheStage(Stage):
             scales[name] = (scale / scheme.qmax).to(dtype)
         set_scales(attention, scales["k"], scales["v"], scheme)
         self.scales[f"{ctx.name}.self_attn"] = {
-            "k_scale_max": float(scales["k"].max()), "v_scale_max": float(scales["v"].max())
+            "k_scale_max": float(scales["k"].max()),
+            "v_scale_max": float(scales["v"].max()),
         }
 
     def finalize(self, model: nn.Module) -> dict:

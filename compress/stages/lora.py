@@ -180,7 +180,10 @@ class LoRAMergeStage(Stage):
 
 
 def save_adapter(
-    folder: str | Path, factors: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int, alpha: float,
+    folder: str | Path,
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    rank: int,
+    alpha: float,
     base_model: str | None = None,
 ) -> Path:
     """Write ``{module: (A, B)}`` as a PEFT LoRA folder (the layout :func:`read_adapter` reads and peft writes)."""
@@ -188,8 +191,15 @@ def save_adapter(
     folder.mkdir(parents=True, exist_ok=True)
     targets = sorted({module.rpartition(".")[2] for module in factors})
     config = {
-        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets, "use_rslora": False,
-        "use_dora": False, "fan_in_fan_out": False, "bias": "none", "base_model_name_or_path": base_model,
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": targets,
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "bias": "none",
+        "base_model_name_or_path": base_model,
         "task_type": "CAUSAL_LM",
     }
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))

@@ -41,27 +41,39 @@ class FamilyMappings:
 
 ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 MLP_IN = ("mlp.gate_proj", "mlp.up_proj")
-LLAMA = FamilyMappings((
-    Mapping("input_layernorm", ATTENTION),
-    Mapping("self_attn.v_proj", ("self_attn.o_proj",)),
-    Mapping("post_attention_layernorm", MLP_IN),
-    Mapping("mlp.up_proj", ("mlp.down_proj",)),
-))
-GEMMA = FamilyMappings((
-    Mapping("input_layernorm", ATTENTION),
-    Mapping("self_attn.v_proj", ("self_attn.o_proj",)),
-    Mapping("pre_feedforward_layernorm", MLP_IN),
-    Mapping("mlp.up_proj", ("mlp.down_proj",)),
-), norm_offset=1.0)
-PHI3 = FamilyMappings((
-    Mapping("input_layernorm", ("self_attn.qkv_proj",)),
-    Mapping("self_attn.qkv_proj", ("self_attn.o_proj",), rows="v"),
-    Mapping("post_attention_layernorm", ("mlp.gate_up_proj",)),
-    Mapping("mlp.gate_up_proj", ("mlp.down_proj",), rows="up"),
-))
+LLAMA = FamilyMappings(
+    (
+        Mapping("input_layernorm", ATTENTION),
+        Mapping("self_attn.v_proj", ("self_attn.o_proj",)),
+        Mapping("post_attention_layernorm", MLP_IN),
+        Mapping("mlp.up_proj", ("mlp.down_proj",)),
+    )
+)
+GEMMA = FamilyMappings(
+    (
+        Mapping("input_layernorm", ATTENTION),
+        Mapping("self_attn.v_proj", ("self_attn.o_proj",)),
+        Mapping("pre_feedforward_layernorm", MLP_IN),
+        Mapping("mlp.up_proj", ("mlp.down_proj",)),
+    ),
+    norm_offset=1.0,
+)
+PHI3 = FamilyMappings(
+    (
+        Mapping("input_layernorm", ("self_attn.qkv_proj",)),
+        Mapping("self_attn.qkv_proj", ("self_attn.o_proj",), rows="v"),
+        Mapping("post_attention_layernorm", ("mlp.gate_up_proj",)),
+        Mapping("mlp.gate_up_proj", ("mlp.down_proj",), rows="up"),
+    )
+)
 FAMILY_MAPPINGS = {
-    "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA,
-    "gemma2": GEMMA, "gemma3_text": GEMMA, "phi3": PHI3,
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": LLAMA,
+    "qwen3": LLAMA,
+    "gemma2": GEMMA,
+    "gemma3_text": GEMMA,
+    "phi3": PHI3,
 }
 
 

@@ -98,8 +98,13 @@ def one_thread():
 
 @torch.no_grad()
 def sparsegpt_prune(
-    weight: torch.Tensor, hessian: torch.Tensor, pattern: NMPattern, block_size: int = 128,
-    dampening: float = 0.01, retries: int = 6, name: str = "linear",
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    pattern: NMPattern,
+    block_size: int = 128,
+    dampening: float = 0.01,
+    retries: int = 6,
+    name: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(pruned weight, keep mask)`` for ``weight [out, in]`` against ``hessian [in, in]``."""
     W = weight.detach().float().clone()
@@ -203,8 +208,9 @@ class PruneStage(Stage):
         if lost:
             raise CompressError(f"{lost[0]} (and {len(lost) - 1} more) lost its sparsity mask in a later stage")
         per_layer = {name: achieved[name] for name in self.pruned}
-        params = {name: model.get_submodule(name).in_features * model.get_submodule(name).out_features
-                  for name in per_layer}
+        params = {
+            name: model.get_submodule(name).in_features * model.get_submodule(name).out_features for name in per_layer
+        }
         total = sum(params.values())
         return {
             "sparsity_structure": self.config.sparsity,

@@ -47,8 +47,7 @@ class SmoothQuantStage(Stage):
         if ctx.inputs is None:
             raise CompressError("SmoothQuant needs calibration inputs")
         mappings = [
-            m for m in self.mappings
-            if not any(matches(f"{ctx.name}.{n}", self.config.ignore) for n in m.linears)
+            m for m in self.mappings if not any(matches(f"{ctx.name}.{n}", self.config.ignore) for n in m.linears)
         ]
         maxima = self._activation_maxima(ctx, [m.linears[0] for m in mappings])
         for mapping in mappings:
@@ -66,7 +65,8 @@ class SmoothQuantStage(Stage):
             before = act_max.max() / act_max.clamp(min=1e-8).median()
             after = (act_max / scale).max() / (act_max / scale).clamp(min=1e-8).median()
             self.smoothed[f"{ctx.name}.{mapping.previous}"] = {
-                "activation_max_over_median_before": float(before), "after": float(after)
+                "activation_max_over_median_before": float(before),
+                "after": float(after),
             }
 
     def _activation_maxima(self, ctx: LayerContext, names: list[str]) -> dict[str, torch.Tensor]:

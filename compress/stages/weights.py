@@ -57,8 +57,13 @@ class WeightQuantizerStage(Stage):
                 check_group_size(f"model.layers.{index}.{name}", linear.in_features, self.config.scheme)
 
     def quantize_linear(
-        self, layer: nn.Module, name: str, full_name: str, clip: torch.Tensor | float = 1.0,
-        inputs: torch.Tensor | None = None, scale_dtype: torch.dtype | None = None,
+        self,
+        layer: nn.Module,
+        name: str,
+        full_name: str,
+        clip: torch.Tensor | float = 1.0,
+        inputs: torch.Tensor | None = None,
+        scale_dtype: torch.dtype | None = None,
     ) -> None:
         """Replace ``layer.<name>`` with its quantized form (scales in ``scale_dtype``, default the weight's);
         record the weight (and output, given inputs) error."""

@@ -1,0 +1,40 @@
+"""``bench engine``: both modes run end to end on a tiny model and write their tables."""
+
+import json
+
+from compress.commands.bench import load_target
+
+bench = load_target("engine")
+
+
+def test_decode_mode_times_dense_and_every_converted_format(tiny_model_dir, tmp_path):
+    argv = [
+        f"checkpoint={tiny_model_dir}",
+        "mode=decode",
+        "decode_tokens=4",
+        "decode_weights=w4a16,int8,fp8",
+        f"out={tmp_path}",
+    ]
+    assert bench.main(argv) == 0
+    (result,) = tmp_path.glob("engine-decode-*.json")
+    rates = json.loads(result.read_text())["decode_tok_s"]
+    assert set(rates) == {"dense", "w4a16", "int8", "fp8"} and all(rate > 0 for rate in rates.values())
+    assert "| w4a16 |" in result.with_suffix(".md").read_text()
+
+
+def test_converted_linears_are_restored(tiny_model_dir):
+    import torch
+
+    model, _ = bench.load({**bench.DEFAULTS, "checkpoint": str(tiny_model_dir)}, "cpu")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    before = model(ids).logits
+    replaced = bench.convert_linears(model, "w4a16", 128)  # 64-wide tiny layers fall back to group 64
+    assert replaced and type(model.model.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
+    assert not torch.equal(model(ids).logits, before)
+    bench.restore(replaced)
+    assert torch.equal(model(ids).logits, before)
+
+
+def test_bad_options_are_refused():
+    assert bench.main(["mode=fast"]) == 2
+    assert bench.main(["unknown=1"]) == 2

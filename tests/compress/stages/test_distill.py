@@ -1,0 +1,114 @@
+"""Distillation: the KL to the dense teacher falls on held-out text, masks and quantization grids survive training."""
+
+import copy
+
+import pytest
+import torch
+from helpers import build_tiny_llama, build_tiny_tokenizer
+
+from compress.errors import CompressError
+from compress.pipeline import apply_stages
+from compress.qlinear import QuantizedLinear
+from compress.sparsity import mask_of
+from compress.stages import build_chain
+from compress.stages.distill import mean_kl
+
+CPU = torch.device("cpu")
+DISTILL = {
+    "type": "distill",
+    "steps": 30,
+    "seq_len": 32,
+    "batch_size": 4,
+    "held_out": 2,
+    "learning_rate": 3e-3,
+    "warmup_steps": 2,
+    "max_minutes": None,
+}
+
+
+def _confident_model():
+    """Random init at a larger scale: peaked next-token distributions, so pruning moves them measurably."""
+    return build_tiny_llama(seed=2, initializer_range=0.1)
+
+
+def _text_ids(topic_names, rows, length):
+    from pydoc_data.topics import topics
+
+    ids = _TOKENIZER(" ".join(topics[name] for name in topic_names), return_tensors="pt").input_ids[0]
+    return ids[: rows * length].reshape(rows, length)
+
+
+_TOKENIZER = build_tiny_tokenizer()
+
+
+def _held_out_text():
+    """pydoc prose the training samples below do not contain."""
+    from pydoc_data.topics import topics
+
+    return _text_ids(sorted(topics)[-3:], 8, 32)
+
+
+def _samples():
+    from pydoc_data.topics import topics
+
+    return _text_ids(sorted(topics)[20:40], 8, 64)
+
+
+def _chain(chain, model):
+    stages = build_chain(chain)
+    for stage in stages:
+        stage.prepare(model)
+    apply_stages(model, stages, _samples(), CPU, batch_size=4)
+    return stages
+
+
+def test_distillation_lowers_held_out_kl_and_keeps_the_mask():
+    teacher = _confident_model()
+    held_out = _held_out_text()
+    pruned = _confident_model()
+    _chain([{"type": "magnitude_prune"}], pruned)
+    student = _confident_model()
+    stages = _chain([{"type": "magnitude_prune"}, DISTILL], student)
+    summaries = [stage.finalize(student) for stage in stages]  # the pruner's finalize re-checks every mask
+
+    kl_pruned = mean_kl(pruned, teacher, held_out, 4)
+    kl_distilled = mean_kl(student, teacher, held_out, 4)
+    assert kl_distilled < 0.9 * kl_pruned, (kl_pruned, kl_distilled)
+    assert summaries[1]["steps"] == 30 and summaries[1]["held_out_kl_after"] < summaries[1]["held_out_kl_before"]
+    for name in ("self_attn.k_proj", "mlp.down_proj"):
+        linear = student.model.layers[1].get_submodule(name)
+        assert torch.equal(linear.weight != 0, mask_of(linear))
+        assert not torch.equal(linear.weight, pruned.model.layers[1].get_submodule(name).weight)  # it trained
+
+
+def test_teacher_is_the_model_before_the_first_compression():
+    model = _confident_model()
+    [stage] = [s for s in build_chain([{"type": "rtn", "group_size": 32}, DISTILL]) if s.name == "distill"]
+    dense = copy.deepcopy(model)
+    stage.before_stage(model, 0)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.zero_()
+    assert torch.equal(stage.teacher.model.layers[0].mlp.up_proj.weight, dense.model.layers[0].mlp.up_proj.weight)
+
+
+def test_quantized_student_trains_through_fake_quant_and_stays_on_its_grid():
+    teacher = _confident_model()
+    held_out = _held_out_text()
+    quantized = _confident_model()
+    _chain([{"type": "wanda"}, {"type": "rtn", "bits": 4, "group_size": 32}], quantized)
+    student = _confident_model()
+    stages = _chain([{"type": "wanda"}, {"type": "rtn", "bits": 4, "group_size": 32}, DISTILL], student)
+    summary = [stage.finalize(student) for stage in stages][2]
+    assert summary["fake_quantized_linears"] == 14
+    before = quantized.model.layers[0].mlp.gate_proj
+    after = student.model.layers[0].mlp.gate_proj
+    assert isinstance(after, QuantizedLinear)
+    assert torch.equal(after.weight_scale, before.weight_scale)  # same grid: exportable as it was
+    assert not torch.equal(after.weight_packed, before.weight_packed)  # but the codes learned
+    assert not (after.dequantized_weight()[~mask_of(after)] != 0).any()
+    assert mean_kl(student, teacher, held_out, 4) < mean_kl(quantized, teacher, held_out, 4)
+
+
+def test_distillation_without_compression_before_it_is_refused():
+    with pytest.raises(CompressError, match=r"stages.1 \(distill\) has nothing to heal"):
+        build_chain([{"type": "lora_merge", "adapters": ["x"]}, {"type": "distill"}])

@@ -1,0 +1,131 @@
+import logging
+
+import pytest
+import torch
+from helpers import build_tiny_llama
+
+from compress.errors import CompressError
+from compress.pipeline import apply_stages
+from compress.qlinear import QuantizedLinear
+from compress.quant import WeightScheme, fake_quantize
+from compress.stages import build_chain
+from compress.stages.gptq import cholesky_inverse_upper, gptq_quantize
+
+CPU = torch.device("cpu")
+
+
+def _correlated_inputs(tokens: int, width: int, seed: int = 0) -> torch.Tensor:
+    """Real activations are correlated across channels and have a few large ones; GPTQ exploits exactly that."""
+    generator = torch.Generator().manual_seed(seed)
+    mix = torch.randn(width, width, generator=generator) / width**0.5
+    x = torch.randn(tokens, width, generator=generator) @ mix + 0.1 * torch.randn(tokens, width, generator=generator)
+    x[:, :4] *= 8.0
+    return x
+
+
+@pytest.mark.parametrize(
+    ("bits", "symmetric", "act_order"), [(4, True, False), (3, True, True), (4, False, True), (8, True, False)]
+)
+def test_gptq_output_error_below_rtn_on_the_same_layer(bits, symmetric, act_order):
+    x = _correlated_inputs(2048, 128)
+    weight = torch.randn(96, 128, generator=torch.Generator().manual_seed(1))
+    hessian = x.T @ x / len(x)
+    scheme = WeightScheme(bits, 32, symmetric)
+    result = gptq_quantize(weight, hessian, scheme, block_size=32, act_order=act_order)
+    codes = result.codes.float().view(96, 4, 32)
+    if result.zero_point is not None:
+        codes = codes - result.zero_point.float().unsqueeze(-1)
+    gptq_weight = (codes * result.scale.unsqueeze(-1)).view(96, 128)
+    assert result.codes.min() >= scheme.qmin and result.codes.max() <= scheme.qmax
+    rtn_error = (x @ (fake_quantize(weight, scheme) - weight).T).pow(2).mean()
+    gptq_error = (x @ (gptq_weight - weight).T).pow(2).mean()
+    assert gptq_error < 0.6 * rtn_error
+    assert result.retries == 0
+
+
+def test_singular_hessian_is_retried_with_more_dampening(caplog):
+    """A rank-1 Hessian with negligible dampening cannot be factorized; the retry must fix it and say so."""
+    hessian = torch.ones(64, 64)
+    with caplog.at_level(logging.WARNING, logger="compress.stages.gptq"):
+        upper, damp, retries = cholesky_inverse_upper(hessian, 1e-9, max_retries=6, name="model.layers.0.q_proj")
+    assert retries >= 1 and damp == pytest.approx(1e-9 * 10**retries)
+    assert torch.isfinite(upper).all()
+    assert "model.layers.0.q_proj: Hessian not positive definite" in caplog.text
+    with pytest.raises(CompressError, match="stayed singular after 1 dampening increases"):
+        cholesky_inverse_upper(hessian, 1e-9, max_retries=1, name="q_proj")
+    weight = torch.randn(8, 64)
+    result = gptq_quantize(weight, hessian, WeightScheme(4, 32, True), dampening=1e-9, name="q_proj")
+    assert result.retries >= 1
+
+
+def _run_gptq(model, samples, **args):
+    [stage] = build_chain([{"type": "gptq", "bits": 4, "group_size": 32, **args}])
+    stage.prepare(model)
+    apply_stages(model, [stage], samples, CPU, batch_size=4)
+    return stage.finalize(model)
+
+
+def test_gptq_stage_beats_rtn_on_held_out_logits():
+    generator = torch.Generator().manual_seed(0)
+    samples = torch.randint(0, 320, (16, 64), generator=generator)
+    held_out = torch.randint(0, 320, (8, 64), generator=generator)
+    reference = build_tiny_llama(seed=2)
+    gptq = build_tiny_llama(seed=2)
+    summary = _run_gptq(gptq, samples, bits=3)
+    rtn = build_tiny_llama(seed=2)
+    [stage] = build_chain([{"type": "rtn", "bits": 3, "group_size": 32}])
+    stage.prepare(rtn)
+    apply_stages(rtn, [stage], samples, CPU, batch_size=4)
+    assert summary["quantized_linears"] == 14 and summary["cholesky_retries"] == {}
+    assert isinstance(gptq.model.layers[1].mlp.down_proj, QuantizedLinear)
+    with torch.no_grad():
+        expected = reference(held_out).logits
+        gptq_error = (gptq(held_out).logits - expected).pow(2).mean()
+        rtn_error = (rtn(held_out).logits - expected).pow(2).mean()
+    assert gptq_error < 0.8 * rtn_error
+
+
+def test_nan_in_calibration_activations_names_the_linear():
+    model = build_tiny_llama()
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight[0, 0] = float("nan")  # NaN enters mlp.gate_proj's input
+    with pytest.raises(CompressError, match=r"model.layers.0.mlp.gate_proj: calibration activations hold NaN/inf"):
+        _run_gptq(model, torch.randint(0, 320, (2, 16)), ignore=["lm_head", "self_attn.o_proj"])
+
+
+def test_three_bit_group_that_does_not_divide_the_width_fails_before_work():
+    [stage] = build_chain([{"type": "gptq", "bits": 3, "group_size": 48}])
+    with pytest.raises(
+        CompressError,
+        match=r"model.layers.0.self_attn.q_proj: input width 64 is not a multiple of "
+        r"group_size=48; sizes that fit: \[16, 32, 64\]",
+    ):
+        stage.prepare(build_tiny_llama())
+
+
+def test_bad_dampening_is_a_config_error():
+    with pytest.raises(CompressError, match=r"stages.0 \(gptq\): dampening=0 must be in \(0, 1\]"):
+        build_chain([{"type": "gptq", "dampening": 0}])
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "gptq_int4",
+        "gptq_int3",
+        "smoothquant_w8a8",
+        "smoothquant_gptq_w8a8",
+        "fp8_dynamic",
+        "fp8_static",
+        "kv_fp8",
+        "kv_int8",
+        "awq_int4_kv_int8",
+    ],
+)
+def test_quantization_recipes_build_legal_chains(recipe):
+    import yaml
+
+    from compress.paths import recipes_dir
+
+    stages = build_chain(yaml.safe_load((recipes_dir() / f"{recipe}.yaml").read_text())["stages"])
+    assert stages and sum(s.quantizes_weights for s in stages) <= 1

@@ -1,0 +1,111 @@
+import pytest
+import torch
+from helpers import build_tiny_llama
+
+from compress.calibration import capture_first_layer_inputs, decoder_layers
+from compress.errors import CompressError
+from compress.pipeline import apply_stages
+from compress.qlinear import QuantizedLinear
+from compress.stages import LayerContext, build_chain
+
+CPU = torch.device("cpu")
+
+
+def _outlier_model():
+    """Random weights give flat activations; real LLMs have a few large input channels. Plant some, as AWQ expects."""
+    model = build_tiny_llama(seed=1)
+    with torch.no_grad():
+        for layer in decoder_layers(model):
+            layer.input_layernorm.weight[:4] *= 12.0
+            layer.post_attention_layernorm.weight[:4] *= 12.0
+    return model
+
+
+def _compress(kind: str, samples, **args):
+    model = _outlier_model()
+    [stage] = build_chain([{"type": kind, "bits": 3, "group_size": 32, **args}])
+    stage.prepare(model)
+    apply_stages(model, [stage], samples, CPU, batch_size=4)
+    return model, stage.finalize(model)
+
+
+def _logit_error(model, reference, tokens):
+    with torch.no_grad():
+        return (model(tokens).logits - reference(tokens).logits).pow(2).mean().item()
+
+
+def test_awq_beats_rtn_on_held_out_tokens():
+    generator = torch.Generator().manual_seed(0)
+    samples = torch.randint(0, 320, (16, 64), generator=generator)
+    held_out = torch.randint(0, 320, (8, 64), generator=generator)
+    reference = _outlier_model()
+    rtn, rtn_summary = _compress("rtn", samples)
+    awq, awq_summary = _compress("awq", samples)
+    assert rtn_summary["quantized_linears"] == awq_summary["quantized_linears"] == 14
+    assert isinstance(awq.model.layers[0].self_attn.o_proj, QuantizedLinear)
+    assert type(rtn.lm_head) is torch.nn.Linear
+    assert _logit_error(awq, reference, held_out) < 0.8 * _logit_error(rtn, reference, held_out)
+
+
+def test_awq_scaling_alone_leaves_the_float_model_unchanged():
+    """Folding 1/s into the previous op and s into the linears must be exact, including the GQA v→o mapping."""
+    model = _outlier_model()
+    reference = _outlier_model()
+    [stage] = build_chain([{"type": "awq", "bits": 4, "group_size": 32}])
+    stage.prepare(model)
+    samples = torch.randint(0, 320, (4, 32))
+    inputs = capture_first_layer_inputs(model, samples, 4, CPU)
+    layer = decoder_layers(model)[0]
+    ctx = LayerContext(0, "model.layers.0", layer, model.config, inputs, CPU)
+    activations = stage._capture(ctx)
+    for mapping in stage.mappings:
+        scale = torch.rand(layer.get_submodule(mapping.previous).weight.shape[0]) + 0.5
+        stage.apply_scale(ctx, mapping, scale)
+    assert stage._kv_groups(ctx, stage.mappings[1]) == (2, 16)  # v_proj (32 outputs) feeds o_proj (64 inputs)
+    with torch.no_grad():
+        assert torch.allclose(model(samples).logits, reference(samples).logits, atol=1e-4)
+    assert set(activations) == {"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"}
+
+
+def test_ignored_linears_stay_dense():
+    samples = torch.randint(0, 320, (4, 32))
+    model, summary = _compress("awq", samples, ignore=["lm_head", "mlp.down_proj"])
+    assert type(model.model.layers[1].mlp.down_proj) is torch.nn.Linear
+    assert summary["quantized_linears"] == 12
+
+
+def test_unknown_stage_key_names_valid_ones():
+    message = r"stages.0 \(awq\): unknown key 'gruop_size' \(did you mean 'group_size'\?\)"
+    with pytest.raises(CompressError, match=message):
+        build_chain([{"type": "awq", "gruop_size": 64}])
+    with pytest.raises(CompressError, match=r"type=.awk. is not a known stage; available: awq, "):
+        build_chain([{"type": "awk"}])
+
+
+def test_second_weight_quantizer_is_rejected():
+    with pytest.raises(CompressError, match=r"stages.1 \(awq\) would quantize weights that stages.0 \(rtn\)"):
+        build_chain([{"type": "rtn"}, {"type": "awq"}])
+
+
+def test_group_size_that_does_not_tile_a_layer_fails_before_work():
+    [stage] = build_chain([{"type": "awq", "group_size": 48}])
+    message = r"model.layers.0.self_attn.q_proj: input width 64 .* sizes that fit: \[16, 32, 64\]"
+    with pytest.raises(CompressError, match=message):
+        stage.prepare(build_tiny_llama())
+
+
+def test_nan_in_calibration_activations_names_the_layer():
+    model = build_tiny_llama()
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+    [stage] = build_chain([{"type": "rtn", "group_size": 32}])
+    stage.prepare(model)
+    with pytest.raises(CompressError, match="model.layers.1.mlp.up_proj: weight holds NaN"):
+        apply_stages(model, [stage], torch.randint(0, 320, (2, 16)), CPU, batch_size=2)
+    [awq] = build_chain([{"type": "awq", "group_size": 32}])
+    model = build_tiny_llama()
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.fill_(float("inf"))
+    awq.prepare(model)
+    with pytest.raises(CompressError, match="model.layers.0"):
+        apply_stages(model, [awq], torch.randint(0, 320, (2, 16)), CPU, batch_size=2)

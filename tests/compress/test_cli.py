@@ -1,0 +1,121 @@
+"""End to end through the real CLI on a tiny model: Hydra recipe → stages → checkpoint → perplexity → MLflow."""
+
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from compress.__main__ import main
+
+SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "stages.0.group_size=32"]
+FAST = [*SMALL, "gate=none"]  # the release gate has its own test below
+
+
+def test_awq_run_writes_checkpoint_report_and_mlflow(tiny_model_dir, artifacts, capsys):
+    assert main(["run", "recipe=awq_int4", f"model={tiny_model_dir}", *FAST, "stages.0.grid=4"]) == 0
+    [run_dir] = (artifacts / "runs").iterdir()
+    report = json.loads((run_dir / "report.json").read_text())
+    assert set(report["perplexity"]) == {"baseline", "candidate", "rtn_reference"}
+    assert report["checkpoint"]["quantized_linears"] == 14
+    assert (run_dir / "checkpoint" / "recipe.yaml").read_text().startswith("recipe: awq_int4")
+    assert "grid: 4" in (run_dir / "checkpoint" / "config.yaml").read_text()
+    assert "| candidate |" in (run_dir / "report.md").read_text()
+    AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint")  # what a user of transformers would do
+    assert "perplexity" in capsys.readouterr().out
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{artifacts / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("compress").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["stages.0.type"] == "awq" and run.data.params["stages.0.group_size"] == "32"
+    assert run.data.metrics["ppl_candidate"] == pytest.approx(report["perplexity"]["candidate"]["perplexity"])
+    assert run.data.tags["compress.run_dir"] == str(run_dir)
+
+
+def test_multirun_sweep(tiny_model_dir, artifacts):
+    args = [
+        "run",
+        "recipe=rtn_int4",
+        f"model={tiny_model_dir}",
+        *FAST,
+        "stages.0.bits=3,4",
+        "-m",
+        "tracking.enabled=false",
+    ]
+    assert main(args) == 0
+    reports = [json.loads((d / "report.json").read_text()) for d in (artifacts / "runs").iterdir()]
+    assert sorted(r["checkpoint"]["bits_per_weight"] for r in reports) == [4.0, 5.0]  # 3/4 bits + fp32 scale / 32
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["recipe=awq_int5"], "unknown recipe 'awq_int5'; available: awq_int4, awq_int4_kv_int8, fp8_dynamic"),
+        (["recipe=awq_int4", "stages.0.gruop_size=64"], "unknown key 'gruop_size' (did you mean 'group_size'?)"),
+        (["recipe=awq_int4", "eval.seqlen=64"], "eval: unknown key 'seqlen' (did you mean 'seq_len'?)"),
+        (["recipe=awq_int4", "gate=strictest"], "gate=strictest is not a known option"),
+        (["recipe=awq_int4", "model=./no/such/model"], "model path ./no/such/model does not exist"),
+    ],
+)
+def test_bad_input_gives_one_clear_error_and_no_output(args, message, artifacts, capsys):
+    assert main(["run", *args]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (artifacts / "runs").exists() or not any((artifacts / "runs").iterdir())
+
+
+def test_empty_calibration_text_fails_cleanly(tiny_model_dir, artifacts, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    assert main(["run", "recipe=rtn_int4", f"model={tiny_model_dir}", f"data={empty}", *FAST]) == 1
+    assert "calibration split of data source 'file' is empty" in capsys.readouterr().err
+    assert [p for p in (artifacts / "runs").iterdir()] == []  # the staging folder is gone too
+
+
+def test_unknown_dataset_fails_before_the_model_loads(artifacts, capsys):
+    assert main(["run", "recipe=rtn_int4", "data=no-such-dataset", *FAST]) == 1
+    assert "cannot load dataset 'no-such-dataset'" in capsys.readouterr().err
+    assert not (artifacts / "models").exists()  # the default model was never converted for a doomed run
+
+
+def test_corrupt_model_weights_fail_cleanly(tiny_model_dir, artifacts, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in tiny_model_dir.iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert main(["run", "recipe=rtn_int4", f"model={broken}", *FAST]) == 1
+    assert "cannot load model" in capsys.readouterr().err
+    assert [p for p in (artifacts / "runs").iterdir()] == []
+
+
+@pytest.mark.parametrize(("max_ratio", "enforce", "code"), [(100.0, True, 0), (0.5, False, 0), (0.5, True, 1)])
+def test_run_ends_with_the_release_gate(tiny_model_dir, artifacts, max_ratio, enforce, code):
+    """A block fails the command only with gate.enforce=true; the report records the verdict either way."""
+    args = [
+        "run",
+        "recipe=rtn_int4",
+        f"model={tiny_model_dir}",
+        *SMALL,
+        "gate=quick",
+        "gate.layers=[perplexity]",
+        f"gate.perplexity.max_ratio={max_ratio}",
+        "gate.registry.register=false",
+        f"gate.enforce={enforce}",
+    ]
+    assert main(args) == code
+    [run_dir] = (artifacts / "runs").iterdir()
+    report = json.loads((run_dir / "report.json").read_text())
+    passed = max_ratio > 1
+    assert report["gate"]["passed"] is passed
+    assert "gate" in report["timings_s"]
+    verdict = (run_dir / "gate" / "gate.md").read_text()
+    assert ("perplexity" in verdict) and ((not passed) == ("BLOCK" in verdict.upper()))
+
+
+def test_rtn_reference_without_an_integer_quantizer_fails_before_work(tiny_model_dir, artifacts, capsys):
+    args = ["run", "recipe=fp8_dynamic", f"model={tiny_model_dir}", *SMALL[:-1], "gate=none", "eval.reference=rtn"]
+    assert main(args) == 1
+    assert "eval.reference=rtn needs an integer weight quantizer" in capsys.readouterr().err
+    assert not (artifacts / "runs").exists() or not any((artifacts / "runs").iterdir())

@@ -1,0 +1,181 @@
+"""Source-dtype loading, lazy per-layer reading and per-layer fp32 calibration on real tiny bf16 checkpoints."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import build_tiny_llama, build_tiny_tokenizer
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from compress.__main__ import main
+from compress.calibration import decoder_layers
+from compress.errors import CompressError
+from compress.models import ModelSpec, load_model, materialize_all
+from compress.pipeline import apply_stages
+from compress.qlinear import QuantizedLinear
+from compress.quant import WeightScheme, quantize
+from compress.stages import LayerContext, Stage, build_chain
+
+CPU = torch.device("cpu")
+
+
+def _save_bf16(folder: Path, **save_args) -> Path:
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_llama(vocab_size=len(tokenizer)).to(torch.bfloat16).save_pretrained(folder, **save_args)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory) -> Path:
+    return _save_bf16(tmp_path_factory.mktemp("tiny-bf16"))
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in module.state_dict().values())
+
+
+def _logits(model, seed: int = 0) -> torch.Tensor:
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_lazy_load_reads_layers_only_when_asked_and_keeps_ties(bf16_dir):
+    model, _ = load_model(ModelSpec(path=str(bf16_dir)), layerwise=True)
+    assert model.dtype == torch.bfloat16  # dtype=auto: the checkpoint's own
+    assert all(_on_meta(layer) for layer in decoder_layers(model))
+    assert not model.model.embed_tokens.weight.is_meta and not model.model.norm.weight.is_meta
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    materialize_all(model)
+    assert not _on_meta(model) and model.lm_head.weight is model.model.embed_tokens.weight
+    eager = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16)
+    assert torch.equal(_logits(model), _logits(eager))
+
+
+def test_sharded_checkpoint_loads_lazily(tmp_path):
+    folder = _save_bf16(tmp_path / "sharded", max_shard_size="40KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    model, _ = load_model(ModelSpec(path=str(folder)), layerwise=True)
+    assert len(set(model.lazy_weights.weight_map.values())) > 1
+    materialize_all(model)
+    assert torch.equal(_logits(model), _logits(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)))
+
+
+def test_dtype_override_and_eager_callers(bf16_dir):
+    widened, _ = load_model(ModelSpec(path=str(bf16_dir), dtype="float32"), layerwise=True)
+    materialize_all(widened)
+    assert {p.dtype for p in widened.parameters()} == {torch.float32}
+    whole, _ = load_model(ModelSpec(path=str(bf16_dir)))  # not layerwise (gate, engine): the whole model
+    assert not _on_meta(whole) and whole.dtype == torch.bfloat16
+    with pytest.raises(CompressError, match="model.dtype='float64' is not supported"):
+        load_model(ModelSpec(path=str(bf16_dir), dtype="float64"))
+
+
+def test_checkpoint_names_that_differ_fall_back_to_the_eager_load(tmp_path, bf16_dir):
+    folder = _save_bf16(tmp_path / "renamed")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.unused_extra"] = torch.zeros(3)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    model, _ = load_model(ModelSpec(path=str(folder)), layerwise=True)
+    assert getattr(model, "lazy_weights", None) is None and not _on_meta(model)
+
+
+@dataclass
+class _ProbeConfig:
+    pass
+
+
+class _Probe(Stage):
+    """Records what a stage sees of each layer: dtypes, and how many layers are still unread."""
+
+    name = "probe"
+    Config = _ProbeConfig
+
+    def __init__(self, model):
+        super().__init__(_ProbeConfig())
+        self.model, self.seen = model, []
+
+    def process_layer(self, ctx: LayerContext) -> None:
+        unread = sum(_on_meta(layer) for layer in decoder_layers(self.model))
+        self.seen.append((ctx.layer.mlp.up_proj.weight.dtype, ctx.inputs.hidden[0].dtype, ctx.dtype, unread))
+
+
+def test_walk_reads_one_layer_at_a_time_calibrates_in_fp32_and_stores_in_bf16(bf16_dir):
+    model, _ = load_model(ModelSpec(path=str(bf16_dir)), layerwise=True)
+    original = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16)
+    probe = _Probe(model)
+    [rtn] = build_chain([{"type": "rtn", "bits": 4, "group_size": 32}])
+    rtn.prepare(model)
+    samples = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    apply_stages(model, [probe, rtn], samples, CPU, batch_size=2)
+
+    fp32, bf16 = torch.float32, torch.bfloat16
+    assert probe.seen == [(fp32, fp32, bf16, 1), (fp32, fp32, bf16, 0)]  # layer 1 unread while layer 0 is processed
+    assert not _on_meta(model)
+    layer = decoder_layers(model)[0]
+    assert layer.input_layernorm.weight.dtype == bf16  # dense tensors went back to the source dtype
+    q_proj = layer.self_attn.q_proj
+    assert isinstance(q_proj, QuantizedLinear) and q_proj.weight_scale.dtype == bf16
+    reference = original.model.layers[0].self_attn.q_proj.weight
+    codes, scale, zero = quantize(reference.float(), rtn.config.scheme, scale_dtype=bf16)  # scale rounded first
+    expected = QuantizedLinear.from_codes(codes, scale, zero, 4, 32)
+    assert torch.equal(q_proj.weight_scale, scale) and torch.equal(q_proj.weight_packed, expected.weight_packed)
+
+
+def test_moving_a_quantized_linear_drops_its_cached_dense_weight():
+    """The CPU forward caches a dense fp32 copy; a walk that kept it would hold a dense copy of every layer."""
+    module = QuantizedLinear.from_codes(*quantize(torch.randn(8, 64), WeightScheme(4, 32, True)), 4, 32)
+    module(torch.randn(2, 64))
+    assert "_dense" in module.__dict__
+    module.to("cpu")
+    assert "_dense" not in module.__dict__
+
+
+SMALL = [
+    "data.num_samples=4",
+    "data.seq_len=64",
+    "eval.seq_len=64",
+    "eval.max_windows=2",
+    "gate=none",
+    "tracking.enabled=false",
+    "stages.0.group_size=32",
+]
+
+
+def _run(model_dir: Path, runs: Path, *overrides: str) -> dict:
+    assert main(["run", "recipe=rtn_int4", f"model={model_dir}", *SMALL, f"output.dir={runs}", *overrides]) == 0
+    [report] = runs.glob("*/report.json")
+    return json.loads(report.read_text())
+
+
+def test_bf16_source_run_is_comparable_with_the_old_fp32_run(bf16_dir, artifacts, tmp_path):
+    """The baseline perplexity of the lazy bf16 run equals the eager fp32 run's (CPU evaluates in fp32); the
+    checkpoint keeps the source dtype, its int4 scales included."""
+    lazy = _run(bf16_dir, tmp_path / "lazy")
+    eager = _run(bf16_dir, tmp_path / "eager", "model.dtype=float32", "model.lazy=false")
+    assert lazy["perplexity"]["baseline"]["perplexity"] == pytest.approx(
+        eager["perplexity"]["baseline"]["perplexity"], rel=1e-5
+    )
+    assert lazy["perplexity"]["candidate"]["perplexity"] == pytest.approx(
+        eager["perplexity"]["candidate"]["perplexity"], rel=2e-2
+    )
+    checkpoint = Path(lazy["checkpoint"]["path"])
+    assert json.loads((checkpoint / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as handle:
+        assert handle.get_tensor("model.layers.0.self_attn.q_proj.weight_scale").dtype == torch.bfloat16
+        assert handle.get_tensor("model.layers.0.input_layernorm.weight").dtype == torch.bfloat16
+    assert lazy["checkpoint"]["size_mb"] < eager["checkpoint"]["size_mb"]
+
+
+def test_gpu_compress_benchmark_runs_on_cpu_with_a_tiny_shape(tmp_path):
+    from benchmarks.gpu_compress import main as gpu_compress
+
+    assert gpu_compress(["--tiny", "--device", "cpu", "--samples", "2", "--seq-len", "32", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gpu-compress-cpu.json").read_text())
+    assert result["device_name"] == "cpu" and set(result["algorithms"]) == {"gptq", "awq"}
+    assert all(row["summary"]["quantized_linears"] == 14 for row in result["algorithms"].values())

@@ -1,0 +1,185 @@
+"""The release gate end to end on tiny random Llama models with a real BPE tokenizer, a real lm-eval run and a real
+MLflow sqlite store."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import pydoc_tokenizer, save, scale_by_noise, tiny_model_for
+
+from compress.commands import gate as gate_command
+from compress.data import DataSpec, load_corpus
+from compress.tracking import tracking_uri
+from evals.gate import run_gate
+
+
+def client():
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri(), registry_uri=tracking_uri())
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return pydoc_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {
+        "base": save(tiny_model_for(tokenizer), tokenizer, root / "base"),
+        "broken": save(scale_by_noise(tiny_model_for(tokenizer)), tokenizer, root / "broken"),
+    }
+
+
+@pytest.fixture(autouse=True)
+def isolated_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPRESS_ARTIFACTS", str(tmp_path / "artifacts"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+def test_unchanged_model_passes_against_itself_and_is_registered(checkpoints, tmp_path):
+    out = tmp_path / "gate"
+    code = gate_command.main(
+        [
+            f"candidate={checkpoints['base']}",
+            f"baseline={checkpoints['base']}",
+            "gate=quick",
+            f"out={out}",
+            "promote=true",
+            "gate.registry.name=tiny-llama",
+            "gate.backend=transformers",
+        ]
+    )
+    assert code == 0
+    report = json.loads((out / "gate.json").read_text())
+    assert report["passed"]
+    assert [layer["name"] for layer in report["layers"]] == ["perplexity", "lm_eval", "json", "needle", "latency"]
+    assert all(layer["status"] == "pass" for layer in report["layers"][:4])
+    lm_eval_metrics = report["layers"][1]["metrics"]["candidate"]["compress_eval_rolling"]["metrics"]
+    assert lm_eval_metrics["word_perplexity"] > 1
+    assert (out / "needle_heatmap.png").stat().st_size > 0
+    assert "# Release gate: PASSED" in (out / "gate.md").read_text()
+
+    store = client()
+    candidate = store.get_model_version_by_alias("tiny-llama", "candidate")
+    champion = store.get_model_version_by_alias("tiny-llama", "champion")
+    assert int(candidate.version) == int(champion.version) == 1
+    assert candidate.source == f"runs:/{candidate.run_id}/checkpoint"  # the registry holds the files, not a path
+    import mlflow
+
+    downloaded = Path(
+        mlflow.artifacts.download_artifacts(
+            candidate.source, tracking_uri=tracking_uri(), dst_path=str(tmp_path / "download")
+        )
+    )
+    assert sorted(p.name for p in checkpoints["base"].iterdir()) == sorted(p.name for p in downloaded.iterdir())
+    run = store.get_run(candidate.run_id)
+    assert run.data.tags["compress.kind"] == "gate"
+    assert run.data.metrics["gate_passed"] == 1.0
+    assert run.data.metrics["ppl_ratio"] == pytest.approx(1.0)
+    assert {"needle_accuracy", "json_validity", "json_schema_compliance", "tpot_ratio"} <= set(run.data.metrics)
+
+
+def test_broken_checkpoint_is_blocked_by_the_perplexity_layer(checkpoints, tmp_path):
+    out = tmp_path / "gate"
+    code = gate_command.main(
+        [
+            f"candidate={checkpoints['broken']}",
+            f"baseline={checkpoints['base']}",
+            "gate=quick",
+            f"out={out}",
+            "gate.backend=transformers",
+        ]
+    )
+    assert code == 1
+    report = json.loads((out / "gate.json").read_text())
+    statuses = {layer["name"]: layer["status"] for layer in report["layers"]}
+    assert statuses == {
+        "perplexity": "fail",
+        "lm_eval": "skipped",
+        "json": "skipped",
+        "needle": "skipped",
+        "latency": "skipped",
+    }
+    assert re.fullmatch(r"perplexity \+\d+\.\d% > 5% limit", report["reasons"][0]), report["reasons"][0]
+    markdown = (out / "gate.md").read_text()
+    assert "# Release gate: BLOCKED" in markdown and report["reasons"][0] in markdown
+    assert report["registry"] is None
+    assert client().search_registered_models() == []
+
+
+def test_an_evaluator_that_raises_blocks(tokenizer, tmp_path):
+    """Fail closed: NaN weights make the perplexity evaluator raise, and the gate blocks instead of skipping it."""
+    baseline = tiny_model_for(tokenizer)
+    candidate = tiny_model_for(tokenizer)
+    with torch.no_grad():
+        candidate.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    policy = {
+        "layers": ["perplexity", "json"],
+        "backend": "transformers",
+        "perplexity": {"seq_len": 64, "max_windows": 2},
+    }
+    texts = load_corpus(DataSpec()).evaluation
+    result = run_gate(candidate, baseline, policy, tmp_path, evaluation_texts=texts, candidate_tokenizer=tokenizer)
+    assert not result.passed
+    assert [layer.status for layer in result.layers] == ["error", "skipped"]
+    assert "evaluator error (fail closed): FloatingPointError" in result.reasons[0]
+    assert result.to_dict()["layers"][0]["error"].startswith("FloatingPointError")
+
+
+def test_unknown_policy_key_is_a_usage_error(checkpoints, capsys):
+    code = gate_command.main(
+        [f"candidate={checkpoints['base']}", f"baseline={checkpoints['base']}", "gate.perplexity.max_ratoi=1.1"]
+    )
+    assert code == 2
+    assert "max_ratoi" in capsys.readouterr().err
+
+
+def test_disabled_gate_checks_nothing(checkpoints, tmp_path):
+    code = gate_command.main(
+        [f"candidate={checkpoints['base']}", f"baseline={checkpoints['base']}", "gate=none", f"out={tmp_path}"]
+    )
+    assert code == 0
+    assert json.loads((tmp_path / "gate.json").read_text())["layers"] == []
+    assert client().search_registered_models() == []  # "nothing is checked and nothing is registered"
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [["gate.layers=[]"], ["gate.layers=[perplexity,json]", "gate.perplexity.enabled=false", "gate.json.enabled=false"]],
+)
+def test_a_gate_that_ran_no_check_blocks(checkpoints, tmp_path, layers):
+    code = gate_command.main(
+        [
+            f"candidate={checkpoints['base']}",
+            f"baseline={checkpoints['base']}",
+            "gate=quick",
+            f"out={tmp_path}",
+            *layers,
+        ]
+    )
+    assert code == 1
+    report = json.loads((tmp_path / "gate.json").read_text())
+    assert not report["passed"] and report["reasons"][0].startswith("no check ran")
+    assert client().search_registered_models() == []
+
+
+def test_a_gate_whose_limits_are_all_null_blocks(checkpoints, tmp_path):
+    code = gate_command.main(
+        [
+            f"candidate={checkpoints['base']}",
+            f"baseline={checkpoints['base']}",
+            "gate=quick",
+            f"out={tmp_path}",
+            "gate.layers=[perplexity]",
+            "gate.perplexity.max_ratio=null",
+        ]
+    )
+    assert code == 1
+    assert "every limit set to null" in json.loads((tmp_path / "gate.json").read_text())["reasons"][0]

@@ -1,0 +1,217 @@
+"""Builders every test shares: real byte-level BPE tokenizers trained in a second on local text (no hub), and tiny
+random models of every supported family, small enough to calibrate in seconds.
+
+Each family keeps what makes it different from Llama at a size that calibrates in seconds: Qwen3's q/k norms,
+Gemma's (1 + weight) RMSNorm scale, sandwich norms and soft-capping, Gemma-3's local/global layers, Phi-3's fused
+``qkv_proj`` / ``gate_up_proj``, Mistral's sliding window, Qwen2's q/k/v biases.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def build_tiny_tokenizer(vocab_size: int = 320):
+    """A real byte-level BPE tokenizer trained in a second on pydoc text (no hub, no download)."""
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator([topics[k] for k in sorted(topics)[:20]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+def build_tiny_llama(vocab_size: int = 320, seed: int = 0, **overrides):
+    """A random Llama-family model small enough to calibrate in seconds (GQA: 4 query heads, 2 KV heads)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**settings)).eval()
+
+
+def wide_init_model(kind: str = "llama", seed: int = 0):
+    """Two layers, GQA 4:2; a wide init so greedy choices are not near-ties that rounding could flip."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True)).eval()
+    if kind == "llama3-rope":
+        rope = dict(
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        )
+        return LlamaForCausalLM(LlamaConfig(**common, rope_parameters=rope)).eval()
+    return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True)).eval()
+
+
+def pydoc_tokenizer():
+    """A 384-token byte-level BPE trained on CPython's pydoc topics: every byte is a token, as in SmolLM2."""
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = "\n\n".join(topics[key] for key in sorted(topics))[:100_000]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator([text[start : start + 2000] for start in range(0, len(text), 2000)], trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+
+
+def tiny_model_for(tokenizer, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def save(model, tokenizer, folder: Path) -> Path:
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def scale_by_noise(model, seed: int = 1, strength: float = 4.0):
+    """A deliberately broken copy: every weight multiplied by (1 + strength × Gaussian noise)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            parameter.mul_(1 + strength * noise)
+    return model
+
+
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+
+
+def _llama(vocab_size: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **COMMON))
+
+
+def _mistral(vocab_size: int):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(vocab_size=vocab_size, sliding_window=None, **COMMON))
+
+
+def _qwen2(vocab_size: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, use_sliding_window=False, **COMMON))
+
+
+def _qwen3(vocab_size: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab_size, head_dim=16, use_sliding_window=False, **COMMON))
+
+
+def _gemma2(vocab_size: int):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=vocab_size, head_dim=16, sliding_window=256, query_pre_attn_scalar=16, **COMMON)
+    return Gemma2ForCausalLM(config)
+
+
+def _gemma3(vocab_size: int):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size, head_dim=16, sliding_window=256, query_pre_attn_scalar=16, **COMMON
+    )
+    return Gemma3ForCausalLM(config)
+
+
+def _phi3(vocab_size: int):
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(vocab_size=vocab_size, pad_token_id=0, bos_token_id=1, eos_token_id=2, **COMMON)
+    return Phi3ForCausalLM(config)
+
+
+BUILDERS = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "phi3": _phi3,
+}
+FAMILIES = tuple(BUILDERS)
+
+
+def build_tiny_model(family: str, vocab_size: int = 320, seed: int = 0) -> torch.nn.Module:
+    """A random fp32 model of ``family``. Norm weights are randomised too: a freshly initialised RMSNorm is all ones
+    (all zeros for Gemma's 1 + w form), which would hide a wrong norm-folding rule."""
+    torch.manual_seed(seed)
+    model = BUILDERS[family](vocab_size).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                parameter.copy_(torch.empty_like(parameter).uniform_(0.5, 1.5) - (1.0 if "gemma" in family else 0))
+    return model
