@@ -27,16 +27,16 @@ from pathlib import Path
 
 import torch
 import yaml
-from tqdm.auto import tqdm
 
-from compress.calibration import capture_first_layer_inputs, decoder_layers, restore_dtypes, run_layer, upcast
+from compress.calibration import restore_dtypes, upcast
 from compress.checkpoint import load_checkpoint, save_checkpoint
+from compress.compression import apply_stages
 from compress.config import RunConfig, check_evaluation_length
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
-from compress.models import check_model_source, load_model, materialize_all, materialize_layer, resolve_model_path
+from compress.models import check_model_source, load_model, materialize_all, resolve_model_path
 from compress.paths import artifacts_dir
-from compress.stages import LayerContext, Stage, build_chain
+from compress.stages import Stage, build_chain
 from compress.stages.rtn import RTNConfig, RTNStage
 from compress.tracking import RunLog, check_writable, flatten, process_alive, record_verdict, tracking_uri
 from evals.perplexity import PerplexityResult, perplexity
@@ -80,62 +80,6 @@ class Timer:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-
-def apply_stages(
-    model: torch.nn.Module, stages: list[Stage], samples: torch.Tensor, device: torch.device, batch_size: int
-) -> None:
-    """Run the chain in order: whole-model stages one by one, each run of consecutive layerwise stages in one walk.
-    Every stage hears ``before_stage`` for each position as its turn comes (all of a walk's stages before it starts).
-    A whole-model stage (or a teacher copy) needs every layer, so a lazily loaded model is read in full first.
-    """
-    if not all(stage.layerwise for stage in stages):
-        materialize_all(model)
-    run: list[int] = []
-    for position, stage in enumerate([*stages, None]):
-        if stage is not None and stage.layerwise:
-            run.append(position)
-            continue
-        if run:
-            _announce(stages, model, run)
-            walk_layers(model, [stages[p] for p in run], samples, device, batch_size)
-            run = []
-        if stage is not None:
-            _announce(stages, model, [position])
-            start = time.perf_counter()
-            stage.process_model(model, samples, device)
-            stage.seconds += time.perf_counter() - start
-
-
-def _announce(stages: list[Stage], model: torch.nn.Module, positions: list[int]) -> None:
-    for position in positions:
-        for stage in stages:
-            stage.before_stage(model, position)
-
-
-def walk_layers(
-    model: torch.nn.Module, stages: list[Stage], samples: torch.Tensor, device: torch.device, batch_size: int
-) -> None:
-    """One walk over the decoder layers. Each layer is read from disk if it was loaded lazily, goes to ``device``,
-    is widened to fp32 there, gets every stage, computes the next layer's fp32 inputs, and goes back to the model's
-    dtype and to the CPU: only one layer and its activations are ever on the device or in fp32."""
-    calibrate = any(stage.needs_calibration for stage in stages)
-    inputs = capture_first_layer_inputs(model, samples, batch_size, device) if calibrate else None
-    layers = decoder_layers(model)
-    storage_dtype = getattr(model, "dtype", torch.float32)  # what quantization scales are rounded to
-    for index in tqdm(range(len(layers)), desc=f"compress [{'+'.join(s.name for s in stages)}]", unit="layer"):
-        materialize_layer(model, index)
-        layer = layers[index].to(device)
-        stored_dtypes = upcast(layer)
-        name = f"model.layers.{index}"
-        for stage in stages:
-            start = time.perf_counter()
-            stage.process_layer(LayerContext(index, name, layer, model.config, inputs, device, storage_dtype))
-            stage.seconds += time.perf_counter() - start
-        if calibrate:
-            inputs = run_layer(layer, inputs, name)
-        restore_dtypes(layer, stored_dtypes)
-        layers[index] = layer.to("cpu")
 
 
 def _evaluate(model, eval_ids: torch.Tensor, config: RunConfig, label: str, device: torch.device) -> PerplexityResult:

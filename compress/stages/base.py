@@ -1,6 +1,6 @@
 """The one interface every compression algorithm implements, so a recipe can chain them in any legal order.
 
-Lifecycle, driven by ``compress.pipeline``:
+Lifecycle, driven by ``compress.compression.compress_model``:
 1. ``from_args`` validates the recipe's arguments (unknown keys are named with the valid ones);
 2. ``prepare(model)`` checks the model fits (shapes, group sizes, mappings) before any expensive work;
 3. ``process_layer(ctx)`` runs once per decoder layer, in order, with that layer's calibration inputs when

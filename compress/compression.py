@@ -1,0 +1,92 @@
+"""Compress a model in memory: prepare → layer walk → finalize for a list of stages.
+
+This is the one entry point beneath ``compress.oneshot`` and the ``run`` pipeline; tests and benchmarks call it
+directly. It knows nothing of recipes, run folders, evaluation or tracking.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from compress.calibration import capture_first_layer_inputs, decoder_layers, restore_dtypes, run_layer, upcast
+from compress.models import materialize_all, materialize_layer
+from compress.stages import LayerContext, Stage, build_chain
+
+
+def compress_model(
+    model: torch.nn.Module,
+    stages: Sequence[Stage | dict],
+    samples: torch.Tensor,
+    device: torch.device | str = "cpu",
+    batch_size: int = 8,
+) -> list[dict]:
+    """Apply ``stages`` (Stage objects, or recipe-style ``{"type": ..., ...}`` mappings checked as a chain) to
+    ``model`` in place, calibrating on the token ids ``samples`` ([n, seq_len]); returns each stage's summary, in
+    order, with its own wall time under ``seconds``. Every stage's ``prepare`` runs before any work, so a model a
+    stage cannot handle fails before anything is changed."""
+    chain = build_chain([dict(s) for s in stages]) if all(isinstance(s, dict) for s in stages) else list(stages)
+    device = torch.device(device)
+    for stage in chain:
+        stage.prepare(model)
+    apply_stages(model, chain, samples, device, batch_size)
+    return [{**stage.finalize(model), "seconds": stage.seconds} for stage in chain]
+
+
+def apply_stages(
+    model: torch.nn.Module, stages: list[Stage], samples: torch.Tensor, device: torch.device, batch_size: int
+) -> None:
+    """Run the chain in order: whole-model stages one by one, each run of consecutive layerwise stages in one walk.
+    Every stage hears ``before_stage`` for each position as its turn comes (all of a walk's stages before it starts).
+    A whole-model stage (or a teacher copy) needs every layer, so a lazily loaded model is read in full first.
+    """
+    if not all(stage.layerwise for stage in stages):
+        materialize_all(model)
+    run: list[int] = []
+    for position, stage in enumerate([*stages, None]):
+        if stage is not None and stage.layerwise:
+            run.append(position)
+            continue
+        if run:
+            _announce(stages, model, run)
+            walk_layers(model, [stages[p] for p in run], samples, device, batch_size)
+            run = []
+        if stage is not None:
+            _announce(stages, model, [position])
+            start = time.perf_counter()
+            stage.process_model(model, samples, device)
+            stage.seconds += time.perf_counter() - start
+
+
+def _announce(stages: list[Stage], model: torch.nn.Module, positions: list[int]) -> None:
+    for position in positions:
+        for stage in stages:
+            stage.before_stage(model, position)
+
+
+def walk_layers(
+    model: torch.nn.Module, stages: list[Stage], samples: torch.Tensor, device: torch.device, batch_size: int
+) -> None:
+    """One walk over the decoder layers. Each layer is read from disk if it was loaded lazily, goes to ``device``,
+    is widened to fp32 there, gets every stage, computes the next layer's fp32 inputs, and goes back to the model's
+    dtype and to the CPU: only one layer and its activations are ever on the device or in fp32."""
+    calibrate = any(stage.needs_calibration for stage in stages)
+    inputs = capture_first_layer_inputs(model, samples, batch_size, device) if calibrate else None
+    layers = decoder_layers(model)
+    storage_dtype = getattr(model, "dtype", torch.float32)  # what quantization scales are rounded to
+    for index in tqdm(range(len(layers)), desc=f"compress [{'+'.join(s.name for s in stages)}]", unit="layer"):
+        materialize_layer(model, index)
+        layer = layers[index].to(device)
+        stored_dtypes = upcast(layer)
+        name = f"model.layers.{index}"
+        for stage in stages:
+            start = time.perf_counter()
+            stage.process_layer(LayerContext(index, name, layer, model.config, inputs, device, storage_dtype))
+            stage.seconds += time.perf_counter() - start
+        if calibrate:
+            inputs = run_layer(layer, inputs, name)
+        restore_dtypes(layer, stored_dtypes)
+        layers[index] = layer.to("cpu")
