@@ -5,7 +5,7 @@
     python -m benchmarks.gpu_compress --tiny --device cpu # a tiny shape on CPU: checks the script end to end
 
 The model is written as bf16 safetensors (built on the device, never in fp32), then loaded the way `compress run`
-loads it (lazily, layer by layer) and compressed by the pipeline's own walk (``apply_stages``): each decoder layer is
+loads it (lazily, layer by layer) and compressed with ``compress.oneshot`` (load, compress, save): each decoder layer is
 read from disk, moved to the device, widened to fp32 there, calibrated and quantized, and sent back. Calibration
 tokens are random ids (the weights are random too: this measures cost, not quality). One JSON (and a Markdown table)
 per device lands in ``benchmarks/results/gpu-compress-<device>.{json,md}`` (``--tiny``: only with ``--out``).
@@ -25,10 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.peak_rss import REPO, save_random_llama
-from compress.calibration import decoder_layers
-from compress.models import ModelSpec, load_model
-from compress.pipeline import apply_stages
-from compress.stages import build_chain
+from compress import oneshot
 
 LLAMA3_8B = dict(
     hidden_size=4096,
@@ -57,26 +54,28 @@ def device_name(device: torch.device) -> str:
 def compress_once(
     model_dir: Path, algorithm: str, samples: torch.Tensor, device: torch.device, batch_size: int
 ) -> dict:
-    """One lazily loaded model through one W4A16 g128 stage; the model is dropped afterwards."""
-    model, _ = load_model(ModelSpec(path=str(model_dir)), layerwise=True)
-    [stage] = build_chain([{"type": algorithm, "bits": 4, "group_size": 128, "symmetric": True}])
-    stage.prepare(model)
+    """One lazily loaded model through one W4A16 g128 stage with ``compress.oneshot`` (load, compress, save), as a
+    user runs it; the checkpoint is deleted afterwards."""
+    stage = {"type": algorithm, "bits": 4, "group_size": 128, "symmetric": True}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    apply_stages(model, [stage], samples, device, batch_size)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    summary = {k: v for k, v in stage.finalize(model).items() if k != "per_layer"}
-    layers = len(decoder_layers(model))
-    del model
+    with tempfile.TemporaryDirectory(prefix="gpu-compress-out-") as out:
+        checkpoint = oneshot(
+            str(model_dir), [stage], data=samples, output_dir=Path(out) / "checkpoint",
+            overrides=[f"calibration_batch_size={batch_size}"], device=str(device),
+        )  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        [summary] = json.loads((checkpoint / "stages.json").read_text()).values()
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     return {
         "seconds": seconds,
         "seconds_per_layer": seconds / layers,
         "peak_gpu_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-        "summary": summary,
+        "summary": {k: v for k, v in summary.items() if k != "per_layer"},
     }
 
 

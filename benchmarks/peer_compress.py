@@ -4,17 +4,10 @@ driven by ``benchmarks/peer_comparison.py``: load, calibrate, quantize, save; no
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
-import yaml
 
-from compress.checkpoint import save_checkpoint
-from compress.models import ModelSpec, load_model
-from compress.pipeline import apply_stages
-from compress.stages import build_chain
-
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+from compress import oneshot
 
 
 def main() -> None:
@@ -25,18 +18,9 @@ def main() -> None:
     parser.add_argument("--output", required=True)
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args()
-
-    stage_args = yaml.safe_load((RECIPES / f"{args.recipe}.yaml").read_text())["stages"]
-    stages = build_chain(stage_args)
-    samples = torch.load(args.samples)
-    model, tokenizer = load_model(ModelSpec(path=args.model))
-    for stage in stages:
-        stage.prepare(model)
-    apply_stages(model, stages, samples, torch.device("cpu"), args.batch_size)
-    for stage in stages:
-        stage.finalize(model)
-    kv_cache_scheme = next((s.kv_cache_scheme for s in stages if hasattr(s, "kv_cache_scheme")), None)
-    save_checkpoint(model, tokenizer, Path(args.output), kv_cache_scheme=kv_cache_scheme)
+    overrides = [f"calibration_batch_size={args.batch_size}"]
+    oneshot(args.model, args.recipe, data=torch.load(args.samples), output_dir=args.output, overrides=overrides,
+            device="cpu")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@
     python -m benchmarks.pruning --part chain     # LoRA merge → SparseGPT 2:4 → distill (ppl) → GPTQ int4 (ppl)
 
 The parts run in separate processes (in parallel on a busy machine) and merge their numbers into
-``benchmarks/results/pruning-<model>.{json,md}``. Everything runs in-process through the pipeline's own pieces
-(``build_chain``, ``apply_stages``, the perplexity protocol of evals/perplexity.py on the same evaluation split), so
-the dense model is loaded and evaluated once per part instead of once per recipe. The chain's LoRA adapter is a
+``benchmarks/results/pruning-<model>.{json,md}``. Each variant is compressed with ``compress.oneshot`` and
+evaluated as reloaded from its checkpoint, with the perplexity protocol of evals/perplexity.py on the same evaluation
+split; the dense model is evaluated once per part. The chain's LoRA adapter is a
 freshly initialised PEFT adapter (B = 0, as peft creates it): the merge is an exact no-op on the weights, so the
 perplexities compare with the compare part, and its cost is still paid.
 """
@@ -14,7 +14,6 @@ perplexities compare with the compare part, and its cost is still paid.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import tempfile
 import time
@@ -22,10 +21,10 @@ from pathlib import Path
 
 import torch
 
+from compress import oneshot
+from compress.checkpoint import load_checkpoint
 from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
 from compress.models import ModelSpec, default_model_dir, load_model
-from compress.pipeline import apply_stages
-from compress.stages import build_chain
 from compress.stages.lora import save_adapter
 from evals.perplexity import perplexity
 
@@ -47,9 +46,11 @@ def fresh_adapter(folder: Path, config, rank: int = 8) -> Path:
 
 
 class Bench:
-    def __init__(self, args):
+    def __init__(self, args, workdir: Path):
         self.args = args
-        self.model, tokenizer = load_model(ModelSpec(path=str(default_model_dir())))
+        self.workdir = workdir
+        self.model_dir = default_model_dir()
+        self.model, tokenizer = load_model(ModelSpec(path=str(self.model_dir)))
         corpus = load_corpus(DataSpec())
         self.eval_ids = tokenize(tokenizer, corpus.evaluation_text)
         calibration = tokenize(tokenizer, corpus.calibration_text)
@@ -63,57 +64,49 @@ class Bench:
     def ppl(self, model, label: str) -> float:
         return perplexity(model, self.eval_ids, 512, 4, self.args.max_windows, label=label).perplexity
 
-    def compress(self, model, chain: list[dict]) -> tuple[list, dict]:
-        stages = build_chain(chain)
-        for stage in stages:
-            stage.prepare(model)
-        apply_stages(model, stages, self.samples, CPU, batch_size=8)
-        return stages, {f"{i}:{s.name}": s.seconds for i, s in enumerate(stages)}
+    def compress(self, label: str, chain: list[dict]) -> tuple[float, dict]:
+        """``compress.oneshot`` of the default model with ``chain``, then the perplexity of the checkpoint as
+        reloaded from disk; returns it with each stage's summary."""
+        checkpoint = oneshot(str(self.model_dir), chain, data=self.samples, output_dir=self.workdir / label)
+        model, _ = load_checkpoint(checkpoint)
+        return self.ppl(model, label), json.loads((checkpoint / "stages.json").read_text())
 
 
 def compare(bench: Bench) -> dict:
     runs = {"dense": {"ppl": bench.ppl(bench.model, "dense")}}
     for kind in ("magnitude_prune", "wanda", "sparsegpt"):
-        model = copy.deepcopy(bench.model)
         args = {"type": kind} if kind == "magnitude_prune" else {"type": kind, "sequential": bench.args.sequential}
-        stages, seconds = bench.compress(model, [args])
-        summary = stages[0].finalize(model)
+        ppl, summaries = bench.compress(kind, [args])
+        [summary] = summaries.values()
         runs[kind] = {
-            "ppl": bench.ppl(model, kind),
-            "stage_seconds": seconds,
+            "ppl": ppl,
+            "stage_seconds": {name: s["seconds"] for name, s in summaries.items()},
             "mean_sparsity": summary["mean_sparsity"],
             "per_layer_sparsity": summary["per_layer_sparsity"],
         }
-        del model
     return runs
 
 
 def chain(bench: Bench) -> dict:
-    model = bench.model
-    with tempfile.TemporaryDirectory() as folder:
-        adapter = fresh_adapter(Path(folder) / "adapter", model.config)
-        distill = {"type": "distill", "max_minutes": bench.args.distill_minutes, "steps": bench.args.distill_steps}
-        stages = build_chain(
-            [
-                {"type": "lora_merge", "adapters": [str(adapter)]},
-                {"type": "sparsegpt", "sequential": bench.args.sequential},
-                distill,
-                {**GPTQ, "true_sequential": bench.args.sequential},
-            ]
-        )
-        for stage in stages:
-            stage.prepare(model)
-        apply_stages(model, stages[:3], bench.samples, CPU, batch_size=8)
-    distilled = bench.ppl(model, "distilled")
-    distill_summary = stages[2].finalize(model)
-    apply_stages(model, stages[3:], bench.samples, CPU, batch_size=8)
-    full = bench.ppl(model, "full chain")
-    pruner = stages[1].finalize(model)  # checks the 2:4 mask survived distillation and GPTQ
+    """The distilled model and the full chain are two oneshot runs (the first three stages are paid twice): the
+    pruner's masks only hold within one run, so GPTQ cannot start from a reloaded distilled checkpoint."""
+    adapter = fresh_adapter(bench.workdir / "adapter", bench.model.config)
+    distill = {"type": "distill", "max_minutes": bench.args.distill_minutes, "steps": bench.args.distill_steps}
+    distilled_chain = [
+        {"type": "lora_merge", "adapters": [str(adapter)]},
+        {"type": "sparsegpt", "sequential": bench.args.sequential},
+        distill,
+    ]
+    distilled, distilled_summaries = bench.compress("distilled", distilled_chain)
+    full, summaries = bench.compress(
+        "full chain", [*distilled_chain, {**GPTQ, "true_sequential": bench.args.sequential}]
+    )
+    pruner = summaries["1:sparsegpt"]  # finalized after GPTQ: the 2:4 mask survived distillation and GPTQ
     return {
-        "sparsegpt_distill": {"ppl": distilled, "distill": distill_summary},
+        "sparsegpt_distill": {"ppl": distilled, "distill": distilled_summaries["2:distill"]},
         "full_chain": {
             "ppl": full,
-            "stage_seconds": {f"{i}:{s.name}": s.seconds for i, s in enumerate(stages)},
+            "stage_seconds": {name: s["seconds"] for name, s in summaries.items()},
             "mean_sparsity_after_gptq": pruner["mean_sparsity"],
         },
     }
@@ -173,9 +166,10 @@ def main() -> None:
     parser.add_argument("--distill-steps", type=int, default=200)
     args = parser.parse_args()
     torch.manual_seed(0)
-    bench = Bench(args)
     start = time.perf_counter()
-    runs = compare(bench) if args.part == "compare" else chain(bench)
+    with tempfile.TemporaryDirectory(prefix="pruning-") as workdir:
+        bench = Bench(args, Path(workdir))
+        runs = compare(bench) if args.part == "compare" else chain(bench)
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = default_model_dir().name
     path = RESULTS / f"pruning-{name}.json"

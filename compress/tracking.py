@@ -195,6 +195,14 @@ class RunLog:
         """``FINISHED``, ``FAILED`` or ``KILLED`` (interrupted)."""
         self.client.set_terminated(self.run_id, status=status)
 
+    def fail(self, error: BaseException) -> None:
+        """Record why the run ended (KILLED for Ctrl-C and SIGTERM); never hide ``error`` behind a tracking failure."""
+        try:
+            self.tag("compress.error", (str(error) or type(error).__name__)[:4000])
+            self.finish("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+        except Exception as tracking_error:
+            log.warning("could not mark MLflow run %s as failed: %s", self.run_id, tracking_error)
+
 
 def registered_name(baseline_label: str) -> str:
     """Default registry name: compressed variants of one base model are versions of one registered model."""

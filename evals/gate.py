@@ -539,8 +539,9 @@ GATE_METRICS = {
 
 
 def summary_metrics(result: GateResult) -> dict[str, float]:
-    """The metric names runs log and ``compress compare`` reads back."""
-    metrics = {"gate_passed": float(result.passed)}
+    """The metric names the gate logs and ``compress compare`` reads back: all under ``gate.``, so that a run which
+    also measured its own perplexity (``ppl_ratio``) keeps both numbers apart."""
+    metrics = {"passed": float(result.passed)}
     for (layer, name), key in GATE_METRICS.items():
         candidate, baseline = result.metric(layer, name), result.metric(layer, name, "baseline")
         if key == "ppl":
@@ -553,7 +554,7 @@ def summary_metrics(result: GateResult) -> dict[str, float]:
     for layer in result.layers:
         if layer.name == "latency" and layer.status != "error" and layer.metrics:
             metrics["ttft_ratio"], metrics["tpot_ratio"] = layer.metrics["ttft_ratio"], layer.metrics["tpot_ratio"]
-    return metrics
+    return {f"gate.{key}": value for key, value in metrics.items()}
 
 
 # --- report ---

@@ -46,9 +46,11 @@ class Row:
 
 
 def _row(run) -> Row:
-    params, tags, metrics = run.data.params, run.data.tags, run.data.metrics
-    if "gate_passed" in metrics:
-        verdict = "pass" if metrics["gate_passed"] else "BLOCK"
+    params, tags = run.data.params, run.data.tags
+    gate = {k.removeprefix("gate."): v for k, v in run.data.metrics.items() if k.startswith("gate.")}
+    metrics = {**gate, **{k: v for k, v in run.data.metrics.items() if not k.startswith("gate.")}}  # own numbers win
+    if "passed" in gate:
+        verdict = "pass" if gate["passed"] else "BLOCK"
     else:
         verdict = {"pass": "pass", "block": "BLOCK"}.get(tags.get("compress.gate", ""), "–")
     return Row(

@@ -177,24 +177,12 @@ def prepare_tracking(configs: list) -> None:
         experiment_id(MlflowClient(tracking_uri=uri), experiment)
 
 
-def gate_line(gate: dict, enforce: bool) -> str:
-    """The last line of a run: the verdict, and on a block whether it fails the command."""
-    if gate["passed"]:
-        return "release gate: PASSED"
-    reason = gate["reasons"][0] if gate.get("reasons") else "see the gate report"
-    consequence = (
-        "gate.enforce=true: exiting 1"
-        if enforce
-        else "this is the gate working; see README; gate.enforce=true makes it fail the command"
-    )
-    return f"release gate: BLOCKED — {reason} ({consequence})"
-
-
 def _run_job(cfg, job: int) -> Outcome:
     from omegaconf import OmegaConf
 
     from compress.config import build_run_config
-    from compress.pipeline import run, summary_lines
+    from compress.pipeline import run
+    from compress.report import gate_details, summary_lines, verdict_line
 
     try:
         config = build_run_config(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
@@ -210,8 +198,8 @@ def _run_job(cfg, job: int) -> Outcome:
     if gate is None:
         return Outcome(job, 0, f"run folder: {result.run_dir}")
     enforce = bool(config.gate.get("enforce", False))
-    line = gate_line(gate, enforce)
-    print(line)
+    line = verdict_line(gate, enforce)
+    print("\n".join([*gate_details(gate), line]))
     return Outcome(job, 1 if enforce and not gate["passed"] else 0, line)
 
 

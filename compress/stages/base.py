@@ -47,6 +47,8 @@ class Stage(ABC):
     quantizes_weights: ClassVar[bool] = False  # a second weight quantizer after this one is illegal
     layerwise: ClassVar[bool] = True
     prunes_weights: ClassVar[bool] = False  # sets N:M masks that every later stage must keep
+    quantizes_kv_cache: ClassVar[bool] = False  # calibrates ``kv_cache_scheme``, which the checkpoint stores
+    kv_cache_scheme: dict | None = None
     metrics_sink: Callable[[dict[str, float], int], None] | None = None  # step metrics (loss curves) → MLflow
     seconds: float = 0.0  # wall time spent in this stage's own work (the pipeline adds it up for the report)
 

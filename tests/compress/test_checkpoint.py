@@ -7,17 +7,15 @@ from helpers import build_tiny_llama
 from transformers import AutoModelForCausalLM
 
 from compress.checkpoint import load_checkpoint, save_checkpoint
+from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.pipeline import apply_stages
 from compress.qlinear import QuantizedLinear
-from compress.stages import build_chain
 
 
 def _quantized(symmetric: bool, bits: int = 4):
     model = build_tiny_llama(seed=3)
-    [stage] = build_chain([{"type": "rtn", "bits": bits, "group_size": 32, "symmetric": symmetric}])
-    stage.prepare(model)
-    apply_stages(model, [stage], torch.zeros(1, 8, dtype=torch.long), torch.device("cpu"), 1)
+    rtn = {"type": "rtn", "bits": bits, "group_size": 32, "symmetric": symmetric}
+    compress_model(model, [rtn], torch.zeros(1, 8, dtype=torch.long), batch_size=1)
     return model
 
 

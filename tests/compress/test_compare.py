@@ -14,7 +14,7 @@ def store(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     gate = RunLog(tracking_uri(), "compress", None, tags={"compress.kind": "gate"})
     gate.params({"candidate": "/ckpt/broken"})
-    gate.metrics({"gate_passed": 0.0, "needle_accuracy": 0.5})
+    gate.metrics({"gate.passed": 0.0, "gate.needle_accuracy": 0.5})
     gate.finish()
     tracking = gate.client
     experiment = experiment_id(tracking, "compress")

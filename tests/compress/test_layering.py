@@ -91,3 +91,22 @@ def test_the_rules_catch_an_upward_import(tmp_path, monkeypatch):
     (tmp_path / "evals" / "bad.py").write_text("def f():\n    from compress.tracking import flatten\n    import mlflow")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert violations("evals", EVALS_ALLOWED) == {"evals/bad.py": ["compress.tracking", "mlflow"]}
+
+
+PIPELINE_USERS = {"compress/commands/run.py"}  # the CLI; its tests drive it through `main`
+
+
+def test_only_the_cli_and_its_run_tests_import_the_pipeline():
+    """Everything else compresses through ``compress.oneshot`` or ``compress.compression.compress_model``, so the
+    run recipe can change without breaking tests and benchmarks."""
+    users = {
+        str(path.relative_to(ROOT))
+        for folder in ("compress", "evals", "kernels", "benchmarks", "tests")
+        for path in (ROOT / folder).rglob("*.py")
+        if "compress.pipeline" in imported_modules(path)
+    }
+    assert users <= PIPELINE_USERS
+
+
+def test_the_run_recipe_stays_one_screenful():
+    assert len((ROOT / "compress" / "pipeline.py").read_text().splitlines()) <= 200

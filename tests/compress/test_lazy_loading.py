@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from compress.__main__ import main
 from compress.calibration import decoder_layers
+from compress.compression import compress_model
 from compress.errors import CompressError
 from compress.models import ModelSpec, load_model, materialize_all
-from compress.pipeline import apply_stages
 from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, quantize
 from compress.stages import LayerContext, Stage, build_chain
@@ -110,9 +110,8 @@ def test_walk_reads_one_layer_at_a_time_calibrates_in_fp32_and_stores_in_bf16(bf
     original = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16)
     probe = _Probe(model)
     [rtn] = build_chain([{"type": "rtn", "bits": 4, "group_size": 32}])
-    rtn.prepare(model)
     samples = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
-    apply_stages(model, [probe, rtn], samples, CPU, batch_size=2)
+    compress_model(model, [probe, rtn], samples, CPU, batch_size=2)
 
     fp32, bf16 = torch.float32, torch.bfloat16
     assert probe.seen == [(fp32, fp32, bf16, 1), (fp32, fp32, bf16, 0)]  # layer 1 unread while layer 0 is processed

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from compress.__main__ import main
-from compress.pipeline import STAGING_OWNER, sweep_stale_staging
+from compress.rundir import STAGING_OWNER, sweep_stale_staging
 from compress.tracking import HOST_TAG, PID_TAG, RunLog, experiment_id
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,7 +146,7 @@ def test_the_gate_logs_and_registers_into_the_runs_own_store(tiny_model_dir, art
     [run_dir] = runs.iterdir()
     assert client.get_run(orphan).info.status == "KILLED"
     [run] = client.search_runs([experiment_id(client, "compress")], "tags.`compress.kind` = 'run'")
-    assert run.info.status == "FINISHED" and run.data.metrics["gate_passed"] == 1.0
+    assert run.info.status == "FINISHED" and run.data.metrics["gate.passed"] == 1.0
     assert run.data.tags["compress.gate"] == "pass" and run.data.tags["compress.run_dir"] == str(run_dir)
     version = client.get_model_version_by_alias("tiny", "candidate")
     assert version.source == f"runs:/{run.info.run_id}/checkpoint" and version.run_id == run.info.run_id
@@ -158,6 +158,11 @@ def test_the_gate_logs_and_registers_into_the_runs_own_store(tiny_model_dir, art
     assert not (artifacts / "mlflow.db").exists()  # nothing went to the default store
     report = json.loads((run_dir / "report.json").read_text())
     assert report["gate"]["registry"]["version"] == 1
+    # the run's perplexity (its whole evaluation split) and the gate's quick one are two numbers under two names
+    metrics = run.data.metrics
+    own = report["perplexity"]["candidate"]["perplexity"] / report["perplexity"]["baseline"]["perplexity"]
+    assert metrics["ppl_ratio"] == pytest.approx(own) and "gate.ppl_ratio" in metrics
+    assert metrics["gate.ppl_ratio"] != metrics["ppl_ratio"]
     assert json.loads((run_dir / "gate" / "gate.json").read_text())["candidate"] == str(run_dir / "checkpoint")
 
 
@@ -177,7 +182,7 @@ def test_a_blocked_run_states_the_reason_in_one_line(tiny_model_dir, artifacts, 
     [run_dir] = (artifacts / "runs").iterdir()
     [reason] = json.loads((run_dir / "report.json").read_text())["gate"]["reasons"]
     assert re.fullmatch(r"perplexity [+-]\d+\.\d% > -50% limit", reason), reason
-    assert f"release gate: BLOCKED — {reason}" in out
+    assert f"release gate: BLOCKED — {reason}" in out and out.count("release gate:") == 1  # one verdict line
     assert f"release gate: BLOCKED — {reason}" in (run_dir / "report.md").read_text()
 
 

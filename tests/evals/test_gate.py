@@ -81,9 +81,11 @@ def test_unchanged_model_passes_against_itself_and_is_registered(checkpoints, tm
     assert sorted(p.name for p in checkpoints["base"].iterdir()) == sorted(p.name for p in downloaded.iterdir())
     run = store.get_run(candidate.run_id)
     assert run.data.tags["compress.kind"] == "gate"
-    assert run.data.metrics["gate_passed"] == 1.0
-    assert run.data.metrics["ppl_ratio"] == pytest.approx(1.0)
-    assert {"needle_accuracy", "json_validity", "json_schema_compliance", "tpot_ratio"} <= set(run.data.metrics)
+    assert run.data.metrics["gate.passed"] == 1.0
+    assert run.data.metrics["gate.ppl_ratio"] == pytest.approx(1.0)
+    assert {"gate.needle_accuracy", "gate.json_validity", "gate.json_schema_compliance", "gate.tpot_ratio"} <= set(
+        run.data.metrics
+    )
 
 
 def test_broken_checkpoint_is_blocked_by_the_perplexity_layer(checkpoints, tmp_path):

@@ -10,12 +10,11 @@ import torch
 from helpers import FAMILIES, build_tiny_model
 from transformers import Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig
 
-from compress.checkpoint import load_checkpoint, save_checkpoint
+from compress import oneshot
+from compress.checkpoint import load_checkpoint
 from compress.engine import LLM, SamplingParams
 from compress.engine.model_runner import rope_recomputed_on_host
-from compress.pipeline import apply_stages
 from compress.qlinear import QuantizedLinear
-from compress.stages import build_chain
 
 VOCAB = 320
 NEW_TOKENS = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -131,11 +130,9 @@ def test_rtn_int4_checkpoint_matches_transformers(tmp_path, family, backend):
     """A compressed-tensors W4 checkpoint loaded back with QuantizedLinear modules: the engine runs those modules
     inside transformers' forward, so its greedy tokens equal ``generate`` on the same loaded model."""
     model = build_tiny_model(family, VOCAB)
-    [stage] = build_chain([{"type": "rtn", "bits": 4, "group_size": 32, "symmetric": True}])
-    stage.prepare(model)
-    apply_stages(model, [stage], torch.zeros(1, 8, dtype=torch.long), torch.device("cpu"), 1)
-    save_checkpoint(model, None, tmp_path / "w4")
-    loaded, _ = load_checkpoint(tmp_path / "w4")
+    rtn = [{"type": "rtn", "bits": 4, "group_size": 32, "symmetric": True}]
+    checkpoint = oneshot(model, rtn, data=torch.zeros(1, 8, dtype=torch.long), output_dir=tmp_path / "w4")
+    loaded, _ = load_checkpoint(checkpoint)
     assert isinstance(loaded.model.layers[0].mlp.down_proj, QuantizedLinear)
     assert_engine_matches_transformers(loaded, prompts([4, 13, 22], seed=3), attention_backend=backend)
 

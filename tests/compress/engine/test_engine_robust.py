@@ -4,7 +4,6 @@ checkpoint's own KV-cache dtype."""
 import pytest
 import torch
 from helpers import wide_init_model
-from test_engine import GREEDY, engine, prompts
 
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.engine import LLM, SamplingParams
@@ -13,6 +12,7 @@ from compress.kv_quant import KVCacheScheme, set_scales
 from evals.generation import TransformersGenerator
 from evals.loading import kv_cache_dtype_of
 from kernels.dtypes import KV_CACHE_DTYPES
+from tests.compress.engine.test_engine import GREEDY, engine, prompts
 
 SHORT = SamplingParams(max_tokens=4, ignore_eos=True)
 

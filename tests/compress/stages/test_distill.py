@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import build_tiny_llama, build_tiny_tokenizer
 
+from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.pipeline import apply_stages
 from compress.qlinear import QuantizedLinear
 from compress.sparsity import mask_of
 from compress.stages import build_chain
@@ -54,12 +54,8 @@ def _samples():
     return _text_ids(sorted(topics)[20:40], 8, 64)
 
 
-def _chain(chain, model):
-    stages = build_chain(chain)
-    for stage in stages:
-        stage.prepare(model)
-    apply_stages(model, stages, _samples(), CPU, batch_size=4)
-    return stages
+def _chain(chain, model) -> list[dict]:
+    return compress_model(model, chain, _samples(), CPU, batch_size=4)
 
 
 def test_distillation_lowers_held_out_kl_and_keeps_the_mask():
@@ -68,8 +64,7 @@ def test_distillation_lowers_held_out_kl_and_keeps_the_mask():
     pruned = _confident_model()
     _chain([{"type": "magnitude_prune"}], pruned)
     student = _confident_model()
-    stages = _chain([{"type": "magnitude_prune"}, DISTILL], student)
-    summaries = [stage.finalize(student) for stage in stages]  # the pruner's finalize re-checks every mask
+    summaries = _chain([{"type": "magnitude_prune"}, DISTILL], student)  # the pruner's finalize re-checks every mask
 
     kl_pruned = mean_kl(pruned, teacher, held_out, 4)
     kl_distilled = mean_kl(student, teacher, held_out, 4)
@@ -97,8 +92,7 @@ def test_quantized_student_trains_through_fake_quant_and_stays_on_its_grid():
     quantized = _confident_model()
     _chain([{"type": "wanda"}, {"type": "rtn", "bits": 4, "group_size": 32}], quantized)
     student = _confident_model()
-    stages = _chain([{"type": "wanda"}, {"type": "rtn", "bits": 4, "group_size": 32}, DISTILL], student)
-    summary = [stage.finalize(student) for stage in stages][2]
+    summary = _chain([{"type": "wanda"}, {"type": "rtn", "bits": 4, "group_size": 32}, DISTILL], student)[2]
     assert summary["fake_quantized_linears"] == 14
     before = quantized.model.layers[0].mlp.gate_proj
     after = student.model.layers[0].mlp.gate_proj

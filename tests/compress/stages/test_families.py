@@ -8,17 +8,17 @@ weights, so a folding rule that is right only for Llama changes the model and sh
 import pytest
 import torch
 from helpers import FAMILIES, build_tiny_model
-from test_lora import _merge, _random_factors, _unmerged_logits
 from transformers import AutoModelForCausalLM
 
 from compress.calibration import decoder_layers
 from compress.checkpoint import load_checkpoint, save_checkpoint
+from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.pipeline import apply_stages
 from compress.qlinear import QuantizedLinear
 from compress.stages import LayerContext, build_chain
 from compress.stages.lora import read_adapter, save_adapter
 from compress.stages.mappings import previous_width
+from tests.compress.stages.test_lora import _merge, _random_factors, _unmerged_logits
 
 CPU = torch.device("cpu")
 VOCAB = 320
@@ -67,11 +67,7 @@ def _relative_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
 def _compress(family: str, chain: list[dict]):
     model = build_tiny_model(family, VOCAB)
     stages = build_chain(chain)
-    for stage in stages:
-        stage.prepare(model)
-    apply_stages(model, stages, SAMPLES, CPU, batch_size=4)
-    for stage in stages:
-        stage.finalize(model)
+    compress_model(model, stages, SAMPLES, CPU, batch_size=4)
     return model, stages
 
 
@@ -135,9 +131,7 @@ def test_smoothquant_alone_leaves_the_float_model_unchanged(family):
 
 def _run_on(model, chain):
     stages = build_chain(chain)
-    for stage in stages:
-        stage.prepare(model)
-    apply_stages(model, stages, SAMPLES, CPU, batch_size=4)
+    compress_model(model, stages, SAMPLES, CPU, batch_size=4)
     return model, stages
 
 

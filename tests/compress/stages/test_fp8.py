@@ -6,8 +6,8 @@ from helpers import build_tiny_llama
 from transformers import AutoModelForCausalLM
 
 from compress.checkpoint import load_checkpoint, save_checkpoint
+from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.pipeline import apply_stages
 from compress.qlinear import Fp8Linear
 from compress.stages import build_chain
 
@@ -17,9 +17,8 @@ CPU = torch.device("cpu")
 def _fp8(activations: str, samples):
     model = build_tiny_llama(seed=5)
     [stage] = build_chain([{"type": "fp8", "activations": activations}])
-    stage.prepare(model)
-    apply_stages(model, [stage], samples, CPU, batch_size=4)
-    return model, stage.finalize(model)
+    [summary] = compress_model(model, [stage], samples, CPU, batch_size=4)
+    return model, summary
 
 
 def test_fp8_weight_round_trip_error_is_bounded():

@@ -4,8 +4,8 @@ import pytest
 import torch
 from helpers import build_tiny_llama
 
+from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.pipeline import apply_stages
 from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, fake_quantize
 from compress.stages import build_chain
@@ -59,10 +59,8 @@ def test_singular_hessian_is_retried_with_more_dampening(caplog):
 
 
 def _run_gptq(model, samples, **args):
-    [stage] = build_chain([{"type": "gptq", "bits": 4, "group_size": 32, **args}])
-    stage.prepare(model)
-    apply_stages(model, [stage], samples, CPU, batch_size=4)
-    return stage.finalize(model)
+    [summary] = compress_model(model, [{"type": "gptq", "bits": 4, "group_size": 32, **args}], samples, CPU, 4)
+    return summary
 
 
 def test_gptq_stage_beats_rtn_on_held_out_logits():
@@ -73,9 +71,7 @@ def test_gptq_stage_beats_rtn_on_held_out_logits():
     gptq = build_tiny_llama(seed=2)
     summary = _run_gptq(gptq, samples, bits=3)
     rtn = build_tiny_llama(seed=2)
-    [stage] = build_chain([{"type": "rtn", "bits": 3, "group_size": 32}])
-    stage.prepare(rtn)
-    apply_stages(rtn, [stage], samples, CPU, batch_size=4)
+    compress_model(rtn, [{"type": "rtn", "bits": 3, "group_size": 32}], samples, CPU, batch_size=4)
     assert summary["quantized_linears"] == 14 and summary["cholesky_retries"] == {}
     assert isinstance(gptq.model.layers[1].mlp.down_proj, QuantizedLinear)
     with torch.no_grad():

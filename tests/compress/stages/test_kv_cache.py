@@ -6,9 +6,9 @@ from helpers import build_tiny_llama
 from transformers import AutoModelForCausalLM
 
 from compress.checkpoint import load_checkpoint, save_checkpoint
+from compress.compression import compress_model
 from compress.errors import CompressError
 from compress.kv_quant import KVCacheScheme, fake_quantize_kv
-from compress.pipeline import apply_stages
 from compress.stages import build_chain
 
 CPU = torch.device("cpu")
@@ -17,9 +17,7 @@ CPU = torch.device("cpu")
 def _calibrated(stage_args, samples, seed=4):
     model = build_tiny_llama(seed=seed)
     stages = build_chain(stage_args)
-    for stage in stages:
-        stage.prepare(model)
-    apply_stages(model, stages, samples, CPU, batch_size=4)
+    compress_model(model, stages, samples, CPU, batch_size=4)
     return model, stages
 
 

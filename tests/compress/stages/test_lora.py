@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import build_tiny_llama
 
+from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.pipeline import apply_stages
 from compress.stages import build_chain
 from compress.stages.lora import read_adapter, save_adapter
 
@@ -47,10 +47,10 @@ def _unmerged_logits(model, adapters, tokens):
 
 
 def _merge(model, adapters):
-    [stage] = build_chain([{"type": "lora_merge", "adapters": adapters}])
-    stage.prepare(model)
-    apply_stages(model, [stage], torch.zeros(1, 8, dtype=torch.long), CPU, batch_size=1)
-    return stage.finalize(model)
+    [summary] = compress_model(
+        model, [{"type": "lora_merge", "adapters": adapters}], torch.zeros(1, 8, dtype=torch.long), CPU, batch_size=1
+    )
+    return summary
 
 
 def test_merged_logits_equal_base_plus_unmerged_adapters(tmp_path):

@@ -5,8 +5,8 @@ import torch
 from helpers import build_tiny_llama
 
 from compress.calibration import decoder_layers
+from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.pipeline import apply_stages
 from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, quantize
 from compress.sparsity import NMPattern, attach_mask, carry_mask, mask_of, nm_keep_mask
@@ -37,11 +37,7 @@ def _outlier_model():
 
 def _run(chain, samples, model=None):
     model = model if model is not None else _outlier_model()
-    stages = build_chain(chain)
-    for stage in stages:
-        stage.prepare(model)
-    apply_stages(model, stages, samples, CPU, batch_size=4)
-    return model, [stage.finalize(model) for stage in stages]
+    return model, compress_model(model, chain, samples, CPU, batch_size=4)
 
 
 def _weight(module):
@@ -95,12 +91,10 @@ def test_sparsegpt_beats_wanda_beats_magnitude_on_held_out_tokens():
 def test_quantizers_keep_the_exact_pattern(quantizer):
     model = _outlier_model()
     pruner, quantizer = build_chain([{"type": "wanda"}, quantizer])
-    pruner.prepare(model)
-    apply_stages(model, [pruner], _samples(8), CPU, batch_size=4)
+    compress_model(model, [pruner], _samples(8), CPU, batch_size=4)
     masks = {name: mask_of(module).clone() for name, module in model.named_modules() if mask_of(module) is not None}
-    quantizer.prepare(model)
-    apply_stages(model, [quantizer], _samples(8), CPU, batch_size=4)
-    summary = pruner.finalize(model)
+    compress_model(model, [quantizer], _samples(8), CPU, batch_size=4)
+    summary = pruner.finalize(model)  # re-checks every mask after the quantizer
     assert len(masks) == 14
     for name, keep in masks.items():
         module = model.get_submodule(name)

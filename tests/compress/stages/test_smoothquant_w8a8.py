@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from compress.calibration import decoder_layers
 from compress.checkpoint import load_checkpoint, save_checkpoint
+from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.pipeline import apply_stages
 from compress.qlinear import Int8Linear
 from compress.stages import build_chain
 
@@ -26,11 +26,7 @@ def _outlier_model(seed: int = 1):
 
 
 def _apply(model, stage_args, samples):
-    stages = build_chain(stage_args)
-    for stage in stages:
-        stage.prepare(model)
-    apply_stages(model, stages, samples, CPU, batch_size=4)
-    return [stage.finalize(model) for stage in stages]
+    return compress_model(model, stage_args, samples, CPU, batch_size=4)
 
 
 def _logits(model, tokens):

@@ -3,8 +3,8 @@ import torch
 from helpers import build_tiny_llama
 
 from compress.calibration import capture_first_layer_inputs, decoder_layers
+from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.pipeline import apply_stages
 from compress.qlinear import QuantizedLinear
 from compress.stages import LayerContext, build_chain
 
@@ -23,10 +23,8 @@ def _outlier_model():
 
 def _compress(kind: str, samples, **args):
     model = _outlier_model()
-    [stage] = build_chain([{"type": kind, "bits": 3, "group_size": 32, **args}])
-    stage.prepare(model)
-    apply_stages(model, [stage], samples, CPU, batch_size=4)
-    return model, stage.finalize(model)
+    [summary] = compress_model(model, [{"type": kind, "bits": 3, "group_size": 32, **args}], samples, CPU, 4)
+    return model, summary
 
 
 def _logit_error(model, reference, tokens):
@@ -98,14 +96,10 @@ def test_nan_in_calibration_activations_names_the_layer():
     model = build_tiny_llama()
     with torch.no_grad():
         model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
-    [stage] = build_chain([{"type": "rtn", "group_size": 32}])
-    stage.prepare(model)
     with pytest.raises(CompressError, match="model.layers.1.mlp.up_proj: weight holds NaN"):
-        apply_stages(model, [stage], torch.randint(0, 320, (2, 16)), CPU, batch_size=2)
-    [awq] = build_chain([{"type": "awq", "group_size": 32}])
+        compress_model(model, [{"type": "rtn", "group_size": 32}], torch.randint(0, 320, (2, 16)), CPU, batch_size=2)
     model = build_tiny_llama()
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.fill_(float("inf"))
-    awq.prepare(model)
     with pytest.raises(CompressError, match="model.layers.0"):
-        apply_stages(model, [awq], torch.randint(0, 320, (2, 16)), CPU, batch_size=2)
+        compress_model(model, [{"type": "awq", "group_size": 32}], torch.randint(0, 320, (2, 16)), CPU, batch_size=2)

@@ -1,0 +1,112 @@
+"""What a run reports: phase timings, the metrics it logs, and the one-screen summary (``report.md``, the CLI).
+
+The run's own perplexity is logged as ``ppl_baseline`` / ``ppl_candidate`` / ``ppl_ratio``; the release gate's
+numbers live under ``gate.*`` (see ``evals.gate.summary_metrics``), so the two never overwrite each other in MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Timer:
+    """Wall time per named phase (load_model, compress, save, ...), summed over repeated phases."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def run_metrics(report: dict) -> dict[str, float]:
+    """The run's own metrics (the gate logs its own under ``gate.*``)."""
+    ppl = report["perplexity"]
+    metrics = {
+        "size_mb": report["checkpoint"]["size_mb"],
+        "bits_per_weight": report["checkpoint"]["bits_per_weight"],
+        "wall_time_s": report["wall_time_s"],
+        "peak_rss_mb": report["peak_rss_mb"],
+    }
+    if "baseline" in ppl and "candidate" in ppl:
+        metrics.update(
+            ppl_baseline=ppl["baseline"]["perplexity"],
+            ppl_candidate=ppl["candidate"]["perplexity"],
+            ppl_ratio=ppl["candidate"]["perplexity"] / ppl["baseline"]["perplexity"],
+        )
+    if "rtn_reference" in ppl:
+        metrics["ppl_rtn_reference"] = ppl["rtn_reference"]["perplexity"]
+    return metrics
+
+
+def summary_lines(report: dict) -> list[str]:
+    """The run's summary without the gate verdict, which the CLI prints once, last."""
+    ckpt = report["checkpoint"]
+    lines = [
+        f"# compress run {report['run_id']}",
+        "",
+        f"recipe `{report['recipe']}` on model `{report['model']}`; "
+        f"{report['data']['calibration_tokens']} calibration tokens, {report['data']['evaluation_tokens']} "
+        f"evaluation tokens ({report['data']['source']})",
+        "",
+        "| model | perplexity | vs baseline |",
+        "|---|---|---|",
+    ]
+    ppl = report["perplexity"]
+    base = ppl.get("baseline", {}).get("perplexity")
+    for name, result in ppl.items():
+        ratio = f"{result['perplexity'] / base:.4f}×" if base else "n/a"
+        lines.append(f"| {name} | {result['perplexity']:.4f} | {ratio} |")
+    lines += [
+        "",
+        f"checkpoint: {ckpt['size_mb']:.1f} MB, {ckpt['quantized_linears']} quantized linears at "
+        f"{ckpt['bits_per_weight']:.2f} stored bits/weight",
+        f"wall time {report['wall_time_s']:.1f} s, peak RSS {report['peak_rss_mb']:.0f} MB; phases: "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in report["timings_s"].items()),
+    ]
+    return lines
+
+
+def verdict_line(gate: dict, enforce: bool | None = None) -> str:
+    """The gate's one line: ``release gate: BLOCKED — perplexity +23.5% > 5% limit (...)``. With ``enforce`` given
+    (the CLI), a block also says whether it fails the command."""
+    if gate["passed"]:
+        return "release gate: PASSED"
+    reason = gate["reasons"][0] if gate.get("reasons") else "see the gate report"
+    if enforce is None:
+        return f"release gate: BLOCKED — {reason}"
+    consequence = (
+        "gate.enforce=true: exiting 1"
+        if enforce
+        else "this is the gate working; see README; gate.enforce=true makes it fail the command"
+    )
+    return f"release gate: BLOCKED — {reason} ({consequence})"
+
+
+def gate_details(gate: dict) -> list[str]:
+    """Every further reason of a block, then where the gate's own report is."""
+    others = gate["reasons"][1:] if not gate["passed"] else []
+    return [*(f"  - {reason}" for reason in others), f"  details: {gate['report']}"]
+
+
+def write_report(report: dict, folder: Path) -> None:
+    """``report.json`` and ``report.md`` (the summary, then the verdict and its details)."""
+    (folder / "report.json").write_text(json.dumps(report, indent=2))
+    lines = summary_lines(report)
+    if "gate" in report:
+        lines += ["", verdict_line(report["gate"]), *gate_details(report["gate"])]
+    (folder / "report.md").write_text("\n".join(lines) + "\n")

@@ -1,0 +1,120 @@
+"""The run folder's crash-safe lifecycle: a run writes into a hidden staging folder that becomes
+``<runs>/<run-id>`` only when the run succeeds, so a failed or interrupted run never leaves something that looks
+like a result.
+
+SIGTERM is handled like Ctrl-C (staging removed, MLflow run KILLED by the caller's cleanup); what SIGKILL leaves
+behind, a staging folder labelled with its owner's process id, is removed by the next run once that process is gone.
+A full disk or a refused write inside the runs folder becomes one line naming the folder and the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from compress.errors import CompressError
+from compress.tracking import process_alive
+
+log = logging.getLogger(__name__)
+
+STAGING_OWNER = "owner.json"  # {"pid", "host"} of the process a staging folder belongs to
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, so that it gets Ctrl-C's cleanup: staging removed, MLflow run KILLED."""
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into ``Terminated`` for the block; afterwards the process still dies of SIGTERM as asked."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the cleanup
+        raise Terminated(f"terminated by signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except Terminated:
+        signal.signal(signal.SIGTERM, previous)
+        if previous == signal.SIG_DFL:  # nobody else wants it: exit as killed by SIGTERM, without a traceback
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def staged_run_folder(runs_dir: Path, run_id: str) -> Iterator[Path]:
+    """Yield an empty staging folder; rename it to ``runs_dir/run_id`` if the block succeeds, remove it if not."""
+    staging = _make_staging(runs_dir, run_id)
+    try:
+        yield staging
+        (staging / STAGING_OWNER).unlink()
+        os.replace(staging, runs_dir / run_id)
+    except BaseException as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        problem = storage_problem(error, runs_dir)
+        if problem is not None:
+            where = getattr(error, "filename", None) or runs_dir
+            raise CompressError(
+                f"cannot write {where} ({problem}); free space there or set output.dir=<a writable folder>"
+            ) from error
+        raise
+
+
+def _make_staging(runs_dir: Path, run_id: str) -> Path:
+    """A hidden folder for this run's outputs, labelled with its owner; stale ones of dead runs are removed first."""
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        sweep_stale_staging(runs_dir)
+        staging = Path(tempfile.mkdtemp(prefix=f".{run_id}-", dir=runs_dir))
+        owner = {"pid": os.getpid(), "host": socket.gethostname()}
+        (staging / STAGING_OWNER).write_text(json.dumps(owner))
+    except OSError as error:
+        raise CompressError(
+            f"output folder {runs_dir}: cannot write ({error.strerror or error}); set output.dir=<a writable folder>"
+        ) from error
+    return staging
+
+
+def sweep_stale_staging(runs_dir: Path) -> list[Path]:
+    """Remove staging folders whose owner process (on this host) is gone: what SIGKILL, an OOM kill or a power loss
+    left behind. Folders of live runs, of other hosts, and without an owner label are left alone."""
+    removed = []
+    for label in runs_dir.glob(f".*/{STAGING_OWNER}"):
+        try:
+            owner = json.loads(label.read_text())
+        except (OSError, ValueError):
+            continue
+        if owner.get("host") == socket.gethostname() and not process_alive(int(owner.get("pid", 0))):
+            shutil.rmtree(label.parent, ignore_errors=True)
+            log.warning("removed %s: staging folder of run process %s, which is gone", label.parent, owner["pid"])
+            removed.append(label.parent)
+    return removed
+
+
+def storage_problem(error: BaseException, runs_dir: Path) -> str | None:
+    """ "No space left on device" (from an OSError, or in safetensors' Rust I/O error text), or a write refused inside
+    the output folder; None for anything else, which keeps its own message."""
+    if isinstance(error, OSError) and error.errno in DISK_FULL:
+        return os.strerror(error.errno)
+    if isinstance(error, OSError) and error.errno in NOT_WRITABLE and error.filename:
+        if Path(error.filename).resolve().is_relative_to(runs_dir.resolve()):
+            return os.strerror(error.errno)
+    return next((os.strerror(code) for code in DISK_FULL if os.strerror(code) in str(error)), None)
