@@ -1,0 +1,52 @@
+"""The README stays a short map and every relative link in the docs leads somewhere: a moved file or folder must
+take its links along."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+MARKDOWN_FILES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+README_MAX_LINES = 150
+FENCED_BLOCK = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+INLINE_CODE = re.compile(r"`[^`]*`")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def relative_links(markdown: Path) -> list[str]:
+    """Targets of ``[text](target)`` outside code, without URLs or in-page anchors."""
+    text = INLINE_CODE.sub("", FENCED_BLOCK.sub("", markdown.read_text(encoding="utf-8")))
+    targets = [target.split("#", 1)[0] for target in LINK.findall(text)]
+    return [target for target in targets if target and not re.match(r"^[a-z][a-z0-9+.-]*:", target)]
+
+
+def test_readme_is_at_most_150_lines():
+    lines = README.read_text(encoding="utf-8").count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail into docs/ (limit {README_MAX_LINES})"
+
+
+@pytest.mark.parametrize("markdown", MARKDOWN_FILES, ids=lambda path: str(path.relative_to(ROOT)))
+def test_relative_links_point_to_existing_paths(markdown: Path):
+    missing = [target for target in relative_links(markdown) if not (markdown.parent / target).exists()]
+    assert not missing, f"{markdown.relative_to(ROOT)} links to missing paths: {missing}"
+
+
+def test_link_finder_sees_links_and_skips_code(tmp_path: Path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "[a](docs/a.md#part) [web](https://example.com) [anchor](#top) `[code](not/a/link.md)`\n"
+        "```\n[fenced](fenced.md)\n```\n[b](../b/)\n",
+        encoding="utf-8",
+    )
+    assert relative_links(page) == ["docs/a.md", "../b/"]
+
+
+def test_readme_gives_the_two_fresh_machine_commands_and_the_makefile_has_them():
+    commands = set(re.findall(r"^(make (?:run|test))\b", README.read_text(encoding="utf-8"), re.MULTILINE))
+    assert commands == {"make run", "make test"}
+    targets = set(re.findall(r"^(\w+):", (ROOT / "Makefile").read_text(encoding="utf-8"), re.MULTILINE))
+    assert {"run", "test"} <= targets
