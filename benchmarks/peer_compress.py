@@ -35,7 +35,7 @@ def main() -> None:
     apply_stages(model, stages, samples, torch.device("cpu"), args.batch_size)
     for stage in stages:
         stage.finalize(model)
-    kv_cache_scheme = next((s.kv_cache_scheme for s in stages if hasattr(s, "kv_cache_scheme")), None)
+    kv_cache_scheme = next((s.kv_cache_scheme for s in stages if s.quantizes_kv_cache), None)
     save_checkpoint(model, tokenizer, Path(args.output), kv_cache_scheme=kv_cache_scheme)
 
 

@@ -289,7 +289,7 @@ def _execute(config, stages, device, staging: Path, save_dtype, timer: Timer) ->
         }
     with timer.phase("save"):
         recipe_yaml = yaml.safe_dump({"recipe": config.recipe, "stages": config.stages}, sort_keys=False)
-        kv_cache_scheme = next((s.kv_cache_scheme for s in stages if hasattr(s, "kv_cache_scheme")), None)
+        kv_cache_scheme = next((s.kv_cache_scheme for s in stages if s.quantizes_kv_cache), None)
         summary = save_checkpoint(
             model,
             tokenizer,
