@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from compress.calibration import capture_first_layer_inputs, decoder_layers, restore_dtypes, run_layer, upcast
 from compress.models import materialize_all, materialize_layer
-from compress.stages import LayerContext, Stage, build_chain
+from compress.stages import LayerContext, Stage, build_chain, check_chain
 
 
 def compress_model(
@@ -28,7 +28,11 @@ def compress_model(
     ``model`` in place, calibrating on the token ids ``samples`` ([n, seq_len]); returns each stage's summary, in
     order, with its own wall time under ``seconds``. Every stage's ``prepare`` runs before any work, so a model a
     stage cannot handle fails before anything is changed."""
-    chain = build_chain([dict(s) for s in stages]) if all(isinstance(s, dict) for s in stages) else list(stages)
+    if all(isinstance(s, dict) for s in stages):
+        chain = build_chain([dict(s) for s in stages])
+    else:
+        chain = list(stages)
+        check_chain(chain)  # the same order rules as a recipe
     device = torch.device(device)
     for stage in chain:
         stage.prepare(model)

@@ -101,18 +101,11 @@ def quantize(
     return codes, scale.squeeze(-1).to(out_dtype), zero_point
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group: int) -> torch.Tensor:
-    values = _grouped(codes.float(), group)
-    if zero_point is not None:
-        values = values - zero_point.float().unsqueeze(-1)
-    return (values * scale.float().unsqueeze(-1)).reshape(codes.shape)
-
-
 def fake_quantize(weight: torch.Tensor, scheme: WeightScheme, clip: torch.Tensor | float = 1.0) -> torch.Tensor:
     """Quantize then dequantize in fp32: the weight the quantized layer will compute with.
 
-    Same arithmetic as ``dequantize(*quantize(...))`` with fp32 scales, without the int8 round trip: searches call
-    this hundreds of times per layer.
+    Same arithmetic as ``kernels.dequant.dequantize_codes(*quantize(...), group)`` (the one dequantization
+    reference) with fp32 scales, without the int8 round trip: searches call this hundreds of times per layer.
     """
     group = scheme.group_for(weight.shape[1])
     w = _grouped(weight.float(), group)

@@ -92,14 +92,13 @@ def enforce_mask(module: nn.Module, keep: torch.Tensor) -> None:
     """Zero the pruned weights of a dense, 8-bit or packed-quantized linear. A packed weight is zero where its code
     is the zero point (0 when symmetric), so that is what pruned codes are set to: exact, no rounding."""
     if hasattr(module, "weight_packed"):
+        from kernels.dequant import group_index
         from kernels.packing import pack_int32, unpack_int32
 
         codes = unpack_int32(module.weight_packed.cpu(), module.num_bits, module.in_features).to(torch.int8)
         zero = torch.zeros_like(codes)
         if module.weight_zero_point is not None:
-            g_idx = module.weight_g_idx
-            columns = torch.arange(module.in_features)
-            group_of = columns // module.group_size if g_idx is None else g_idx.cpu().long()
+            group_of = group_index(module.in_features, module.group_size, module.weight_g_idx, "cpu")
             zero = module.weight_zero_point.cpu()[:, group_of]
         codes = torch.where(keep.cpu(), codes, zero)
         module.weight_packed.copy_(pack_int32(codes, module.num_bits).to(module.weight_packed.device))

@@ -32,39 +32,41 @@ def build_stage(args: dict, position: int) -> Stage:
 def build_chain(stage_args: list[dict]) -> list[Stage]:
     """Instantiate a recipe's stages and reject illegal orders before any work is done."""
     stages = [build_stage(args, position) for position, args in enumerate(stage_args)]
-    quantizer = None
-    for position, stage in enumerate(stages):
-        if stage.quantizes_weights:
-            if quantizer is not None:
-                raise CompressError(
-                    f"stages.{position} ({stage.name}) would quantize weights that stages.{quantizer[0]} "
-                    f"({quantizer[1]}) already packed; keep one weight quantizer per recipe"
-                )
-            quantizer = (position, stage.name)
-    check_compression_order(stages)
-    check_quantization_order(stages)
+    check_chain(stages)
     return stages
 
 
+def check_chain(stages: list[Stage]) -> None:
+    """Reject an illegal order from the stages' declared flags alone (no stage is named here), so a new stage is
+    checked by saying what it does; sets each healing stage's ``teacher_position``."""
+    check_quantization_order(stages)
+    check_compression_order(stages)
+
+
 def check_quantization_order(stages: list[Stage]) -> None:
-    """Scale-folding stages (smoothquant) need dense weights, so they go before the weight quantizer; a KV-cache
+    """One weight quantizer; scale-folding stages (smoothquant) need dense weights, so they go before it; a KV-cache
     quantizer may appear once."""
     quantizer: tuple[int, str] | None = None
     kv_stage: tuple[int, str] | None = None
     for position, stage in enumerate(stages):
-        if getattr(stage, "needs_dense_weights", False) and quantizer is not None:
+        if stage.needs_dense_weights and quantizer is not None:
             raise CompressError(
                 f"stages.{position} ({stage.name}) folds scales into dense weights, but stages.{quantizer[0]} "
                 f"({quantizer[1]}) already quantized them; put {stage.name} before {quantizer[1]}"
             )
-        if getattr(stage, "quantizes_kv_cache", False):
+        if stage.quantizes_kv_cache:
             if kv_stage is not None:
                 raise CompressError(
                     f"stages.{position} ({stage.name}) would overwrite the KV-cache scales of stages.{kv_stage[0]} "
                     f"({kv_stage[1]}); keep one KV-cache quantizer per recipe"
                 )
             kv_stage = (position, stage.name)
-        if stage.quantizes_weights and quantizer is None:
+        if stage.quantizes_weights:
+            if quantizer is not None:
+                raise CompressError(
+                    f"stages.{position} ({stage.name}) would quantize weights that stages.{quantizer[0]} "
+                    f"({quantizer[1]}) already packed; keep one weight quantizer per recipe"
+                )
             quantizer = (position, stage.name)
 
 
@@ -74,10 +76,10 @@ def check_compression_order(stages: list[Stage]) -> None:
     compressed: tuple[int, str] | None = None
     pruner: tuple[int, str] | None = None
     for position, stage in enumerate(stages):
-        if isinstance(stage, LoRAMergeStage) and compressed is not None:
+        if stage.merges_adapters and compressed is not None:
             raise CompressError(
-                f"stages.{position} (lora_merge) comes after stages.{compressed[0]} ({compressed[1]}); merge adapters "
-                "first, into the dense weights, then prune/quantize"
+                f"stages.{position} ({stage.name}) comes after stages.{compressed[0]} ({compressed[1]}); merge "
+                "adapters first, into the dense weights, then prune/quantize"
             )
         if stage.prunes_weights:
             if pruner is not None:
@@ -88,10 +90,10 @@ def check_compression_order(stages: list[Stage]) -> None:
                     f"({compressed[1]}) already quantized; put the pruner before the quantizer"
                 )
             pruner = (position, stage.name)
-        if isinstance(stage, DistillStage):
+        if stage.heals:
             if compressed is None:
                 raise CompressError(
-                    f"stages.{position} (distill) has nothing to heal: put it after a pruning or quantizing stage"
+                    f"stages.{position} ({stage.name}) has nothing to heal: put it after a pruning or quantizing stage"
                 )
             stage.teacher_position = compressed[0]
         if compressed is None and (stage.prunes_weights or stage.quantizes_weights):
@@ -104,6 +106,7 @@ __all__ = [
     "Stage",
     "build_chain",
     "build_stage",
+    "check_chain",
     "check_compression_order",
     "check_quantization_order",
 ]

@@ -43,17 +43,26 @@ class Stage(ABC):
 
     name: ClassVar[str]
     Config: ClassVar[type]
-    needs_calibration: ClassVar[bool] = True
-    quantizes_weights: ClassVar[bool] = False  # a second weight quantizer after this one is illegal
-    layerwise: ClassVar[bool] = True
-    prunes_weights: ClassVar[bool] = False  # sets N:M masks that every later stage must keep
-    quantizes_kv_cache: ClassVar[bool] = False  # calibrates ``kv_cache_scheme``, which the checkpoint stores
-    kv_cache_scheme: dict | None = None
+    # What the stage does, declared so that ``build_chain`` can check a recipe's order from these flags alone.
+    needs_calibration: ClassVar[bool] = True  # the layer walk captures calibration inputs only if some stage reads them
+    layerwise: ClassVar[bool] = True  # False: the stage needs the whole model at once and implements process_model
+    quantizes_weights: ClassVar[bool] = False  # packs weights: a second weight quantizer after this one is illegal
+    prunes_weights: ClassVar[bool] = False  # sets N:M masks that every later stage must keep; precedes quantizers
+    needs_dense_weights: ClassVar[bool] = False  # folds scales into dense weights: must precede the weight quantizer
+    quantizes_kv_cache: ClassVar[bool] = False  # calibrates KV-cache scales: one per recipe, its kv_cache_scheme saved
+    merges_adapters: ClassVar[bool] = False  # merges adapters into dense weights: must precede any compression
+    heals: ClassVar[bool] = False  # trains the compressed model back (distillation): must follow a compression
+    teacher_position: int | None = None  # healing stages: set by build_chain to the first compressing stage
     metrics_sink: Callable[[dict[str, float], int], None] | None = None  # step metrics (loss curves) → MLflow
     seconds: float = 0.0  # wall time spent in this stage's own work (the pipeline adds it up for the report)
 
     def __init__(self, config):
         self.config = config
+
+    @property
+    def kv_cache_scheme(self) -> dict | None:
+        """The checkpoint's ``kv_cache_scheme`` block; None unless the stage calibrates one (``quantizes_kv_cache``)."""
+        return None
 
     @classmethod
     def valid_keys(cls) -> list[str]:

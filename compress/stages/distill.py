@@ -30,6 +30,7 @@ from compress.qlinear import QuantizedLinear
 from compress.sparsity import mask_of
 from compress.stages.base import Stage
 from compress.stages.weights import replace_module
+from kernels.dequant import group_index
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,7 @@ class FakeQuantLinear(nn.Module):
         super().__init__()
         self.source = [source]  # a list: not a submodule, so its buffers are neither trained nor moved twice
         weight = source.dequantized_weight().float()
-        columns = torch.arange(source.in_features, device=weight.device)
-        group_of = columns // source.group_size if source.weight_g_idx is None else source.weight_g_idx.long()
+        group_of = group_index(source.in_features, source.group_size, source.weight_g_idx, weight.device)
         self.register_buffer("scale", source.weight_scale.float()[:, group_of])
         zero = source.weight_zero_point
         self.register_buffer("zero", torch.zeros_like(self.scale) if zero is None else zero.float()[:, group_of])
@@ -129,11 +129,11 @@ class DistillStage(Stage):
     name = "distill"
     Config = DistillConfig
     layerwise = False
+    heals = True
 
     def __init__(self, config):
         super().__init__(config)
         self.teacher: nn.Module | None = None
-        self.teacher_position: int | None = None  # set by build_chain: the first stage that compresses
 
     def before_stage(self, model: nn.Module, position: int) -> None:
         if position == self.teacher_position:

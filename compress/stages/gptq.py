@@ -17,29 +17,19 @@ What this implementation adds around the published algorithm:
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from compress.calibration import observe_inputs
 from compress.errors import CompressError
 from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, quantize
 from compress.stages.base import LayerContext
+from compress.stages.hessian import cholesky_inverse_upper, collect_hessians, input_groups, without_dead_channels
 from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, replace_module, target_linears
+from kernels.dequant import dequantize_codes
 
-log = logging.getLogger(__name__)
-
-# Linears quantized together (they read the same input); the groups run in this order inside a decoder layer.
-# Phi-3's fused qkv_proj / gate_up_proj take their unfused counterparts' places (a layer holds one form or the other).
-SEQUENTIAL_GROUPS = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj"),
-    ("mlp.down_proj",),
-)
 CLIP_RATIOS = tuple(1.0 - step / 20 for step in range(8))  # 1.0 ... 0.65
 
 
@@ -69,30 +59,6 @@ class GPTQResult:
     hessian_error: float  # tr(Δ H Δᵀ) / tr(W H Wᵀ): relative output error on the calibration inputs
 
 
-def cholesky_inverse_upper(hessian: torch.Tensor, dampening: float, max_retries: int, name: str):
-    """Upper Cholesky factor of H⁻¹ after dampening; raises the dampening ×10 and retries when H is not positive
-    definite (rank-deficient calibration data, duplicated channels, float round-off)."""
-    mean_diag = hessian.diagonal().mean().item()
-    identity = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
-    damp = dampening
-    for attempt in range(max_retries + 1):
-        factor, info = torch.linalg.cholesky_ex(hessian + damp * mean_diag * identity)
-        if info.item() == 0:
-            inverse = torch.cholesky_inverse(factor)
-            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
-            if info.item() == 0 and torch.isfinite(upper).all():
-                return upper, damp, attempt
-        if attempt < max_retries:
-            log.warning(
-                "%s: Hessian not positive definite at dampening %.3g; retrying with %.3g", name, damp, damp * 10
-            )
-            damp *= 10
-    raise CompressError(
-        f"{name}: the Hessian stayed singular after {max_retries} dampening increases (last {damp:.3g}); "
-        "use more or more varied calibration samples, or raise `dampening`/`max_damp_retries`"
-    )
-
-
 def _group_params(
     weight: torch.Tensor, hessian_block: torch.Tensor, scheme: WeightScheme, clip_search: bool, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -102,7 +68,7 @@ def _group_params(
     best = None
     for ratio in CLIP_RATIOS if clip_search else (1.0,):
         codes, scale, zero = quantize(weight, channel, ratio, scale_dtype=dtype)
-        delta = _dequant(codes, scale.float(), zero) - weight
+        delta = dequantize_codes(codes, scale.float(), zero, weight.shape[1]) - weight
         error = ((delta @ hessian_block) * delta).sum(1)
         if best is None:
             best = [error, scale, zero]
@@ -113,11 +79,6 @@ def _group_params(
         if zero is not None:
             best[2] = torch.where(better[:, None], zero, best[2])
     return best[1], best[2]
-
-
-def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    values = codes.float() if zero is None else codes.float() - zero.float()
-    return values * scale
 
 
 def gptq_quantize(
@@ -135,14 +96,10 @@ def gptq_quantize(
 ) -> GPTQResult:
     """Quantize ``weight [out, in]`` against ``hessian [in, in]`` (E[x xᵀ] of its inputs)."""
     dtype = scale_dtype or weight.dtype
-    W = weight.detach().float().clone()
-    H = hessian.detach().float().clone()
+    original, reference_h = weight.detach().float().clone(), hessian.detach().float()
+    W, H = without_dead_channels(weight, hessian)
     out_features, columns = W.shape
     group = scheme.group_for(columns)
-    original, reference_h = W.clone(), hessian.detach().float()
-    dead = H.diagonal() == 0  # channels that never fire: any value is exact, keep H invertible
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
     qmin, qmax = scheme.qmin, scheme.qmax
 
     groups = columns // group
@@ -188,7 +145,7 @@ def gptq_quantize(
             errors[:, i] = error
         W[:, end:] -= errors @ Hinv[start:end, end:]
 
-    delta = _dequant_grouped(codes, scales, zeros, group) - original
+    delta = dequantize_codes(codes, scales.float(), zeros, group) - original
     hessian_error = ((delta @ reference_h) * delta).sum() / ((original @ reference_h) * original).sum().clamp(min=1e-30)
     return GPTQResult(codes, scales, zeros, damp, retries, float(hessian_error))
 
@@ -198,35 +155,6 @@ def _pending(W: torch.Tensor, block: torch.Tensor, start: int, i: int, group: in
     inside = block[:, i : i + group]
     rest = group - inside.shape[1]
     return inside if rest == 0 else torch.cat([inside, W[:, start + block.shape[1] : start + block.shape[1] + rest]], 1)
-
-
-def _dequant_grouped(codes, scales, zeros, group):
-    out_features, columns = codes.shape
-    values = codes.float().view(out_features, columns // group, group)
-    if zeros is not None:
-        values = values - zeros.float().unsqueeze(-1)
-    return (values * scales.float().unsqueeze(-1)).view(out_features, columns)
-
-
-@torch.no_grad()
-def collect_hessians(ctx: LayerContext, names: list[str], stop_at: str | None) -> dict[str, torch.Tensor]:
-    """Run the layer on its calibration inputs and return each named linear's Hessian E[x xᵀ]; the forward stops at
-    ``stop_at`` once that module's input has been seen (nothing after it is needed)."""
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-
-    def observer(name):
-        def observe(x: torch.Tensor) -> None:
-            if name not in sums:
-                sums[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
-                counts[name] = 0
-            sums[name].addmm_(x.T, x)
-            counts[name] += x.shape[0]
-
-        return observe
-
-    observe_inputs(ctx.layer, ctx.inputs, ctx.name, {n: observer(n) for n in names}, stop_after=stop_at)
-    return {name: total / counts[name] for name, total in sums.items()}
 
 
 class GPTQStage(WeightQuantizerStage):
@@ -240,13 +168,9 @@ class GPTQStage(WeightQuantizerStage):
     def process_layer(self, ctx: LayerContext) -> None:
         if ctx.inputs is None:
             raise CompressError("GPTQ needs calibration inputs")
-        targets = list(target_linears(ctx.layer, ctx.name, self.config.ignore))
-        groups = [[n for n in group if n in targets] for group in SEQUENTIAL_GROUPS]
-        known = {n for group in groups for n in group}
-        groups += [[n] for n in targets if n not in known]  # a family with extra linears: one by one
-        groups = [g for g in groups if g]
-        if not self.config.true_sequential:
-            hessians = collect_hessians(ctx, targets, stop_at=None)
+        groups = input_groups(target_linears(ctx.layer, ctx.name, self.config.ignore))
+        if not self.config.true_sequential:  # one forward, one Hessian per shared input
+            hessians = collect_hessians(ctx, [group[0] for group in groups], stop_at=None)
         for group in groups:
             if self.config.true_sequential:
                 hessians = collect_hessians(ctx, [group[0]], stop_at=group[0])

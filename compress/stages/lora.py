@@ -152,6 +152,7 @@ class LoRAMergeStage(Stage):
     Config = LoRAMergeConfig
     needs_calibration = False
     layerwise = False
+    merges_adapters = True
 
     def prepare(self, model: nn.Module) -> None:
         self.adapters = [read_adapter(spec.path) for spec in self.config.adapters]

@@ -7,7 +7,8 @@ Three ways to choose which weights go, one class each, same lifecycle:
 - ``sparsegpt`` (Frantar & Alistarh 2023): walk the columns left to right; at the start of every M-column group
   drop the N:M weights whose removal costs least output error (w² / [H⁻¹]_jj²) and push each dropped or kept
   column's error into the columns not yet visited through the Cholesky factor of H⁻¹, H = E[x xᵀ] — the same
-  statistic GPTQ uses, so pruning is followed by a weight update that compensates for what was removed.
+  statistic GPTQ uses, gathered and inverted by the same code (``compress.stages.hessian``), so pruning is followed
+  by a weight update that compensates for what was removed.
 
 Calibration is layer by layer like the quantizers (the pipeline feeds layer i+1 with the *pruned* outputs of layer
 i) and, within a layer, sequential: o_proj's statistics are gathered after q/k/v are pruned, down_proj's after
@@ -24,11 +25,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compress.calibration import decoder_layers, observe_inputs
+from compress.calibration import decoder_layers
 from compress.errors import CompressError
 from compress.sparsity import NMPattern, attach_mask, check_masks_held, mask_of, nm_keep_mask
 from compress.stages.base import LayerContext, Stage
-from compress.stages.gptq import SEQUENTIAL_GROUPS, cholesky_inverse_upper
+from compress.stages.hessian import cholesky_inverse_upper, collect_hessians, input_groups, without_dead_channels
 from compress.stages.weights import target_linears
 
 
@@ -64,26 +65,6 @@ class SparseGPTConfig(CalibratedPruneConfig):
             raise ValueError(f"dampening={self.dampening} must be in (0, 1]")
 
 
-@torch.no_grad()
-def input_statistics(ctx: LayerContext, name: str, full_gram: bool) -> torch.Tensor:
-    """E[x xᵀ] (``full_gram``) or E[x²] per channel of the input of ``ctx.layer.<name>`` over every calibration
-    token; the layer's forward stops once that input has been seen."""
-    total: list[torch.Tensor] = []
-    count = 0
-
-    def observe(x: torch.Tensor) -> None:
-        nonlocal count
-        value = x.T @ x if full_gram else x.pow(2).sum(0)
-        if total:
-            total[0] += value
-        else:
-            total.append(value)
-        count += x.shape[0]
-
-    observe_inputs(ctx.layer, ctx.inputs, ctx.name, {name: observe}, stop_after=name)
-    return total[0] / count
-
-
 @contextmanager
 def one_thread():
     """The column loop is thousands of tiny ops; with several threads each one pays a synchronisation that costs
@@ -107,11 +88,7 @@ def sparsegpt_prune(
     name: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(pruned weight, keep mask)`` for ``weight [out, in]`` against ``hessian [in, in]``."""
-    W = weight.detach().float().clone()
-    H = hessian.detach().float().clone()
-    dead = H.diagonal() == 0  # never-active inputs: their weights cost nothing, keep H invertible
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
+    W, H = without_dead_channels(weight, hessian)
     Hinv, _, _ = cholesky_inverse_upper(H, dampening, retries, name)
     keep = torch.ones_like(W, dtype=torch.bool)
     with one_thread():
@@ -167,25 +144,22 @@ class PruneStage(Stage):
         raise NotImplementedError
 
     def process_layer(self, ctx: LayerContext) -> None:
-        targets = target_linears(ctx.layer, ctx.name, self.config.ignore)
-        groups = [[n for n in group if n in targets] for group in SEQUENTIAL_GROUPS]
-        known = {n for group in groups for n in group}
-        groups = [g for g in groups if g] + [[n] for n in targets if n not in known]
+        groups = input_groups(target_linears(ctx.layer, ctx.name, self.config.ignore))
         sequential = getattr(self.config, "sequential", False)
         statistics: dict[str, torch.Tensor] = {}
         if self.input_statistic is not None:
             if ctx.inputs is None:
                 raise CompressError(f"{self.name} needs calibration inputs")
-            if not sequential:
-                statistics = {g[0]: self._statistic(ctx, g[0]) for g in groups}
+            if not sequential:  # one forward, one statistic per shared input
+                statistics = self._statistics(ctx, [group[0] for group in groups], stop_at=None)
         for group in groups:
             statistic = statistics.get(group[0])
             if self.input_statistic is not None and sequential:
-                statistic = self._statistic(ctx, group[0])
+                statistic = self._statistics(ctx, [group[0]], stop_at=group[0])[group[0]]
             self._prune_group(ctx, group, statistic)
 
-    def _statistic(self, ctx: LayerContext, name: str) -> torch.Tensor:
-        return input_statistics(ctx, name, full_gram=self.input_statistic == "gram")
+    def _statistics(self, ctx: LayerContext, names: list[str], stop_at: str | None) -> dict[str, torch.Tensor]:
+        return collect_hessians(ctx, names, stop_at, diagonal=self.input_statistic == "norm")
 
     def _prune_group(self, ctx: LayerContext, names: list[str], statistic: torch.Tensor | None) -> None:
         linears = [ctx.layer.get_submodule(n) for n in names]

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from compress.errors import CompressError
-from compress.quant import WeightScheme, check_group_size, dequantize, fake_quantize, matches, quantize
+from compress.quant import WeightScheme, check_group_size, fake_quantize, matches, quantize
+from kernels.dequant import dequantize_codes
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -14,10 +15,10 @@ def test_codes_in_range_and_error_bounded(symmetric, bits):
     assert codes.dtype == torch.int8 and scale.shape == (32, 4)
     assert codes.min() >= scheme.qmin and codes.max() <= scheme.qmax
     assert (zero is None) == symmetric
-    error = (dequantize(codes, scale, zero, 32) - weight).abs()
+    error = (dequantize_codes(codes, scale, zero, 32) - weight).abs()
     # round-to-nearest is off by at most half a step, plus at most half a step of clipping at the top code
     assert (error <= scale.repeat_interleave(32, dim=1) * 1.0 + 1e-6).all()
-    assert torch.equal(dequantize(codes, scale, zero, 32), fake_quantize(weight, scheme))
+    assert torch.equal(dequantize_codes(codes, scale, zero, 32), fake_quantize(weight, scheme))
 
 
 def test_more_bits_less_error():
@@ -29,7 +30,7 @@ def test_more_bits_less_error():
 def test_asymmetric_zero_point_is_exact_for_zero():
     weight = torch.rand(4, 64) + 0.5  # all positive: the range still includes 0
     codes, scale, zero = quantize(weight, WeightScheme(4, 64, symmetric=False))
-    assert torch.all(dequantize(torch.zeros_like(codes) + zero.repeat_interleave(64, 1), scale, zero, 64) == 0)
+    assert torch.all(dequantize_codes(torch.zeros_like(codes) + zero.repeat_interleave(64, 1), scale, zero, 64) == 0)
 
 
 def test_group_size_error_names_sizes_that_fit():
@@ -45,3 +46,27 @@ def test_ignore_patterns():
     assert matches("model.layers.3.mlp.down_proj", [r"re:layers\.3\."])
     assert not matches("model.layers.13.mlp.down_proj", [r"re:layers\.3\."])
     assert not matches("model.layers.3.mlp.up_proj", ["proj"])
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_one_dequantization_reference_for_codes_packed_layers_and_gptq(symmetric):
+    """kernels.dequant.dequantize_codes is the only codes → float arithmetic: the packed layer, fake quantization,
+    a g_idx naming the plain groups, and GPTQ's own error report all agree with it exactly."""
+    from compress.qlinear import QuantizedLinear
+    from compress.stages.gptq import gptq_quantize
+
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 128, generator=generator)
+    scheme = WeightScheme(4, 32, symmetric)
+    codes, scale, zero = quantize(weight, scheme)
+    reference = dequantize_codes(codes, scale, zero, 32)
+    assert torch.equal(QuantizedLinear.from_codes(codes, scale, zero, 4, 32).dequantized_weight(), reference)
+    assert torch.equal(fake_quantize(weight, scheme), reference)
+    assert torch.equal(dequantize_codes(codes, scale, zero, 32, torch.arange(128) // 32), reference)
+
+    x = torch.randn(256, 128, generator=generator)
+    hessian = x.T @ x / len(x)
+    result = gptq_quantize(weight, hessian, scheme, block_size=32)
+    delta = dequantize_codes(result.codes, result.scale, result.zero_point, 32) - weight
+    expected = ((delta @ hessian) * delta).sum() / ((weight @ hessian) * weight).sum()
+    assert result.hessian_error == pytest.approx(float(expected), rel=1e-6)

@@ -80,7 +80,7 @@ def test_stage_runs_stays_close_and_checkpoint_reloads_identically(tmp_path, fam
     compressed = _logits(model)
     error = _relative_error(compressed, reference)
     assert 0 < error < bound, f"{family}/{recipe}: relative logit error {error:.4f}"
-    kv_scheme = next((s.kv_cache_scheme for s in stages if hasattr(s, "kv_cache_scheme")), None)
+    kv_scheme = next((s.kv_cache_scheme for s in stages if s.quantizes_kv_cache), None)
     save_checkpoint(model, None, tmp_path / "ckpt", kv_cache_scheme=kv_scheme)
     reloaded, _ = load_checkpoint(tmp_path / "ckpt")
     assert torch.allclose(_logits(reloaded), compressed, atol=1e-5)

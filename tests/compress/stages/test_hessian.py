@@ -1,0 +1,96 @@
+"""GPTQ and SparseGPT solve against one Hessian, gathered and inverted by compress.stages.hessian."""
+
+import pytest
+import torch
+from helpers import build_tiny_llama
+
+from compress.calibration import capture_first_layer_inputs, decoder_layers
+from compress.errors import CompressError
+from compress.quant import WeightScheme
+from compress.sparsity import NMPattern
+from compress.stages import LayerContext
+from compress.stages.gptq import gptq_quantize
+from compress.stages.hessian import HessianAccumulator, collect_hessians, input_groups
+from compress.stages.prune import sparsegpt_prune
+
+CPU = torch.device("cpu")
+
+
+def test_accumulated_hessian_is_the_second_moment_over_every_batch():
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randn(tokens, 32, generator=generator) for tokens in (7, 64, 19)]
+    full, diagonal = HessianAccumulator(), HessianAccumulator(diagonal=True)
+    for x in batches:
+        full.add(x)
+        diagonal.add(x)
+    x = torch.cat(batches).double()
+    expected = x.T @ x / len(x)
+    assert torch.allclose(full.hessian().double(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(diagonal.hessian().double(), expected.diagonal(), rtol=1e-5, atol=1e-6)
+
+
+def _first_layer_context(batches: int = 2) -> LayerContext:
+    model = build_tiny_llama(seed=3)
+    samples = torch.randint(0, 320, (2 * batches, 16), generator=torch.Generator().manual_seed(1))
+    inputs = capture_first_layer_inputs(model, samples, 2, CPU)
+    return LayerContext(0, "model.layers.0", decoder_layers(model)[0], model.config, inputs, CPU)
+
+
+def test_layer_hessians_match_the_inputs_seen_and_shared_inputs_share_one():
+    ctx = _first_layer_context()
+    seen: dict[str, list[torch.Tensor]] = {"self_attn.q_proj": [], "mlp.down_proj": []}
+    handles = [
+        ctx.layer.get_submodule(name).register_forward_hook(
+            lambda _m, args, _o, name=name: seen[name].append(args[0].reshape(-1, args[0].shape[-1]).double())
+        )
+        for name in seen
+    ]
+    with torch.no_grad():
+        for hidden, kwargs in zip(ctx.inputs.hidden, ctx.inputs.kwargs, strict=True):
+            ctx.layer(hidden, **kwargs)
+    for handle in handles:
+        handle.remove()
+    names = ["self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"]
+    hessians = collect_hessians(ctx, names, stop_at=None)
+    for name in seen:
+        x = torch.cat(seen[name])
+        assert torch.allclose(hessians[name].double(), x.T @ x / len(x), rtol=1e-4, atol=1e-6)
+    assert torch.equal(hessians["self_attn.q_proj"], hessians["self_attn.k_proj"])  # one input, one Hessian
+    stopped = collect_hessians(ctx, ["self_attn.q_proj"], stop_at="self_attn.q_proj")
+    assert torch.equal(stopped["self_attn.q_proj"], hessians["self_attn.q_proj"])
+
+
+def test_a_linear_the_forward_never_reaches_is_named():
+    ctx = _first_layer_context(batches=1)
+    with pytest.raises(CompressError, match=r"model.layers.0.mlp.down_proj: no calibration token reached"):
+        collect_hessians(ctx, ["mlp.down_proj"], stop_at="self_attn.q_proj")
+
+
+def test_input_groups_put_linears_that_read_one_input_together_in_forward_order():
+    targets = ["mlp.down_proj", "self_attn.v_proj", "mlp.up_proj", "self_attn.q_proj", "mlp.gate_proj", "extra"]
+    assert input_groups(targets) == [
+        ["self_attn.q_proj", "self_attn.v_proj"],
+        ["mlp.gate_proj", "mlp.up_proj"],
+        ["mlp.down_proj"],
+        ["extra"],
+    ]
+
+
+def test_gptq_and_sparsegpt_refuse_a_non_positive_definite_hessian_with_the_same_line():
+    """Negative definite: no dampening relative to mean(diag H) can fix it, so both give up with one clear line."""
+    hessian = -torch.eye(32)
+    weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    solvers = (
+        lambda: sparsegpt_prune(weight, hessian, NMPattern(2, 4), dampening=0.01, retries=2, name="layer.q_proj"),
+        lambda: gptq_quantize(
+            weight, hessian, WeightScheme(4, 32), dampening=0.01, max_damp_retries=2, name="layer.q_proj"
+        ),
+    )
+    messages = []
+    for solve in solvers:
+        with pytest.raises(CompressError) as error:
+            solve()
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("layer.q_proj: the Hessian stayed singular after 2 dampening increases")
+    assert "\n" not in messages[0]
