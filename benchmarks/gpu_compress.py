@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.peak_rss import REPO, save_random_llama
 from compress.calibration import decoder_layers
-from compress.models import ModelSpec, load_model
+from compress.models import load
 from compress.pipeline import apply_stages
 from compress.stages import build_chain
 
@@ -58,7 +58,7 @@ def compress_once(
     model_dir: Path, algorithm: str, samples: torch.Tensor, device: torch.device, batch_size: int
 ) -> dict:
     """One lazily loaded model through one W4A16 g128 stage; the model is dropped afterwards."""
-    model, _ = load_model(ModelSpec(path=str(model_dir)), layerwise=True)
+    model, _ = load(model_dir)
     [stage] = build_chain([{"type": algorithm, "bits": 4, "group_size": 128, "symmetric": True}])
     stage.prepare(model)
     if device.type == "cuda":

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from compress.checkpoint import save_checkpoint
-from compress.models import ModelSpec, load_model
+from compress.models import load
 from compress.pipeline import apply_stages
 from compress.stages import build_chain
 
@@ -29,7 +29,7 @@ def main() -> None:
     stage_args = yaml.safe_load((RECIPES / f"{args.recipe}.yaml").read_text())["stages"]
     stages = build_chain(stage_args)
     samples = torch.load(args.samples)
-    model, tokenizer = load_model(ModelSpec(path=args.model))
+    model, tokenizer = load(args.model, lazy=False)
     for stage in stages:
         stage.prepare(model)
     apply_stages(model, stages, samples, torch.device("cpu"), args.batch_size)

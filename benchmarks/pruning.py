@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
-from compress.models import ModelSpec, default_model_dir, load_model
+from compress.models import default_model_dir, load
 from compress.pipeline import apply_stages
 from compress.stages import build_chain
 from compress.stages.lora import save_adapter
@@ -49,7 +49,7 @@ def fresh_adapter(folder: Path, config, rank: int = 8) -> Path:
 class Bench:
     def __init__(self, args):
         self.args = args
-        self.model, tokenizer = load_model(ModelSpec(path=str(default_model_dir())))
+        self.model, tokenizer = load(default_model_dir(), lazy=False)
         corpus = load_corpus(DataSpec())
         self.eval_ids = tokenize(tokenizer, corpus.evaluation_text)
         calibration = tokenize(tokenizer, corpus.calibration_text)
