@@ -28,8 +28,8 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from compress.engine.llm import LLM
-from compress.engine.loading import load_model
 from compress.engine.sequence import SamplingParams
+from compress.models import load as load_model
 
 DEFAULTS = {
     "checkpoint": "artifacts/models/smollm2-135m-instruct",
@@ -284,7 +284,7 @@ def load(options: dict[str, str], device: str):
     checkpoint = options["checkpoint"]
     if checkpoint.startswith("random:"):
         return random_model(checkpoint.removeprefix("random:"), device, dtype or torch.float32), None
-    model, tokenizer = load_model(checkpoint)
+    model, tokenizer = load_model(checkpoint, lazy=False)
     model = model.to(device)
     return (model.to(dtype) if dtype else model).eval(), tokenizer
 

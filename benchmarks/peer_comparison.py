@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from compress.checkpoint import load_checkpoint  # noqa: E402
 from compress.data import DataSpec, calibration_samples, load_corpus, tokenize  # noqa: E402
-from compress.models import ModelSpec, load_model, resolve_model_path  # noqa: E402
+from compress.models import ModelSpec, load, resolve_model_path  # noqa: E402
 from evals.perplexity import perplexity  # noqa: E402
 
 # scheme → (our recipe, what llm-compressor runs: see peer_llmcompressor.recipe)
@@ -145,7 +145,7 @@ def main() -> None:
     model_dir = Path(resolve_model_path(ModelSpec()))
     run_dir = args.work / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True)
-    model, tokenizer = load_model(ModelSpec())
+    model, tokenizer = load(ModelSpec(lazy=False))
     spec = DataSpec(num_samples=args.num_samples, seq_len=args.seq_len)
     corpus = load_corpus(spec)
     samples = calibration_samples(tokenize(tokenizer, corpus.calibration_text), args.num_samples, args.seq_len, 0)

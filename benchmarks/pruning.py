@@ -24,7 +24,7 @@ import torch
 from compress import oneshot
 from compress.checkpoint import load_checkpoint
 from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
-from compress.models import ModelSpec, default_model_dir, load_model
+from compress.models import default_model_dir, load
 from compress.stages.lora import save_adapter
 from evals.perplexity import perplexity
 
@@ -50,7 +50,7 @@ class Bench:
         self.args = args
         self.workdir = workdir
         self.model_dir = default_model_dir()
-        self.model, tokenizer = load_model(ModelSpec(path=str(self.model_dir)))
+        self.model, tokenizer = load(self.model_dir, lazy=False)
         corpus = load_corpus(DataSpec())
         self.eval_ids = tokenize(tokenizer, corpus.evaluation_text)
         calibration = tokenize(tokenizer, corpus.calibration_text)

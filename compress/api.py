@@ -26,7 +26,7 @@ from compress.compression import compress_model
 from compress.config import check_stage_types
 from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
-from compress.models import ModelSpec, load_model
+from compress.models import ModelSpec, load
 from compress.paths import artifacts_dir, recipes_dir
 from compress.stages import Stage, build_chain
 
@@ -64,7 +64,7 @@ def oneshot(
     if isinstance(model, nn.Module):
         loaded = model
     else:
-        loaded, tokenizer = load_model(ModelSpec(**{**settings.get("model", {}), "path": str(model)}), layerwise=True)
+        loaded, tokenizer = load(ModelSpec(**{**settings.get("model", {}), "path": str(model)}))
     data_spec = DataSpec(**settings.get("data", {}))
     samples = calibration_ids(data, data_spec, tokenizer, int(settings.get("seed", 0)))
     compute = select_device(device or settings.get("device", "auto"))

@@ -1,4 +1,6 @@
-"""compressed-tensors checkpoints: write them atomically, read them back into ``QuantizedLinear`` modules.
+"""compressed-tensors checkpoints: write them atomically, read them back into ``QuantizedLinear`` modules; and the
+runtime's one loader (:func:`load_checkpoint`), which dispatches any model folder or hub id on its
+``quantization_config``.
 
 The folder is an ordinary HF model folder (config.json, safetensors, tokenizer) whose ``config.json`` carries a
 ``quantization_config`` with ``quant_method: compressed-tensors`` and ``format: pack-quantized``, so vLLM and
@@ -16,6 +18,8 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -350,39 +354,124 @@ def _attach_kv_scales(model: nn.Module, block: dict | None, tensors: dict, folde
     route_attention(model)
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
-    """``(model, tokenizer)`` from a compress checkpoint (or any plain safetensors HF folder)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise CompressError(f"{folder} is not a checkpoint folder (no config.json)")
-    config = AutoConfig.from_pretrained(folder)
-    qconfig = getattr(config, "quantization_config", None)
-    if qconfig is not None and not isinstance(qconfig, dict):
-        qconfig = qconfig.to_dict()
-    if qconfig is not None:
-        if qconfig.get("quant_method") != "compressed-tensors" or qconfig.get("format") not in READABLE_FORMATS:
+
+def torch_dtype(name: str) -> torch.dtype | str:
+    """``"auto"`` passes through (the checkpoint's own dtype); anything else must be a supported dtype."""
+    if name == "auto":
+        return name
+    if name not in DTYPES:
+        raise CompressError(f"model.dtype={name!r} is not supported; use auto or one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def source_dtype(config) -> torch.dtype:
+    """The dtype a checkpoint was saved in (``dtype``, older ``torch_dtype``); float32 when the config says nothing."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    value = getattr(torch, value) if isinstance(value, str) else value
+    return value if value in DTYPES.values() else torch.float32
+
+
+def read_quantization_config(folder: Path) -> dict:
+    """The ``quantization_config`` of a model folder's config.json; empty when it has none (a plain HF folder)."""
+    config_file = Path(folder) / "config.json"
+    if not config_file.is_file():
+        return {}
+    return json.loads(config_file.read_text()).get("quantization_config") or {}
+
+
+@contextmanager
+def loading_errors(source: str | Path) -> Iterator[None]:
+    """Missing files, corrupt safetensors, a bad config: every loading failure ends as one CompressError line."""
+    try:
+        yield
+    except CompressError:
+        raise
+    except Exception as error:
+        if "trust_remote_code" in str(error):
             raise CompressError(
-                f"{folder}: quantization {qconfig.get('quant_method')}/{qconfig.get('format')} is not readable here; "
-                f"compress loads compressed-tensors {', '.join(READABLE_FORMATS)}"
-            )
-        del config.quantization_config
-    dtype = getattr(config, "dtype", None) or torch.float32
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+                f"model {str(source)!r} ships its own Python code to load: set model.trust_remote_code=true if you "
+                "trust its source"
+            ) from error
+        reason = " ".join(str(error).split())
+        raise CompressError(f"cannot load model {str(source)!r}: {type(error).__name__}: {reason}") from error
+
+
+def load_tokenizer(source: str | Path, trust_remote_code: bool = False):
+    """The folder's or hub id's tokenizer; None for a local folder saved without one (tests, bare checkpoints)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(source)
+    if folder.is_dir() and not (folder / "tokenizer_config.json").is_file():
+        return None
+    with loading_errors(source):
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+
+
+def load_checkpoint(
+    source: str | Path,
+    device: str | torch.device = "cpu",
+    *,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+):
+    """``(model, tokenizer)`` in eval mode from a model folder or hub id, the runtime's one loader.
+
+    Dispatches on config.json's ``quantization_config``: our compressed-tensors checkpoints are rebuilt with
+    ``QuantizedLinear``/``Int8Linear``/``Fp8Linear`` modules and calibrated K/V scales; anything else goes to
+    transformers' ``from_pretrained`` (plain folders, hub ids, quantizers transformers knows). ``dtype``: ``auto``
+    (the checkpoint's own) or ``float32``/``bfloat16``/``float16``. ``compress.models.load`` adds the default model,
+    lazy layer reading and the pickle check on top; the engine, with no pipeline installed, calls this directly."""
+    folder = Path(source).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise CompressError(f"{folder} is not a checkpoint folder (no config.json)")
+        qconfig = read_quantization_config(folder)
+        if qconfig.get("quant_method") == "compressed-tensors":
+            model = _load_compressed(folder, qconfig, dtype)
+            return model.to(device).eval(), load_tokenizer(folder, trust_remote_code)
+        source = str(folder)
+    elif str(source).startswith((".", "/", "~")) or str(source).count("/") > 1:
+        raise CompressError(f"model path {source} does not exist; give an existing folder or a hub id (org/name)")
+    from transformers import AutoModelForCausalLM
+
+    with loading_errors(source):
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle
+        )
+    return model.to(device).eval(), load_tokenizer(source, trust_remote_code)
+
+
+def _load_compressed(folder: Path, qconfig: dict, dtype: str) -> nn.Module:
+    """A compressed-tensors checkpoint with our quantized modules in place, in the dtype it was saved in."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if qconfig.get("format") not in READABLE_FORMATS:
+        raise CompressError(
+            f"{folder}: quantization compressed-tensors/{qconfig.get('format')} is not readable here; "
+            f"compress loads compressed-tensors {', '.join(READABLE_FORMATS)}"
+        )
+    config = AutoConfig.from_pretrained(folder)
+    del config.quantization_config
+    saved = source_dtype(config)
+    if dtype != "auto" and torch_dtype(dtype) != saved:
+        raise CompressError(
+            f"{folder} is a quantized checkpoint saved in {saved}; it loads in that dtype only: use dtype=auto"
+        )
     tensors = _read_tensors(folder)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if qconfig is not None:
-        for name, module in list(model.named_modules()):
-            if type(module) is nn.Linear and f"{name}.weight_packed" in tensors:
-                weights = _module_scheme(name, qconfig)
-                if weights is None:
-                    raise CompressError(f"{folder}: {name} is packed but no config group targets it")
-                parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent), child, _quantized_module(name, weights, tensors, module))
-            elif type(module) is nn.Linear and f"{name}.weight_scale" in tensors:
-                _replace_activation_quantized(model, name, module, tensors)
-        _attach_kv_scales(model, qconfig.get("kv_cache_scheme"), tensors, folder)
+    model = AutoModelForCausalLM.from_config(config, dtype=saved)
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and f"{name}.weight_packed" in tensors:
+            weights = _module_scheme(name, qconfig)
+            if weights is None:
+                raise CompressError(f"{folder}: {name} is packed but no config group targets it")
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, _quantized_module(name, weights, tensors, module))
+        elif type(module) is nn.Linear and f"{name}.weight_scale" in tensors:
+            _replace_activation_quantized(model, name, module, tensors)
+    _attach_kv_scales(model, qconfig.get("kv_cache_scheme"), tensors, folder)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     allowed_missing = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     # QuantizedLinear buffers were filled directly above; everything else must come from the file.
@@ -394,5 +483,4 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
         )
     if allowed_missing:
         model.tie_weights()
-    tokenizer = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
-    return model.to(device).eval(), tokenizer
+    return model

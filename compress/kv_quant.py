@@ -6,13 +6,14 @@ multiplies back when attending. ``enable_kv_fake_quant`` reproduces that in the 
 The scales live on each attention module as ``k_scale``/``v_scale`` buffers: shape ``[1]`` per tensor or
 ``[kv_heads, 1, 1]`` per KV head, the compressed-tensors layout.
 
-Imports only torch and transformers: checkpoints carrying a KV scheme load on a bare GPU box.
+Imports only torch, transformers and our kernels: checkpoints carrying a KV scheme load on a bare GPU box.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -22,12 +23,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
 from compress.errors import CompressError
-from kernels.dtypes import KV_CACHE_DTYPES, QUANT_MAX
+from kernels.dtypes import KV_CACHE_DTYPES, QUANT_MAX, is_quantized, kv_cache_dtype_name
+from kernels.kv_cache import dequantize_reference, per_token_scale, quantize_reference
 
 ATTENTION_NAME = "compress_kv_quant"
 EAGER_ATTENTION_NAME = "compress_kv_quant_eager"  # logit soft-capping (Gemma-2), which SDPA cannot do
 STRATEGIES = ("tensor", "attn_head")
 CACHE_DTYPE_OF_TYPE = {"float": "fp8", "int": "int8"}  # compressed-tensors `type` → KV-cache dtype name
+TYPE_OF_CACHE_DTYPE = {dtype: kind for kind, dtype in CACHE_DTYPE_OF_TYPE.items()}  # recipe's `dtype` → `type`
 TYPES = tuple(CACHE_DTYPE_OF_TYPE)
 
 
@@ -50,8 +53,12 @@ class KVCacheScheme:
         return CACHE_DTYPE_OF_TYPE[self.type]
 
     @property
+    def storage_dtype(self) -> torch.dtype:
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+    @property
     def qmax(self) -> float:
-        return QUANT_MAX[KV_CACHE_DTYPES[self.kv_cache_dtype]]
+        return QUANT_MAX[self.storage_dtype]
 
     def to_dict(self) -> dict:
         """The ``kv_cache_scheme`` block of a compressed-tensors ``quantization_config``."""
@@ -74,14 +81,39 @@ class KVCacheScheme:
         return cls(type=block.get("type", "float"), strategy=block.get("strategy", "tensor"))
 
 
-def fake_quantize_kv(states: torch.Tensor, scale: torch.Tensor, scheme: KVCacheScheme) -> torch.Tensor:
-    """Round ``states [batch, kv_heads, seq, head_dim]`` to the 8-bit grid given by ``scale`` and back."""
-    scaled = (states.float() / scale.float()).clamp(-scheme.qmax, scheme.qmax)
-    if scheme.type == "float":
-        rounded = scaled.to(torch.float8_e4m3fn).float()
-    else:
-        rounded = torch.round(scaled)
-    return (rounded * scale.float()).to(states.dtype)
+def fake_quantize_kv(states: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``states [..., head_dim]`` after a round trip through a ``dtype`` KV cache, rounded by the engine's own
+    reference code (``kernels.kv_cache``), so the KV-cache stage, the gate and the engine round alike.
+
+    ``scale`` broadcasts against ``states``: ``[1]`` per tensor or ``[kv_heads, 1, 1]`` per KV head (calibrated);
+    None computes one per token and head, as the engine does without calibrated scales. A float ``dtype`` is a plain
+    cast there and back."""
+    if not is_quantized(dtype):
+        return states.to(dtype).to(states.dtype)
+    if scale is None:
+        scale = per_token_scale(states, dtype)
+    return dequantize_reference(quantize_reference(states, scale, dtype), scale[..., 0], states.dtype)
+
+
+def resolve_kv_cache_dtype(requested: str | None, model_dtype: torch.dtype, calibrated: str | None) -> str:
+    """The KV-cache dtype a runtime runs, the one rule for the engine and the gate's transformers generator.
+
+    ``auto`` (or None) takes the dtype the model's K/V scales were calibrated for (``calibrated``, from its
+    ``kv_cache_scheme``), else the model's dtype. An explicit 8-bit dtype other than the calibrated one is refused:
+    those scales are ``amax / qmax`` of the other format and would clip or waste its range. An explicit float dtype is
+    allowed: the cache then stores K/V as computed and the scales go unused, as vLLM does, which is how one measures
+    what the calibrated 8-bit cache costs; nothing is misread."""
+    requested = requested or "auto"
+    if requested == "auto":
+        return calibrated or kv_cache_dtype_name(model_dtype)
+    if requested not in KV_CACHE_DTYPES:
+        raise CompressError(f"kv_cache_dtype={requested!r} is unknown; use auto or one of {list(KV_CACHE_DTYPES)}")
+    if calibrated is not None and is_quantized(KV_CACHE_DTYPES[requested]) and requested != calibrated:
+        raise CompressError(
+            f"kv_cache_dtype={requested!r}, but the model's K/V scales are calibrated for {calibrated}; use auto "
+            f"(or {calibrated}), or a float dtype for an unquantized cache"
+        )
+    return requested
 
 
 def _cached_kv(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,8 +123,8 @@ def _cached_kv(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tup
         observer(key, value)
     scheme: KVCacheScheme | None = getattr(module, "kv_scheme", None)
     if scheme is not None:
-        key = fake_quantize_kv(key, module.k_scale, scheme)
-        value = fake_quantize_kv(value, module.v_scale, scheme)
+        key = fake_quantize_kv(key, scheme.storage_dtype, module.k_scale)
+        value = fake_quantize_kv(value, scheme.storage_dtype, module.v_scale)
     return key, value
 
 
@@ -165,3 +197,16 @@ def enable_kv_fake_quant(model: nn.Module, scheme: KVCacheScheme) -> None:
     for attention in modules.values():
         set_scales(attention, attention.k_scale, attention.v_scale, scheme)
     route_attention(model)
+
+
+@contextmanager
+def calibrated_kv_unused(model: nn.Module) -> Iterator[None]:
+    """Attention sees K/V as computed while inside: what a runtime with a float cache does with calibrated scales."""
+    schemes = {m: m.kv_scheme for m in model.modules() if getattr(m, "kv_scheme", None) is not None}
+    for attention in schemes:
+        attention.kv_scheme = None
+    try:
+        yield
+    finally:
+        for attention, scheme in schemes.items():
+            attention.kv_scheme = scheme

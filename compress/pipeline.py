@@ -21,7 +21,7 @@ from compress.compression import compress_model
 from compress.config import RunConfig, check_evaluation_length
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
-from compress.models import check_model_source, load_model, materialize_all, resolve_model_path
+from compress.models import check_model_source, load, materialize_all, resolve_model_path
 from compress.paths import artifacts_dir
 from compress.report import Timer, peak_rss_mb, run_metrics, write_report
 from compress.rundir import sigterm_as_interrupt, staged_run_folder
@@ -87,7 +87,7 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
     with timer.phase("data"):
         corpus = load_corpus(config.data)  # before the model: a bad data source fails in seconds
     with timer.phase("load_model"):
-        model, tokenizer = load_model(config.model, layerwise=True)
+        model, tokenizer = load(config.model)
         for stage in stages:
             stage.prepare(model)  # a model a stage cannot handle fails before the baseline evaluation
     with timer.phase("data"):
@@ -115,7 +115,7 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
             del candidate
         if config.eval.reference == "rtn":
             with timer.phase("eval_reference"):
-                reference_model, _ = load_model(config.model, layerwise=True)
+                reference_model, _ = load(config.model)
                 compress_model(reference_model, [_rtn_reference(stages)], samples, device, 1)
                 results["rtn_reference"] = _evaluate(reference_model, eval_ids, config, "perplexity [rtn]", device)
     return {

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import importlib
 import time
+from contextlib import nullcontext
 from typing import Protocol
 
 import torch
 
 from compress.errors import CompressError
-from kernels.dtypes import KV_CACHE_DTYPES, is_quantized
-from kernels.kv_cache import dequantize_reference, per_token_scale, quantize_reference
+from compress.kv_quant import calibrated_kv_cache_dtype, calibrated_kv_unused, fake_quantize_kv, resolve_kv_cache_dtype
+from kernels.dtypes import KV_CACHE_DTYPES
 
 
 class TokenConstraint(Protocol):
@@ -33,6 +34,8 @@ class TokenConstraint(Protocol):
 
 class Generator(Protocol):
     backend: str
+    kv_cache_dtype: str
+    """The KV-cache dtype it runs, ``auto`` resolved (``compress.kv_quant.resolve_kv_cache_dtype``)."""
 
     def generate(
         self, prompt_ids: list[int], max_new_tokens: int, constraint: TokenConstraint | None = None
@@ -43,15 +46,6 @@ class Generator(Protocol):
     def time_generation(self, prompt_ids: list[int], new_tokens: int) -> tuple[float, float]:
         """``(time to first token, mean time per later token)`` in seconds for exactly ``new_tokens`` tokens."""
         ...
-
-
-def fake_quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` ``[..., head_dim]`` after a round trip through ``dtype`` storage with one scale per token and head,
-    computed by the engine's own reference code."""
-    if not is_quantized(dtype):
-        return x.to(dtype).to(x.dtype)
-    scale = per_token_scale(x, dtype)
-    return dequantize_reference(quantize_reference(x, scale, dtype), scale[..., 0], x.dtype)
 
 
 def _quantized_cache_class():
@@ -65,8 +59,8 @@ def _quantized_cache_class():
             self.kv_dtype = kv_dtype
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            key_states = fake_quantize(key_states, self.kv_dtype)
-            value_states = fake_quantize(value_states, self.kv_dtype)
+            key_states = fake_quantize_kv(key_states, self.kv_dtype)
+            value_states = fake_quantize_kv(value_states, self.kv_dtype)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     return QuantizedKVCache
@@ -78,23 +72,16 @@ class TransformersGenerator:
     backend = "transformers"
 
     def __init__(self, model: torch.nn.Module, tokenizer, kv_cache_dtype: str | None = None):
-        from compress.kv_quant import calibrated_kv_cache_dtype
-
         self.model, self.tokenizer = model, tokenizer
-        if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise CompressError(
-                f"gate.kv_cache_dtype={kv_cache_dtype!r} is unknown; use one of {sorted(KV_CACHE_DTYPES)}"
-            )
+        model_dtype = model.get_input_embeddings().weight.dtype
         calibrated = calibrated_kv_cache_dtype(model)
-        if calibrated is not None and kv_cache_dtype not in (None, calibrated):
-            raise CompressError(
-                f"the model's K/V scales are calibrated for {calibrated}; the transformers backend cannot run "
-                f"gate.kv_cache_dtype={kv_cache_dtype!r} on top of them; set gate.kv_cache_dtype=null (or {calibrated})"
-            )
-        # Calibrated scales: the model's attention (compress.kv_quant) rounds each key and value it attends to with
-        # them, from the values as computed, so the cache keeps them unrounded; rounding on the way in too would
-        # round every value twice.
-        self.cache_rounding = None if calibrated is not None else kv_cache_dtype
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype, calibrated)
+        storage = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        # The calibrated dtype: the model's attention (compress.kv_quant) rounds each key and value it attends to
+        # with the scales, from the values as computed, so the cache keeps them unrounded; rounding on the way in
+        # too would round every value twice. Any other dtype leaves the scales unused and rounds on the way in.
+        self.uses_calibrated_scales = calibrated is not None and self.kv_cache_dtype == calibrated
+        self.cache_rounding = None if self.uses_calibrated_scales or storage == model_dtype else storage
         eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.device = next(model.parameters()).device
@@ -104,10 +91,14 @@ class TransformersGenerator:
 
         if self.cache_rounding is None:
             return DynamicCache(config=self.model.config)
-        return _quantized_cache_class()(self.model.config, KV_CACHE_DTYPES[self.cache_rounding])
+        return _quantized_cache_class()(self.model.config, self.cache_rounding)
 
-    @torch.no_grad()
     def _decode(self, prompt_ids, max_new_tokens, constraint=None, stop_at_eos=True, clock=None) -> list[int]:
+        scales_off = nullcontext() if self.uses_calibrated_scales else calibrated_kv_unused(self.model)
+        with torch.no_grad(), scales_off:
+            return self._greedy(prompt_ids, max_new_tokens, constraint, stop_at_eos, clock)
+
+    def _greedy(self, prompt_ids, max_new_tokens, constraint, stop_at_eos, clock) -> list[int]:
         cache = self._new_cache()
         input_ids = torch.tensor([prompt_ids], device=self.device)
         generated: list[int] = []
@@ -158,6 +149,7 @@ class EngineGenerator:
 
         self.sampling_params = SamplingParams
         self.llm = LLM(model, tokenizer, kv_cache_dtype=kv_cache_dtype or "auto", **engine_options)
+        self.kv_cache_dtype = self.llm.config.kv_cache_dtype
 
     def _run(self, prompt_ids, max_new_tokens, ignore_eos=False):
         params = self.sampling_params(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos)

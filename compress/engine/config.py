@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dtypes import KV_CACHE_DTYPES, is_quantized, kv_cache_dtype_name
+from kernels.dtypes import KV_CACHE_DTYPES
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
@@ -49,21 +49,7 @@ class EngineConfig:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The cache's storage dtype, once ``auto`` is resolved (:func:`resolve_kv_cache_dtype`)."""
+        """The cache's storage dtype, once ``auto`` is resolved (``compress.kv_quant.resolve_kv_cache_dtype``)."""
         if self.kv_cache_dtype == "auto":
             raise ValueError("kv_cache_dtype='auto' is not resolved yet; LLM resolves it from the model")
         return KV_CACHE_DTYPES[self.kv_cache_dtype]
-
-
-def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype, calibrated: str | None) -> str:
-    """The cache dtype to run: ``auto`` takes the dtype the checkpoint's K/V scales were calibrated for
-    (``calibrated``, from its ``kv_cache_scheme``), else the model's dtype. An explicit 8-bit dtype other than the
-    calibrated one is refused: those scales are ``amax / qmax`` of the other format and would clip or waste range."""
-    if requested == "auto":
-        return calibrated or kv_cache_dtype_name(model_dtype)
-    if calibrated is not None and is_quantized(KV_CACHE_DTYPES[requested]) and requested != calibrated:
-        raise ValueError(
-            f"kv_cache_dtype={requested!r}, but the checkpoint's K/V scales are calibrated for "
-            f"{calibrated}; use auto (or {calibrated}), or a float dtype for an unquantized cache"
-        )
-    return requested

@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from compress.checkpoint import load_checkpoint
 from compress.engine.block_manager import BlockManager, blocks_for
-from compress.engine.config import EngineConfig, resolve_kv_cache_dtype
-from compress.engine.loading import load_model
+from compress.engine.config import EngineConfig
 from compress.engine.model_runner import ModelRunner
 from compress.engine.sampler import sample
 from compress.engine.scheduler import ScheduledBatch, Scheduler
 from compress.engine.sequence import SamplingParams, Sequence
-from compress.kv_quant import calibrated_kv_cache_dtype
+from compress.kv_quant import calibrated_kv_cache_dtype, resolve_kv_cache_dtype
 
 Prompt = str | list[int]
 
@@ -54,7 +54,7 @@ class StreamEvent:
 class LLM:
     def __init__(self, model: nn.Module | str | Path, tokenizer=None, **engine_options):
         if isinstance(model, str | Path):
-            model, loaded_tokenizer = load_model(model)
+            model, loaded_tokenizer = load_checkpoint(model)
             tokenizer = tokenizer or loaded_tokenizer
         self.config = EngineConfig(**engine_options)
         self.config.kv_cache_dtype = resolve_kv_cache_dtype(

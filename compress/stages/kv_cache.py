@@ -14,10 +14,8 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
-from compress.kv_quant import KVCacheScheme, attention_modules, route_attention, set_scales
+from compress.kv_quant import TYPE_OF_CACHE_DTYPE, KVCacheScheme, attention_modules, route_attention, set_scales
 from compress.stages.base import LayerContext, Stage
-
-DTYPES = {"fp8": "float", "int8": "int"}  # recipe name → compressed-tensors `type`
 
 
 @dataclass
@@ -26,9 +24,9 @@ class KVCacheConfig:
     strategy: str = "attn_head"  # attn_head: one scale per KV head | tensor: one per layer
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
-        KVCacheScheme(DTYPES[self.dtype], self.strategy)
+        if self.dtype not in TYPE_OF_CACHE_DTYPE:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(TYPE_OF_CACHE_DTYPE)}")
+        KVCacheScheme(TYPE_OF_CACHE_DTYPE[self.dtype], self.strategy)
 
 
 class KVCacheStage(Stage):
@@ -38,7 +36,7 @@ class KVCacheStage(Stage):
 
     @property
     def scheme(self) -> KVCacheScheme:
-        return KVCacheScheme(DTYPES[self.config.dtype], self.config.strategy)
+        return KVCacheScheme(TYPE_OF_CACHE_DTYPE[self.config.dtype], self.config.strategy)
 
     @property
     def kv_cache_scheme(self) -> dict:

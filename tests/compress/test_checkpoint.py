@@ -82,3 +82,23 @@ def test_corrupt_safetensors_gives_one_clear_error(tmp_path):
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(CompressError, match="no config.json"):
         load_checkpoint(tmp_path)
+
+
+def test_a_plain_folder_loads_through_transformers_with_its_ties(tmp_path):
+    """No quantization_config: the runtime's loader hands the folder to from_pretrained, tied head included."""
+    model = build_tiny_llama(seed=4)
+    model.save_pretrained(tmp_path / "plain")
+    loaded, tokenizer = load_checkpoint(tmp_path / "plain", dtype="bfloat16")
+    assert tokenizer is None and loaded.dtype == torch.bfloat16
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight.to(torch.bfloat16))
+
+
+def test_an_unreadable_compressed_tensors_format_is_refused(tmp_path):
+    save_checkpoint(_quantized(True), None, tmp_path / "ckpt")
+    config_file = tmp_path / "ckpt" / "config.json"
+    config = json.loads(config_file.read_text())
+    config["quantization_config"]["format"] = "marlin-24"
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(CompressError, match="compressed-tensors/marlin-24 is not readable here"):
+        load_checkpoint(tmp_path / "ckpt")

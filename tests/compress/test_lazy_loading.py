@@ -15,7 +15,7 @@ from compress.__main__ import main
 from compress.calibration import decoder_layers
 from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.models import ModelSpec, load_model, materialize_all
+from compress.models import load, materialize_all
 from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, quantize
 from compress.stages import LayerContext, Stage, build_chain
@@ -46,7 +46,7 @@ def _logits(model, seed: int = 0) -> torch.Tensor:
 
 
 def test_lazy_load_reads_layers_only_when_asked_and_keeps_ties(bf16_dir):
-    model, _ = load_model(ModelSpec(path=str(bf16_dir)), layerwise=True)
+    model, _ = load(bf16_dir)
     assert model.dtype == torch.bfloat16  # dtype=auto: the checkpoint's own
     assert all(_on_meta(layer) for layer in decoder_layers(model))
     assert not model.model.embed_tokens.weight.is_meta and not model.model.norm.weight.is_meta
@@ -60,20 +60,20 @@ def test_lazy_load_reads_layers_only_when_asked_and_keeps_ties(bf16_dir):
 def test_sharded_checkpoint_loads_lazily(tmp_path):
     folder = _save_bf16(tmp_path / "sharded", max_shard_size="40KB")
     assert (folder / "model.safetensors.index.json").is_file()
-    model, _ = load_model(ModelSpec(path=str(folder)), layerwise=True)
+    model, _ = load(folder)
     assert len(set(model.lazy_weights.weight_map.values())) > 1
     materialize_all(model)
     assert torch.equal(_logits(model), _logits(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)))
 
 
 def test_dtype_override_and_eager_callers(bf16_dir):
-    widened, _ = load_model(ModelSpec(path=str(bf16_dir), dtype="float32"), layerwise=True)
+    widened, _ = load(bf16_dir, dtype="float32")
     materialize_all(widened)
     assert {p.dtype for p in widened.parameters()} == {torch.float32}
-    whole, _ = load_model(ModelSpec(path=str(bf16_dir)))  # not layerwise (gate, engine): the whole model
+    whole, _ = load(bf16_dir, lazy=False)  # the gate, the engine: the whole model
     assert not _on_meta(whole) and whole.dtype == torch.bfloat16
     with pytest.raises(CompressError, match="model.dtype='float64' is not supported"):
-        load_model(ModelSpec(path=str(bf16_dir), dtype="float64"))
+        load(bf16_dir, dtype="float64")
 
 
 def test_checkpoint_names_that_differ_fall_back_to_the_eager_load(tmp_path, bf16_dir):
@@ -81,7 +81,7 @@ def test_checkpoint_names_that_differ_fall_back_to_the_eager_load(tmp_path, bf16
     tensors = load_file(folder / "model.safetensors")
     tensors["model.unused_extra"] = torch.zeros(3)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    model, _ = load_model(ModelSpec(path=str(folder)), layerwise=True)
+    model, _ = load(folder)
     assert getattr(model, "lazy_weights", None) is None and not _on_meta(model)
 
 
@@ -106,7 +106,7 @@ class _Probe(Stage):
 
 
 def test_walk_reads_one_layer_at_a_time_calibrates_in_fp32_and_stores_in_bf16(bf16_dir):
-    model, _ = load_model(ModelSpec(path=str(bf16_dir)), layerwise=True)
+    model, _ = load(bf16_dir)
     original = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16)
     probe = _Probe(model)
     [rtn] = build_chain([{"type": "rtn", "bits": 4, "group_size": 32}])

@@ -2,16 +2,22 @@ import json
 
 import pytest
 import torch
+from helpers import build_tiny_llama
+from transformers import AutoModelForCausalLM
 
+from compress.checkpoint import save_checkpoint
+from compress.compression import compress_model
 from compress.errors import CompressError
+from compress.kv_quant import calibrated_kv_cache_dtype
 from compress.models import (
     ModelSpec,
     _verify_conversion,
     convert_gguf,
-    load_model,
+    load,
     resolve_model_path,
     smollm2_gguf_path,
 )
+from compress.qlinear import QuantizedLinear
 
 
 def test_pickle_weights_refused_unless_allowed(tmp_path):
@@ -31,8 +37,46 @@ def test_folder_without_config_or_weights(tmp_path):
 
 
 def test_local_folder_loads(tiny_model_dir):
-    model, tokenizer = load_model(ModelSpec(path=str(tiny_model_dir)))
+    model, tokenizer = load(tiny_model_dir, lazy=False)
     assert model.config.num_hidden_layers == 2 and len(tokenizer) == model.config.vocab_size
+    assert not any(t.is_meta for t in model.state_dict().values())
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.arange(2, 14).view(2, 6)).logits
+
+
+def test_load_dispatches_on_the_quantization_config(tmp_path, tiny_model_dir):
+    """One entry point: a plain folder loads lazily (a forward pass reads each layer itself), our compressed-tensors
+    checkpoint comes back with its QuantizedLinear modules and K/V scales, whatever ``lazy`` says."""
+    lazy, _ = load(str(tiny_model_dir))
+    assert lazy.lazy_weights is not None and any(t.is_meta for t in lazy.state_dict().values())
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert torch.equal(_logits(lazy), _logits(eager))
+    assert not any(t.is_meta for t in lazy.state_dict().values())
+
+    model = build_tiny_llama(seed=3)
+    stages = [{"type": "rtn", "bits": 4, "group_size": 32}, {"type": "kv_cache", "dtype": "int8"}]
+    summaries = compress_model(model, stages, torch.randint(0, 320, (2, 8)), torch.device("cpu"), 2)
+    save_checkpoint(model, None, tmp_path / "ckpt", kv_cache_scheme=summaries[-1]["kv_cache_scheme"])
+    loaded, tokenizer = load(tmp_path / "ckpt")
+    assert tokenizer is None  # saved without one
+    assert sum(isinstance(m, QuantizedLinear) for m in loaded.modules()) == 14
+    assert calibrated_kv_cache_dtype(loaded) == "int8"
+    assert torch.equal(_logits(loaded), _logits(model))
+    with pytest.raises(CompressError, match="saved in torch.float32; it loads in that dtype only"):
+        load(tmp_path / "ckpt", dtype="bfloat16")
+
+
+def test_a_model_spec_brings_its_own_options(tiny_model_dir):
+    model, _ = load(ModelSpec(path=str(tiny_model_dir), dtype="bfloat16", lazy=False))
+    assert model.dtype == torch.bfloat16 and not any(t.is_meta for t in model.state_dict().values())
+
+
+def test_a_missing_path_is_one_clear_error(tmp_path):
+    with pytest.raises(CompressError, match="does not exist; give an existing folder or a hub id"):
+        load(tmp_path / "nowhere")
 
 
 @pytest.mark.slow
@@ -54,7 +98,7 @@ def test_default_model_conversion_matches_the_gguf(tmp_path):
 
 def test_conversion_check_catches_a_different_model(tiny_model_dir, tmp_path):
     """The verification step must fail when the written folder's logits differ from the source's."""
-    model, tokenizer = load_model(ModelSpec(path=str(tiny_model_dir)))
+    model, tokenizer = load(tiny_model_dir, lazy=False)
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
     with pytest.raises(CompressError, match="logits differ from the GGUF original"):

@@ -8,7 +8,8 @@ import pytest
 import torch
 from helpers import pydoc_tokenizer, tiny_model_for
 
-from evals.generation import TransformersGenerator, fake_quantize
+from compress.kv_quant import fake_quantize_kv
+from evals.generation import TransformersGenerator
 from evals.json_grammar import DONE, completion, parse_prefix
 from evals.json_validity import PROMPTS, evaluate_json, extract_object
 from evals.needle import NEEDLE, haystack, retrieved
@@ -79,8 +80,8 @@ def test_haystack_has_exact_length_and_hides_the_needle_at_its_depth(tokenizer):
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
 def test_kv_fake_quantization_error_is_bounded_per_token(dtype):
     x = torch.randn(1, 2, 5, 16) * torch.logspace(-2, 2, 5)[None, None, :, None]
-    error = (fake_quantize(x, dtype) - x).abs()
+    error = (fake_quantize_kv(x, dtype) - x).abs()
     amax = x.abs().amax(-1, keepdim=True)
     bound = amax / 127 / 2 if dtype == torch.int8 else amax / 8  # fp8 e4m3: 3 mantissa bits
     assert (error <= bound + 1e-7).all()
-    assert (fake_quantize(x, dtype) != x).any()
+    assert (fake_quantize_kv(x, dtype) != x).any()

@@ -8,7 +8,7 @@ from helpers import wide_init_model
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.engine import LLM, SamplingParams
 from compress.errors import CompressError
-from compress.kv_quant import KVCacheScheme, set_scales
+from compress.kv_quant import KVCacheScheme, calibrated_kv_cache_dtype, calibrated_kv_unused, set_scales
 from evals.generation import TransformersGenerator
 from evals.loading import kv_cache_dtype_of
 from kernels.dtypes import KV_CACHE_DTYPES
@@ -126,7 +126,7 @@ def test_auto_kv_cache_dtype_is_the_checkpoints_kv_scheme(kv_checkpoint):
     # An unquantized cache stays available on request; another 8-bit format would misuse these scales.
     assert LLM(folder, num_kv_blocks=32, kv_cache_dtype="fp32").runner.kv_pool.dtype == torch.float32
     other = "fp8" if dtype == "int8" else "int8"
-    with pytest.raises(ValueError, match=f"calibrated for {dtype}"):
+    with pytest.raises(CompressError, match=f"calibrated for {dtype}"):
         LLM(folder, num_kv_blocks=32, kv_cache_dtype=other)
 
 
@@ -150,3 +150,63 @@ def test_transformers_generator_rounds_each_key_and_value_once(kv_checkpoint):
         for step, logits in enumerate(step_logits):
             context = torch.tensor([prompt + generated[:step]])
             assert torch.allclose(logits, model(context).logits[0, -1], atol=1e-4), f"step {step}"
+
+
+@pytest.fixture(scope="module")
+def models_by_calibration(kv_checkpoint) -> dict:
+    """``calibrated KV dtype → model``: the checkpoint's (int8 or fp8 per parametrization) and one without scales."""
+    dtype, folder = kv_checkpoint
+    return {dtype: load_checkpoint(folder)[0], None: wide_init_model()}
+
+
+def _engine_answer(model, requested: str) -> str:
+    try:
+        return LLM(model, num_kv_blocks=32, attention_backend="torch", kv_cache_dtype=requested).config.kv_cache_dtype
+    except (CompressError, ValueError):
+        return "refused"
+
+
+def _gate_generator(model, requested: str) -> TransformersGenerator | None:
+    """The gate's generator for ``requested``; None when it refuses."""
+    try:
+        return TransformersGenerator(model, None, None if requested == "auto" else requested)
+    except CompressError:
+        return None
+
+
+@pytest.mark.parametrize("requested", ["auto", *KV_CACHE_DTYPES])
+def test_engine_and_gate_generator_answer_every_kv_cache_dtype_request_alike(models_by_calibration, requested):
+    """One rule (compress.kv_quant.resolve_kv_cache_dtype) for both runtimes: the gate used to refuse a float cache
+    on a KV-calibrated checkpoint that the engine ran, so the gate could not measure what the engine would serve."""
+    for calibrated, model in models_by_calibration.items():
+        engine_says = _engine_answer(model, requested)
+        generator = _gate_generator(model, requested)
+        assert (generator is None) == (engine_says == "refused"), f"calibrated={calibrated}"
+        assert generator is None or generator.kv_cache_dtype == engine_says, f"calibrated={calibrated}"
+        if calibrated is not None:
+            refused = requested not in ("auto", calibrated, "bf16", "fp16", "fp32")
+            assert (engine_says == "refused") == refused, f"calibrated={calibrated}"
+
+
+def test_float_cache_on_a_calibrated_checkpoint_leaves_the_scales_unused(kv_checkpoint):
+    """A float cache stores K/V as computed in both runtimes: the generator's logits are those of a forward pass
+    without the scales, its greedy tokens are the engine's, and the model keeps its scales afterwards."""
+    dtype, folder = kv_checkpoint
+    model, _ = load_checkpoint(folder)
+    generator = TransformersGenerator(model, None, "fp32")
+    step_logits = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, output: step_logits.append(output[0, -1]))
+    prompt = prompts([20], seed=7)[0]
+    generated = generator.generate(prompt, 6)
+    hook.remove()
+    assert calibrated_kv_cache_dtype(model) == dtype
+    with torch.no_grad(), calibrated_kv_unused(model):
+        for step, logits in enumerate(step_logits):
+            context = torch.tensor([prompt + generated[:step]])
+            assert torch.allclose(logits, model(context).logits[0, -1], atol=1e-4), f"step {step}"
+        last_context = torch.tensor([prompt + generated[: len(step_logits) - 1]])
+    with torch.no_grad():  # with the scales in use the same context gives other logits: the test can tell
+        assert not torch.allclose(model(last_context).logits[0, -1], step_logits[-1], atol=1e-4)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    llm = LLM(model, num_kv_blocks=32, attention_backend="torch", kv_cache_dtype="fp32")
+    assert list(llm.generate([prompt], params)[0].token_ids) == generated

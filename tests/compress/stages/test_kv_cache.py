@@ -62,7 +62,7 @@ def test_fake_quantize_kv_round_trip_is_bounded_per_head():
     scale = states.abs().amax(dim=(0, 2, 3)).view(3, 1, 1)
     for scheme in (KVCacheScheme("int", "attn_head"), KVCacheScheme("float", "attn_head")):
         per_head_scale = scale / scheme.qmax
-        error = (fake_quantize_kv(states, per_head_scale, scheme) - states).abs()
+        error = (fake_quantize_kv(states, scheme.storage_dtype, per_head_scale) - states).abs()
         if scheme.type == "int":
             assert (error <= per_head_scale / 2 + 1e-6).all()
         else:  # e4m3: 3 mantissa bits, relative error ≤ 2^-4 above the subnormal range
