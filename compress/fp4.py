@@ -1,9 +1,10 @@
 """FP4 weight quantization (NVFP4, MXFP4), the compression side: scales from amax (RTN), codes, packing, fake quant.
 
-Every step replays compressed-tensors 0.20's arithmetic for an fp32 weight (``calculate_qparams``,
+Every step replays compressed-tensors 0.20's arithmetic for an fp32, bf16 or fp16 weight (``calculate_qparams``,
 ``generate_gparam``, ``quantize`` and the pack-quantized compressors), so what we write loads there byte for byte:
 
-* NVFP4 (groups of 16): ``global_scale = 448 * 6 / amax(W)`` (fp32 ``[1]``, 1.0 if not finite);
+* NVFP4 (groups of 16): ``global_scale = 448 * 6 / amax(W)`` (fp32 ``[1]``, 1.0 if not finite); this division and
+  ``amax(group) / 6`` happen in the weight's dtype, then the product is fp32;
   ``scale = fp8_e4m3(clamp(global_scale * (amax(group) / 6), ±448))``, 0 -> 0.125 (fp8 eps);
   ``code = e2m1(clamp(w / (scale / global_scale), ±6))``.
 * MXFP4 (groups of 32): ``e = biased exponent of amax(group) rounded to a power of two (up from mantissa 1.75)
@@ -76,15 +77,18 @@ def _groups(weight: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def nvfp4_global_scale(weight: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[1]``: ``448 * 6 / amax``, so the largest group's fp8 scale lands on 448 (1.0 for a zero weight)."""
-    amax = weight.float().abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+    """fp32 ``[1]``: ``448 * 6 / amax``, so the largest group's fp8 scale lands on 448 (1.0 for a zero weight).
+    Divided in the weight's own dtype and then widened, as compressed-tensors' ``generate_gparam`` does for the
+    min/max an observer hands it (a bf16 weight gets a bf16-rounded global scale)."""
+    amax = weight.abs().amax().clamp(min=torch.finfo(weight.dtype).tiny)
     scale = torch.nan_to_num(FP8_SCALE_MAX * E2M1_MAX / amax, nan=1.0, posinf=1.0, neginf=1.0)
-    return scale.reshape(1)
+    return scale.float().reshape(1)
 
 
 def nvfp4_scales(weight: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn ``[N, K/16]`` group scales, to be divided by ``global_scale`` when used."""
-    amax = _groups(weight, NVFP4_GROUP).abs().amax(dim=-1)
+    """float8_e4m3fn ``[N, K/16]`` group scales, to be divided by ``global_scale`` when used. ``amax / 6`` is
+    taken in the weight's dtype (exact amax, rounded quotient), as compressed-tensors' ``calculate_qparams`` does."""
+    amax = _groups(weight, NVFP4_GROUP).abs().amax(dim=-1).to(weight.dtype)
     scale = global_scale.float() * (amax / E2M1_MAX)
     scale = scale.clamp(-FP8_SCALE_MAX, FP8_SCALE_MAX).to(FP8_SCALE)
     return torch.where(scale.float() == 0, torch.tensor(FP8_SCALE_EPS, dtype=FP8_SCALE, device=scale.device), scale)
