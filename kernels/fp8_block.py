@@ -61,19 +61,21 @@ def quantize_weight_fp8_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [N, K]`` -> (float8_e4m3fn codes ``[N, K]``, scales ``[ceil(N/bn), ceil(K/bk)]``), RTN.
 
-    Same arithmetic as compressed-tensors' ``calculate_qparams`` + ``quantize`` for ``FP8_BLOCK`` on an fp32
-    weight: ``scale = amax / 448`` in fp32 (edge blocks see only their real elements, as its zero padding does),
-    an all-zero block gets the eps of ``scale_dtype``, codes ``= clamp(w / scale, ±448)`` cast to e4m3 (RNE).
+    compressed-tensors' ``calculate_qparams`` + ``quantize`` for ``FP8_BLOCK``: ``scale = amax / 448`` (edge blocks
+    see only their real elements, as its zero padding does), an all-zero block gets the eps of ``scale_dtype``,
+    codes ``= clamp(w / scale, ±448)`` cast to e4m3 (RNE). Both divisions run in the promoted dtype of weight and
+    scale, as there: with ``scale_dtype`` equal to a bf16 weight's dtype (what compressed-tensors stores) the bytes
+    are its bytes; the fp32 default divides in fp32, one rounding instead of bf16-then-e4m3.
     """
     _check_2d("weight", weight)
     rows, cols = weight.shape
     block_rows, block_cols = block
-    pad_rows, pad_cols = -rows % block_rows, -cols % block_cols
-    padded = torch.nn.functional.pad(weight.float(), (0, pad_cols, 0, pad_rows))
+    arithmetic = torch.promote_types(weight.dtype, scale_dtype)
+    padded = torch.nn.functional.pad(weight.to(arithmetic), (0, -cols % block_cols, 0, -rows % block_rows))
     blocks = padded.reshape(padded.shape[0] // block_rows, block_rows, padded.shape[1] // block_cols, block_cols)
     scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).to(scale_dtype)
     scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
-    scaled = blocks / scale.float()[:, None, :, None]
+    scaled = blocks / scale.to(arithmetic)[:, None, :, None]
     codes = scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(padded.shape)[:rows, :cols]
     return codes.contiguous(), scale
 

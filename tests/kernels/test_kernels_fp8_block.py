@@ -31,20 +31,30 @@ def random(shape, seed, scale=1.0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-def test_weight_blocks_match_compressed_tensors_byte_for_byte():
-    """200 rows: the second block row is ragged (compressed-tensors pads it with zeros); one block is all zero."""
-    weight = random((200, 256), seed=0)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_blocks_match_compressed_tensors_byte_for_byte(dtype):
+    """200 rows: the second block row is ragged (compressed-tensors pads it with zeros); one block is all zero.
+    Its scale has the weight's dtype (it divides in bf16 for a bf16 weight): asked for that dtype, so do we."""
+    weight = random((200, 256), seed=0).to(dtype)
     weight[128:, 128:] = 0.0
     scheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
     blocks = torch.nn.functional.pad(weight, (0, 0, 0, 56)).reshape(2, 128, 2, 128)
     scale, _ = calculate_qparams(blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3)), scheme.weights)
     theirs = FloatQuantizationCompressor.compress({"weight": weight.clone(), "weight_scale": scale}, scheme)
-    codes, ours_scale = quantize_weight_fp8_blocks(weight)
+    codes, ours_scale = quantize_weight_fp8_blocks(weight, scale_dtype=dtype)
     assert codes.dtype == FP8 and codes.shape == (200, 256)
-    assert ours_scale.dtype == torch.float32 and ours_scale.shape == (2, 2)
+    assert ours_scale.dtype == theirs["weight_scale"].dtype == dtype and ours_scale.shape == (2, 2)
     assert torch.equal(codes.view(torch.uint8), theirs["weight"].view(torch.uint8))
     assert torch.equal(ours_scale, theirs["weight_scale"])
-    assert ours_scale[1, 1].item() == torch.finfo(torch.float32).eps
+    assert ours_scale[1, 1].item() == torch.finfo(dtype).eps
+
+
+def test_fp32_block_scales_of_a_bf16_weight_round_once():
+    weight = random((128, 128), seed=6).to(torch.bfloat16)
+    codes, scale = quantize_weight_fp8_blocks(weight)
+    assert scale.dtype == torch.float32
+    expected = (weight.float() / (weight.float().abs().max() / 448)).to(FP8)
+    assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
 
 
 def test_weight_block_error_is_half_an_e4m3_step():
