@@ -150,7 +150,7 @@ def _fp4_matmul_kernel(
     stride_xm,
     stride_xk,
     stride_wn,
-    stride_sn,
+    stride_scale_n,
     stride_om,
     GROUP_K: tl.constexpr,
     MX_SCALES: tl.constexpr,
@@ -181,7 +181,7 @@ def _fp4_matmul_kernel(
         packed = tl.load(w_ptr + (offs_k // 2)[:, None] + rows_n[None, :] * stride_wn, mask=mask_kn, other=0)
         codes = (packed.to(tl.int32) >> ((offs_k % 2) * 4)[:, None]) & 0xF
         raw_scale = tl.load(
-            scale_ptr + (offs_k // GROUP_K)[:, None] + rows_n[None, :] * stride_sn, mask=mask_kn, other=0
+            scale_ptr + (offs_k // GROUP_K)[:, None] + rows_n[None, :] * stride_scale_n, mask=mask_kn, other=0
         )
         if MX_SCALES:  # e8m0: the exponent bits of an fp32 (code 0 is 2**-127, an fp32 subnormal)
             exponent = raw_scale.to(tl.int32)

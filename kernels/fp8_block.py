@@ -171,8 +171,8 @@ def _fp8_block_matmul_kernel(
     K,
     stride_am,
     stride_bn,
-    stride_asm,
-    stride_bsn,
+    stride_a_scale_m,
+    stride_b_scale_n,
     stride_om,
     SCALE_GROUP_K: tl.constexpr,
     SCALE_BLOCK_N: tl.constexpr,
@@ -188,8 +188,8 @@ def _fp8_block_matmul_kernel(
     offs_m, offs_n = grouped_tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    a_scale_rows = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
-    b_scale_rows = b_scale_ptr + (offs_n // SCALE_BLOCK_N).to(tl.int64) * stride_bsn
+    a_scale_rows = a_scale_ptr + offs_m.to(tl.int64) * stride_a_scale_m
+    b_scale_rows = b_scale_ptr + (offs_n // SCALE_BLOCK_N).to(tl.int64) * stride_b_scale_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(0, tl.cdiv(K, BLOCK_K)):
         offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
