@@ -20,6 +20,8 @@ ENTRY_POINTS = {
     "kernels.w8a8": ["quantize_per_token", "scaled_mm"],
     "kernels.kv_cache": ["write_kv", "write_kv_triton"],
     "kernels.paged_attention": ["paged_attention", "paged_attention_triton"],
+    "kernels.fp8_block": ["quantize_per_token_group", "fp8_block_matmul", "fp8_block_linear"],
+    "kernels.fp4": ["fp4_linear"],
 }
 
 
