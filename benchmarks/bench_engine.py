@@ -21,36 +21,43 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from compress.commands.args import parse_options, show_value, usage, wants_help
 from compress.engine.llm import LLM
 from compress.engine.sequence import SamplingParams
+from compress.errors import CompressError
 from compress.models import load as load_model
 
-DEFAULTS = {
-    "checkpoint": "artifacts/models/smollm2-135m-instruct",
-    "mode": "serve",
-    "dtype": "auto",
-    "requests": "48",
-    "rate": "2",
-    "batch": "8",
-    "max_num_seqs": "32",
-    "seed": "0",
-    "slo_ttft": "2.0",
-    "slo_tpot": "0.25",
-    "system_tokens": "1024",
-    "kv_dtypes": "bf16,int8,fp8",
-    "text": "docs/engine.md",
-    "out": "benchmarks/results",
-    "decode_weights": "w4a16,int8,fp8",
-    "decode_tokens": "256",
-    "group_size": "128",
-}
-MODES = ("serve", "decode")
+SYNOPSIS = "python -m compress bench engine [checkpoint=PATH mode=serve|decode requests=48 rate=2 ...]"
+
+
+@dataclass
+class EngineBenchOptions:
+    checkpoint: str = "artifacts/models/smollm2-135m-instruct"  # or random:<preset>
+    mode: Literal["serve", "decode"] = "serve"
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on a GPU, as stored on CPU
+    requests: int = 48
+    rate: float = 2.0
+    batch: int = 8
+    max_num_seqs: int = 32
+    seed: int = 0
+    slo_ttft: float = 2.0
+    slo_tpot: float = 0.25
+    system_tokens: int = 1024
+    kv_dtypes: list[str] = field(default_factory=lambda: ["bf16", "int8", "fp8"])
+    text: str = "docs/engine.md"
+    out: Path = Path("benchmarks/results")
+    decode_weights: list[str] = field(default_factory=lambda: ["w4a16", "int8", "fp8"])
+    decode_tokens: int = 256
+    group_size: int = 128
+
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Real architectures with random weights (``checkpoint=random:<name>``).
@@ -261,27 +268,10 @@ def prefix_cache_gain(llm: LLM, system_tokens: int, vocab: int) -> dict:
     return {"cold_ttft_s": ttfts[0], "warm_ttft_s": warm, "speedup": ttfts[0] / warm, "hit_rate": hits}
 
 
-def parse_options(argv: list[str]) -> dict[str, str] | None:
-    options = dict(DEFAULTS)
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in DEFAULTS:
-            print(
-                f"error: bad argument {arg!r}; options: {', '.join(f'{k}={v}' for k, v in DEFAULTS.items())}",
-                file=sys.stderr,
-            )
-            return None
-        options[key] = value
-    if options["mode"] not in MODES or options["dtype"] not in ("auto", *DTYPES):
-        print(f"error: mode must be one of {MODES} and dtype auto or one of {list(DTYPES)}", file=sys.stderr)
-        return None
-    return options
-
-
-def load(options: dict[str, str], device: str):
+def load(options: EngineBenchOptions, device: str):
     """``(model, tokenizer)`` on ``device`` in the requested dtype (auto: bf16 on a GPU, as stored on CPU)."""
-    dtype = DTYPES.get(options["dtype"]) or (torch.bfloat16 if device == "cuda" else None)
-    checkpoint = options["checkpoint"]
+    dtype = DTYPES.get(options.dtype) or (torch.bfloat16 if device == "cuda" else None)
+    checkpoint = options.checkpoint
     if checkpoint.startswith("random:"):
         return random_model(checkpoint.removeprefix("random:"), device, dtype or torch.float32), None
     model, tokenizer = load_model(checkpoint, lazy=False)
@@ -290,27 +280,32 @@ def load(options: dict[str, str], device: str):
 
 
 def main(argv: list[str]) -> int:
-    options = parse_options(argv)
-    if options is None:
+    if wants_help(argv):
+        print(usage(EngineBenchOptions, SYNOPSIS))
+        return 0
+    try:
+        options, _ = parse_options(EngineBenchOptions, argv, SYNOPSIS)
+    except CompressError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    log(f"loading {options['checkpoint']} on {device}")
+    log(f"loading {options.checkpoint} on {device}")
     model, tokenizer = load(options, device)
-    if options["mode"] == "decode":
+    if options.mode == "decode":
         results = decode_speed(model, tokenizer, options, device)
     else:
         results = serve(model, tokenizer, options, device)
-    write_results(results, Path(options["out"]))
+    write_results(results, options.out)
     print(json.dumps(results, indent=2))
     return 0
 
 
-def serve(model, tokenizer, options: dict[str, str], device: str) -> dict:
+def serve(model, tokenizer, options: EngineBenchOptions, device: str) -> dict:
     """Poisson workload through the engine, then through transformers ``generate``; prefix cache; KV dtypes."""
     vocab = model.config.vocab_size
-    requests = workload(int(options["requests"]), float(options["rate"]), vocab, int(options["seed"]))
-    slo = float(options["slo_ttft"]), float(options["slo_tpot"])
-    engine_options = dict(max_num_seqs=int(options["max_num_seqs"]))
+    requests = workload(options.requests, options.rate, vocab, options.seed)
+    slo = options.slo_ttft, options.slo_tpot
+    engine_options = dict(max_num_seqs=options.max_num_seqs)
 
     def params_for(tokens):
         return SamplingParams(max_tokens=tokens, ignore_eos=True)
@@ -319,22 +314,22 @@ def serve(model, tokenizer, options: dict[str, str], device: str) -> dict:
     llm = LLM(model, tokenizer, **engine_options)
     run_engine(llm, requests[:4], params_for)
     del llm
-    log(f"engine: {len(requests)} requests at {options['rate']}/s")
+    log(f"engine: {len(requests)} requests at {options.rate}/s")
     llm = LLM(model, tokenizer, **engine_options)
     engine = summarize(*run_engine(llm, requests, params_for), *slo)
     engine["preemptions"] = llm.scheduler.num_preemptions
     del llm
-    log(f"engine: {engine['throughput_tok_s']:.1f} tok/s; transformers generate, static batches of {options['batch']}")
-    baseline = summarize(*run_transformers(model, requests, int(options["batch"])), *slo)
+    log(f"engine: {engine['throughput_tok_s']:.1f} tok/s; transformers generate, static batches of {options.batch}")
+    baseline = summarize(*run_transformers(model, requests, options.batch), *slo)
     log(f"transformers: {baseline['throughput_tok_s']:.1f} tok/s; prefix cache")
-    prefix = prefix_cache_gain(LLM(model, tokenizer, **engine_options), int(options["system_tokens"]), vocab)
+    prefix = prefix_cache_gain(LLM(model, tokenizer, **engine_options), options.system_tokens, vocab)
     log(f"prefix cache: {prefix['speedup']:.1f}x TTFT; KV cache dtypes")
     return {
         "mode": "serve",
         "device": device_name(device),
-        "model": options["checkpoint"],
+        "model": options.checkpoint,
         "dtype": str(model.dtype).removeprefix("torch."),
-        "options": options,
+        "options": {key: show_value(value) for key, value in asdict(options).items()},
         "engine": engine,
         "transformers_static": baseline,
         "throughput_ratio": engine["throughput_tok_s"] / baseline["throughput_tok_s"],
@@ -362,13 +357,13 @@ def decode_tokens_per_second(model, tokens: int) -> float:
     return statistics.median(rates)
 
 
-def decode_speed(model, tokenizer, options: dict[str, str], device: str) -> dict:
+def decode_speed(model, tokenizer, options: EngineBenchOptions, device: str) -> dict:
     """Batch-1 decode tok/s: the dense model, then each converted format, same engine, same run."""
-    tokens, group = int(options["decode_tokens"]), int(options["group_size"])
+    tokens, group = options.decode_tokens, options.group_size
     dtype = str(model.dtype).removeprefix("torch.")
     rates = {"dense": decode_tokens_per_second(model, tokens)}
     log(f"dense {dtype}: {rates['dense']:.1f} tok/s")
-    for weights in [f for f in options["decode_weights"].split(",") if f]:
+    for weights in options.decode_weights:
         replaced = convert_linears(model, weights, group)
         rates[weights] = decode_tokens_per_second(model, tokens)
         restore(replaced)
@@ -379,22 +374,22 @@ def decode_speed(model, tokenizer, options: dict[str, str], device: str) -> dict
     return {
         "mode": "decode",
         "device": device_name(device),
-        "model": options["checkpoint"],
+        "model": options.checkpoint,
         "dtype": dtype,
-        "options": options,
+        "options": {key: show_value(value) for key, value in asdict(options).items()},
         "decode_tok_s": rates,
         "speedup_vs_dense": {k: v / rates["dense"] for k, v in rates.items() if k != "dense"},
     }
 
 
-def kv_perplexity(model, tokenizer, options) -> dict:
+def kv_perplexity(model, tokenizer, options: EngineBenchOptions) -> dict:
     """Perplexity of a text through the engine with each KV cache dtype, against the model's own dtype."""
-    path = Path(options["text"])
+    path = Path(options.text)
     if tokenizer is None or not path.is_file():
         return {"skipped": f"needs a tokenizer and a text file ({path})"}
     ids = tokenizer(path.read_text())["input_ids"][:2048]
     results = {"tokens": len(ids), "auto": LLM(model, tokenizer).perplexity(ids)}
-    for dtype in options["kv_dtypes"].split(","):
+    for dtype in options.kv_dtypes:
         results[dtype] = LLM(model, tokenizer, kv_cache_dtype=dtype).perplexity(ids)
     return results
 

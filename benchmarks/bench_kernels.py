@@ -12,7 +12,6 @@ to check the script itself.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import re
@@ -20,12 +19,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 import triton
 
+from compress.commands.args import parse_options, usage, wants_help
+from compress.errors import CompressError
 from kernels import ops
 from kernels.accuracy import relative_error
 from kernels.packing import pack_int32
@@ -174,7 +176,7 @@ def our_op(kernel: str, weight: QuantizedWeight) -> Callable[[torch.Tensor], tor
     return lambda x: linear(x, weight.values, weight.scale)
 
 
-def run(args: argparse.Namespace, device: torch.device) -> tuple[list[Row], float]:
+def run(args: BenchOptions, device: torch.device) -> tuple[list[Row], float]:
     measure = timer(device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     copy_gbps = copy_bandwidth_gbps(device, measure, COPY_BYTES if device.type == "cuda" else 1 << 24)
@@ -245,7 +247,7 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[list[Row], floa
     return rows, copy_gbps
 
 
-def attention_rows(args: argparse.Namespace, device: torch.device, measure, copy_gbps: float) -> list[Row]:
+def attention_rows(args: BenchOptions, device: torch.device, measure, copy_gbps: float) -> list[Row]:
     """Decode attention (one query per sequence) over ``args.context`` cached tokens per sequence, blocks
     scattered in the pool. Baseline: ``scaled_dot_product_attention`` in bf16 on a contiguous cache."""
     from kernels.kv_cache import QUANT_MAX, quantize_reference
@@ -362,25 +364,28 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     try:
         return [tuple(int(v) for v in item.lower().split("x")) for item in text.split(",")]  # type: ignore[misc]
     except ValueError:
-        message = f"shapes are N x K pairs like 4096x4096,4096x14336; got {text!r}"
-        raise argparse.ArgumentTypeError(message) from None
+        raise ValueError("give N x K pairs like 4096x4096,4096x14336") from None
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m compress bench kernels", description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device: checks the script only")
-    parser.add_argument("--shapes", type=parse_shapes, help="weight shapes N x K, comma separated")
-    parser.add_argument("--rows", type=lambda t: [int(v) for v in t.split(",")], help="M values, comma separated")
-    parser.add_argument(
-        "--kernels", type=lambda t: t.split(","), default=KERNELS + ATTENTION, help=",".join(KERNELS + ATTENTION)
-    )
-    parser.add_argument("--context", type=int, help="cached tokens per sequence for attention (default 4096; smoke 64)")
-    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="activation dtype")
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args(argv)
+SYNOPSIS = "python -m compress bench kernels [smoke=true kernels=w4a16,... rows=1,16 shapes=4096x4096 ...]"
+
+
+@dataclass
+class BenchOptions:
+    smoke: bool = False  # tiny shapes, any device: checks the script only
+    shapes: list[tuple[int, int]] | None = field(default=None, metadata={"parse": parse_shapes})  # N x K pairs
+    rows: list[int] | None = None  # M values
+    kernels: list[str] = field(default_factory=lambda: KERNELS + ATTENTION)
+    context: int | None = None  # cached tokens per sequence for attention (default 4096; smoke 64)
+    dtype: Literal["bf16", "fp16"] = "bf16"  # activation dtype
+    out: Path = Path("benchmarks/results")
+
+
+def parse_args(argv: list[str]) -> BenchOptions:
+    args, _ = parse_options(BenchOptions, argv, SYNOPSIS)
     unknown = sorted(set(args.kernels) - set(KERNELS) - set(ATTENTION))
     if unknown:
-        parser.error(f"unknown kernels {unknown}; choose from {','.join(KERNELS + ATTENTION)}")
+        raise CompressError(f"unknown kernels {unknown}; choose from {','.join(KERNELS + ATTENTION)}")
     args.shapes = args.shapes or (SMOKE_SHAPES if args.smoke else SHAPES)
     args.rows = args.rows or (SMOKE_ROWS if args.smoke else ROWS)
     args.context = args.context or (SMOKE_CONTEXT if args.smoke else 4096)
@@ -388,13 +393,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+    if wants_help(argv):
+        print(usage(BenchOptions, SYNOPSIS))
+        return 0
+    try:
+        args = parse_args(argv)
+    except CompressError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         print(
             "error: the kernel benchmark needs a CUDA GPU and none is visible. GPU numbers are still missing; "
             "run it on an H100 with `python -m compress bench kernels`, or check the script on CPU with "
-            "`--smoke`.",
+            "`smoke=true`.",
             file=sys.stderr,
         )
         return 2
@@ -410,8 +422,8 @@ def main(argv: list[str]) -> int:
         group_size=GROUP_SIZE,
         timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"kernels-{device_slug(device, args.smoke)}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"kernels-{device_slug(device, args.smoke)}"
     stem.with_suffix(".json").write_text(
         json.dumps(dict(meta=meta, goals=goals, rows=[asdict(row) for row in rows]), indent=2) + "\n"
     )

@@ -31,8 +31,8 @@ for step in $steps; do
     tests) run_step tests ${LIMIT_TESTS:-300} env COMPRESS_TEST_DEVICE=cuda COMPRESS_AUTOTUNE=0 \
              python3 -m pytest -q -rfE -n 8 -p no:cacheprovider -m gpu tests;;
     check) run_step check ${LIMIT_CHECK:-180} python3 -m benchmarks.engine_gpu_check;;
-    kernels) run_step kernels ${LIMIT_KERNELS:-420} python3 -m compress bench kernels --out-dir "$RESULTS" ${KERNEL_ARGS:-};;
-    peers) run_step peers ${LIMIT_PEERS:-480} python3 -m compress bench peers --out-dir "$RESULTS" ${PEER_ARGS:-};;
+    kernels) run_step kernels ${LIMIT_KERNELS:-420} python3 -m compress bench kernels out="$RESULTS" ${KERNEL_ARGS:-};;
+    peers) run_step peers ${LIMIT_PEERS:-480} python3 -m compress bench peers out="$RESULTS" ${PEER_ARGS:-};;
     decode) run_step decode ${LIMIT_DECODE:-300} python3 -m compress bench engine checkpoint=random:llama-8b mode=decode out="$RESULTS";;
     serve) run_step serve ${LIMIT_SERVE:-300} python3 -m compress bench engine checkpoint=random:smollm2-135m out="$RESULTS";;
     *) echo "unknown step $step"; exit 2;;

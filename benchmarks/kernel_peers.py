@@ -20,15 +20,15 @@ it to a GPU box). Needs a CUDA GPU; ``--smoke`` runs tiny shapes on the CPU, wit
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import torch
 import triton
@@ -43,6 +43,8 @@ from benchmarks.bench_kernels import (
     quantized_weight,
     timer,
 )
+from compress.commands.args import parse_options, usage, wants_help
+from compress.errors import CompressError
 from kernels.accuracy import relative_error
 from kernels.timing import NotCapturable, graph_time_ms
 from kernels.w8a8 import quantize_per_token_reference
@@ -163,7 +165,7 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0][:160] if text else ''}"
 
 
-def run(args: argparse.Namespace, device: torch.device) -> list[Row]:
+def run(args: BenchOptions, device: torch.device) -> list[Row]:
     measure = partial(graph_time_ms, eager_fallback=False) if device.type == "cuda" else timer(device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     rows: list[Row] = []
@@ -313,30 +315,43 @@ def gemlite_version() -> str:
         return "absent"
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m compress bench peers", description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")
-    parser.add_argument("--shapes", type=parse_shapes, help="weight shapes N x K, comma separated")
-    parser.add_argument("--rows", type=lambda t: [int(v) for v in t.split(",")], help="M values, comma separated")
-    parser.add_argument("--formats", type=lambda t: t.split(","), default=list(FORMATS), help=",".join(FORMATS))
-    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="activation dtype")
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args(argv)
+SYNOPSIS = "python -m compress bench peers [smoke=true formats=w4a16,... rows=1,16 shapes=4096x4096 ...]"
+
+
+@dataclass
+class BenchOptions:
+    smoke: bool = False  # tiny shapes on the CPU: checks the script only
+    shapes: list[tuple[int, int]] | None = field(default=None, metadata={"parse": parse_shapes})  # N x K pairs
+    rows: list[int] | None = None  # M values
+    formats: list[str] = field(default_factory=lambda: list(FORMATS))
+    dtype: Literal["bf16", "fp16"] = "bf16"  # activation dtype
+    out: Path = Path("benchmarks/results")
+
+
+def parse_args(argv: list[str]) -> BenchOptions:
+    args, _ = parse_options(BenchOptions, argv, SYNOPSIS)
     unknown = sorted(set(args.formats) - set(FORMATS))
     if unknown:
-        parser.error(f"unknown formats {unknown}; choose from {','.join(FORMATS)}")
+        raise CompressError(f"unknown formats {unknown}; choose from {','.join(FORMATS)}")
     args.shapes = args.shapes or (SMOKE_SHAPES if args.smoke else SHAPES)
     args.rows = args.rows or (SMOKE_ROWS if args.smoke else ROWS)
     return args
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+    if wants_help(argv):
+        print(usage(BenchOptions, SYNOPSIS))
+        return 0
+    try:
+        args = parse_args(argv)
+    except CompressError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         print(
             "error: the peer benchmark needs a CUDA GPU and none is visible, so its GPU numbers are still missing; "
-            "run `bash benchmarks/gpu_session.sh peers` on a GPU box, or check the script here with --smoke.",
+            "run `bash benchmarks/gpu_session.sh peers` on a GPU box, or check the script here with smoke=true.",
             file=sys.stderr,
         )
         return 2
@@ -353,8 +368,8 @@ def main(argv: list[str]) -> int:
         group_size=GROUP_SIZE,
         timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"kernel-peers-{device_slug(device, args.smoke)}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"kernel-peers-{device_slug(device, args.smoke)}"
     stem.with_suffix(".json").write_text(
         json.dumps(
             dict(

@@ -23,10 +23,10 @@ from torch import nn
 
 from compress.checkpoint import CheckpointSummary, save_checkpoint
 from compress.compression import compress_model
-from compress.config import check_stage_types
+from compress.config import RunConfig
 from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
-from compress.models import ModelSpec, load
+from compress.models import load
 from compress.paths import artifacts_dir, recipes_dir
 from compress.stages import Stage, build_chain
 
@@ -55,34 +55,33 @@ def oneshot(
     - ``output_dir``: where the checkpoint goes (must not exist); default ``<artifacts>/oneshot/<recipe>-<time>``.
     - ``device``: where each layer is calibrated (default: the recipe's ``device``, ``auto`` = CUDA when visible).
     """
-    settings = compose(recipe, overrides)
-    check_stage_types(settings["stages"])
-    stages = build_chain(settings["stages"])  # a bad recipe fails here, before anything is loaded
-    target = Path(output_dir) if output_dir else artifacts_dir() / "oneshot" / f"{settings['recipe']}-{_stamp()}"
+    source = None if isinstance(model, nn.Module) else str(model)
+    config = compose(recipe, overrides, source)  # a bad recipe fails here, before anything is loaded
+    stages = build_chain(config.stages)
+    target = Path(output_dir) if output_dir else artifacts_dir() / "oneshot" / f"{config.recipe}-{_stamp()}"
     if target.exists():
         raise CompressError(f"output_dir {target} already exists; choose another folder or remove it")
-    if isinstance(model, nn.Module):
-        loaded = model
-    else:
-        loaded, tokenizer = load(ModelSpec(**{**settings.get("model", {}), "path": str(model)}))
-    data_spec = DataSpec(**settings.get("data", {}))
-    samples = calibration_ids(data, data_spec, tokenizer, int(settings.get("seed", 0)))
-    compute = select_device(device or settings.get("device", "auto"))
-    summaries = compress_model(loaded, stages, samples, compute, settings["calibration_batch_size"])
-    save_dtype = settings.get("output", {}).get("save_dtype")
-    write_checkpoint(loaded, tokenizer, stages, summaries, target, settings["recipe"], settings["stages"], save_dtype)
+    loaded, tokenizer = (model, tokenizer) if source is None else load(config.model)
+    samples = calibration_ids(data, config.data, tokenizer, config.seed)
+    compute = select_device(device or config.device)
+    summaries = compress_model(loaded, stages, samples, compute, config.calibration_batch_size)
+    save_dtype = config.output.save_dtype
+    write_checkpoint(loaded, tokenizer, stages, summaries, target, config.recipe, config.stages, save_dtype)
     return target
 
 
-def compose(recipe: RecipeLike, overrides: Sequence[str] = ()) -> dict:
-    """The recipe as a plain dict with ``overrides`` applied: named recipes through Hydra as the CLI composes them,
-    a stage list on top of the defaults every recipe inherits."""
-    from compress.commands.run import compose_job, resolve_shortcuts
-    from compress.config import register_schema
+def compose(recipe: RecipeLike, overrides: Sequence[str] = (), model: str | None = None) -> RunConfig:
+    """The typed, checked run configuration: a named recipe composed by Hydra exactly as the CLI composes it, or a
+    stage list (or a recipe file's stages) on top of the defaults every recipe inherits; ``model`` sets the model."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
+    from compress.commands.run import compose_job, resolve_shortcuts
+    from compress.config import build_run_config, config_error, register_schema
+
+    register_schema()
     if isinstance(recipe, str) and (recipes_dir() / f"{recipe}.yaml").is_file():
-        register_schema()
-        return compose_job(recipe, resolve_shortcuts(list(overrides)))
+        return compose_job(recipe, resolve_shortcuts([*overrides, *([f"model={model}"] if model else [])]))
     if isinstance(recipe, str | Path):
         path = Path(recipe).expanduser()
         if not path.is_file():
@@ -93,13 +92,15 @@ def compose(recipe: RecipeLike, overrides: Sequence[str] = ()) -> dict:
         stage_list, name = [dict(stage) for stage in recipe], "custom"
     if not stage_list:
         raise CompressError(f"recipe {name!r} has no stages")
-    from omegaconf import OmegaConf
-
-    from compress.config import RunSchema
-
-    base = OmegaConf.structured(RunSchema)
-    merged = OmegaConf.merge(base, {"recipe": name}, {"stages": stage_list}, OmegaConf.from_dotlist(list(overrides)))
-    return OmegaConf.to_container(merged, resolve=True)
+    fixed = {"recipe": name, "stages": stage_list, **({"model": {"path": model}} if model else {})}
+    try:
+        composed = OmegaConf.merge(OmegaConf.structured(RunConfig), fixed)
+        for override in overrides:  # stages.0.group_size=128 indexes the list, as on the command line
+            key, _, value = override.partition("=")
+            OmegaConf.update(composed, key, yaml.safe_load(value), force_add=key.startswith("stages."))
+    except OmegaConfBaseException as error:
+        raise config_error(error) from None
+    return build_run_config(composed)
 
 
 def calibration_ids(data: DataLike, spec: DataSpec, tokenizer, seed: int) -> torch.Tensor:

@@ -11,7 +11,6 @@ second with one line naming the key and the fix, before a model is loaded or a r
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 import re
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from compress.commands.args import unknown_key_error
 from compress.data import DataSpec
 from compress.errors import CompressError
 from compress.models import ModelSpec
@@ -60,8 +60,10 @@ class TrackingSpec:
 
 
 @dataclass
-class RunSchema:
-    """What Hydra type-checks the composed recipe and every override against (``run_schema`` in the ConfigStore)."""
+class RunConfig:
+    """The one run configuration: Hydra's schema (``run_schema`` in the ConfigStore, listed first in every recipe's
+    defaults, so a wrong type is refused while composing) and, through ``OmegaConf.to_object`` of the composed
+    recipe, the typed object the pipeline reads. ``build_run_config`` adds the checks types cannot express."""
 
     recipe: str = "???"
     stages: list[Any] = field(default_factory=list)  # each checked against its stage's config (group ``stage``)
@@ -75,21 +77,10 @@ class RunSchema:
     device: str = "auto"
     calibration_batch_size: int = 8
 
-
-@dataclass
-class RunConfig:
-    recipe: str
-    stages: list[dict]
-    model: ModelSpec
-    data: DataSpec
-    eval: EvalSpec = field(default_factory=EvalSpec)
-    output: OutputSpec = field(default_factory=OutputSpec)
-    tracking: TrackingSpec = field(default_factory=TrackingSpec)
-    gate: dict = field(default_factory=dict)
-    seed: int = 0
-    device: str = "auto"
-    calibration_batch_size: int = 8
-    raw: dict = field(default_factory=dict)  # the composed config, for the report and MLflow params
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The configuration as plain data, for the report, the checkpoint's ``config.yaml`` and MLflow params."""
+        return dataclasses.asdict(self)
 
 
 def register_schema() -> None:
@@ -99,20 +90,20 @@ def register_schema() -> None:
     from compress.stages import STAGES
 
     store = ConfigStore.instance()
-    store.store(name="run_schema", node=RunSchema)
+    store.store(name="run_schema", node=RunConfig)
     for name, stage in STAGES.items():
         store.store(group="stage", name=name, node=stage.Config)
 
 
-def unknown_key_error(where: str, key: str, valid: list[str]) -> CompressError:
-    hint = difflib.get_close_matches(key, valid, n=1)
-    suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-    return CompressError(f"{where}: unknown key {key!r}{suggestion}; valid keys: {', '.join(valid)}")
-
-
 def config_error(error: BaseException, where: str = "") -> CompressError:
     """Hydra's and OmegaConf's multi-line errors as one line naming the key and the fix."""
-    from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+    from omegaconf.errors import (
+        ConfigAttributeError,
+        ConfigKeyError,
+        MissingMandatoryValue,
+        OmegaConfBaseException,
+        ValidationError,
+    )
 
     node: BaseException | None = error
     while node is not None and not isinstance(node, OmegaConfBaseException):
@@ -123,14 +114,28 @@ def config_error(error: BaseException, where: str = "") -> CompressError:
     key = re.sub(r"\[(\d+)\]", r".\1", key)
     if isinstance(node, MissingMandatoryValue):
         return CompressError(f"{key} has no value: set {key}=<value>")
-    if isinstance(node, ConfigKeyError) and dataclasses.is_dataclass(getattr(node, "object_type", None)):
+    if isinstance(node, ConfigKeyError | ConfigAttributeError):
         where_, _, name = key.rpartition(".")
-        return unknown_key_error(where_ or "config", name, [f.name for f in dataclasses.fields(node.object_type)])
+        owner = getattr(node, "object_type", None)
+        owner = owner if dataclasses.is_dataclass(owner) else schema_type(where_.split(".") if where_ else [])
+        if owner is not None:
+            return unknown_key_error(where_ or "config", name, [f.name for f in dataclasses.fields(owner)])
     expected = _expected(getattr(node, "object_type", None), getattr(node, "key", None))
     if isinstance(node, ValidationError) and expected:
         return CompressError(f"{key}={node.value!r} has the wrong type: give {expected}")
     reason = str(getattr(node, "msg", "") or node).strip().splitlines()[0]
     return CompressError(f"{key}: {reason}" if key else reason)
+
+
+def schema_type(path: list[str]) -> type | None:
+    """The dataclass at ``path`` in the run schema; None inside its untyped parts (``stages``, ``gate.engine``).
+    Hydra's errors about a command-line key name the key, not always the dataclass that lacks it."""
+    owner: Any = RunConfig
+    for part in path:
+        if not dataclasses.is_dataclass(owner):
+            return None
+        owner = typing.get_type_hints(owner).get(part)
+    return owner if dataclasses.is_dataclass(owner) else None
 
 
 TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
@@ -233,21 +238,20 @@ def check_writable(output_dir: str | None) -> None:
         )
 
 
-def check_gate(gate: dict) -> None:
-    """The gate policy as ``evals.gate`` will read it, now rather than after the compression."""
+def check_gate(gate: GatePolicy) -> None:
+    """What the gate policy's types cannot say (its engine options, its layer names), now rather than after the
+    compression."""
     from compress.engine.config import EngineConfig
     from evals.gate import resolve_policy
 
     try:
-        build_section(EngineConfig, gate.get("engine"), "gate.engine")
+        build_section(EngineConfig, gate.engine, "gate.engine")
     except (TypeError, ValueError) as error:
         raise CompressError(f"gate.engine: {error}") from None
     try:
         resolve_policy(gate)
     except CompressError as error:
         raise CompressError(" ".join(str(error).split())) from None
-    except Exception as error:  # noqa: BLE001 - whatever the policy code raises, say it in one line
-        raise CompressError(f"gate: {' '.join(str(error).split())}") from None
 
 
 def check_model_context(config: RunConfig) -> None:
@@ -280,27 +284,20 @@ def check_evaluation_length(evaluation_tokens: int, config: RunConfig) -> None:
         )
 
 
-SECTIONS = {"model": ModelSpec, "data": DataSpec, "eval": EvalSpec, "output": OutputSpec, "tracking": TrackingSpec}
-SCALARS = ("recipe", "stages", "gate", "seed", "device", "calibration_batch_size")
+def build_run_config(composed: Any) -> RunConfig:
+    """The typed run configuration of a composed recipe (Hydra's ``DictConfig`` or plain data), with everything
+    checkable before the model load checked."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-
-def build_run_config(composed: dict[str, Any]) -> RunConfig:
-    """The typed run configuration, with everything checkable before the model load checked."""
     from compress.stages import build_chain
 
-    valid = [*SCALARS, *SECTIONS]
-    for key in composed:
-        if key not in valid:
-            raise unknown_key_error("config", key, valid)
-    if not composed.get("recipe") or composed.get("recipe") == "???":
-        raise CompressError("the recipe file must set `recipe: <name>`")
-    stages = composed.get("stages") or []
-    if not stages:
-        raise CompressError(f"recipe {composed['recipe']!r} has no stages")
-    sections = {name: build_section(cls, composed.get(name), name) for name, cls in SECTIONS.items()}
-    scalars = {key: composed[key] for key in SCALARS if key in composed}
-    scalars["gate"] = scalars.get("gate") or {}
-    config = RunConfig(**scalars, **sections, raw=composed)
+    try:
+        config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), composed))
+    except OmegaConfBaseException as error:
+        raise config_error(error) from None
+    if not config.stages:
+        raise CompressError(f"recipe {config.recipe!r} has no stages")
     check_values(config)
     check_stage_types(config.stages)
     build_chain(config.stages)  # unknown stage keys and illegal orders

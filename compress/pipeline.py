@@ -64,7 +64,7 @@ def run(config: RunConfig) -> RunResult:
             report = _execute(config, stages, device, staging, timer)
             report.update(run_id=run_id, wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb())
             report["checkpoint"]["path"] = str(final / "checkpoint")
-            if config.gate.get("enabled", True):
+            if config.gate.enabled:
                 with timer.phase("gate"):
                     report["gate"] = _gate(config, staging, final, run_log)
             report["timings_s"] = timer.seconds

@@ -5,14 +5,34 @@ from __future__ import annotations
 
 import datetime as dt
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
+from compress.commands.args import parse_options, usage, wants_help
 from compress.errors import CompressError
 from compress.paths import artifacts_dir
 
-USAGE = __doc__.split(":", 1)[0].strip("`")
-FILTERS = {"model", "recipe", "since", "kind", "limit", "plot"}
+SYNOPSIS = __doc__.split(":", 1)[0].strip("`").replace("\n", " ")
+
+
+def parse_date(text: str) -> dt.date:
+    try:
+        return dt.date.fromisoformat(text)
+    except ValueError:
+        raise ValueError("give a date as YYYY-MM-DD") from None
+
+
+@dataclass
+class CompareOptions:
+    model: str | None = None  # runs whose model path contains this text
+    recipe: str | None = None
+    since: dt.date | None = field(default=None, metadata={"parse": parse_date})
+    kind: Literal["run", "gate"] | None = None
+    limit: int = 200  # the newest runs read from the store
+    plot: Path | None = None  # default <artifacts>/compare/pareto.png
+
+
 COLUMNS = [
     # header, how to read it from a Row
     ("run", lambda row: row.run_id[:8]),
@@ -163,34 +183,20 @@ def plot_pareto(rows: list[Row], path: Path) -> Path | None:
     return path
 
 
-def parse_arguments(argv: list[str]) -> dict[str, str]:
-    arguments = {}
-    for argument in argv:
-        key, separator, value = argument.partition("=")
-        if not separator or key not in FILTERS:
-            raise CompressError(f"unexpected argument {argument!r}; usage: {USAGE}")
-        arguments[key] = value
-    return arguments
-
-
 def main(argv: list[str]) -> int:
+    if wants_help(argv):
+        print(usage(CompareOptions, SYNOPSIS))
+        return 0
     try:
-        arguments = parse_arguments(argv)
-        since = dt.date.fromisoformat(arguments["since"]) if "since" in arguments else None
-        rows = load_rows(
-            arguments.get("model"),
-            arguments.get("recipe"),
-            since,
-            arguments.get("kind"),
-            int(arguments.get("limit", 200)),
-        )
-    except (CompressError, ValueError) as error:
+        options, _ = parse_options(CompareOptions, argv, SYNOPSIS)
+        rows = load_rows(options.model, options.recipe, options.since, options.kind, options.limit)
+    except CompressError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if not rows:
         print("no runs match; run `python -m compress run ...` or `python -m compress gate ...` first")
         return 0
     print(format_table(rows))
-    plot = plot_pareto(rows, Path(arguments.get("plot", artifacts_dir() / "compare" / "pareto.png")))
+    plot = plot_pareto(rows, options.plot or artifacts_dir() / "compare" / "pareto.png")
     print(f"\nPareto plot: {plot}" if plot else "\nno run has both size_mb and ppl_candidate: no Pareto plot")
     return 0

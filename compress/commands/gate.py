@@ -1,4 +1,4 @@
-"""``python -m compress gate candidate=<ckpt> baseline=<model|ckpt> [gate=default|quick|none] [promote=true]
+"""``python -m compress gate checkpoint=<ckpt> baseline=<model|ckpt> [gate=default|quick|none] [promote=true]
 [out=<dir>] [gate.<key>=<value> ...]``: judge a checkpoint; exit 0 on pass, 1 on block, 2 on a usage error."""
 
 from __future__ import annotations
@@ -6,13 +6,23 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from compress.commands.args import parse_options, usage, wants_help
 from compress.errors import CompressError
 from compress.paths import artifacts_dir, recipes_dir
 
-USAGE = __doc__.split(":", 1)[0].strip("`")
-TOP_LEVEL = {"candidate", "baseline", "gate", "out", "promote"}
+SYNOPSIS = __doc__.split(":", 1)[0].strip("`").replace("\n", " ")
+
+
+@dataclass
+class GateOptions:
+    checkpoint: str  # the candidate
+    baseline: str  # a model name, folder or checkpoint
+    gate: str = "default"  # recipes/gate/<gate>.yaml; gate.<key>=<value> overrides its keys
+    out: Path | None = None  # default <artifacts>/gates/<time>-<checkpoint name>
+    promote: bool | None = None  # registry.promote of the policy
 
 
 def load_policy(name: str, overrides: list[str]) -> dict:
@@ -27,25 +37,6 @@ def load_policy(name: str, overrides: list[str]) -> dict:
     return OmegaConf.to_container(policy)
 
 
-def parse_arguments(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """Top-level ``key=value`` arguments, and the ``gate.`` overrides without their prefix."""
-    arguments, overrides = {}, []
-    for argument in argv:
-        key, separator, value = argument.partition("=")
-        if not separator:
-            raise CompressError(f"argument {argument!r} is not key=value; usage: {USAGE}")
-        if key.startswith("gate."):
-            overrides.append(f"{key.removeprefix('gate.')}={value}")
-        elif key in TOP_LEVEL:
-            arguments[key] = value
-        else:
-            raise CompressError(f"unknown argument {key!r}: use {sorted(TOP_LEVEL)} or gate.<key>=<value>")
-    for required in ("candidate", "baseline"):
-        if required not in arguments:
-            raise CompressError(f"missing {required}=...; usage: {USAGE}")
-    return arguments, overrides
-
-
 def evaluation_texts(policy: dict) -> list[str]:
     """The held-out split of ``gate.data`` (default: the pipeline's default corpus), popped from the policy: the
     evaluators take text, not a data source."""
@@ -56,25 +47,27 @@ def evaluation_texts(policy: dict) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    if wants_help(argv):
+        print(usage(GateOptions, SYNOPSIS) + "\n  gate.<key>=<value>  (any key of recipes/gate/default.yaml)")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from compress.tracking import RunLog, check_writable, record_verdict, tracking_uri
     from evals.gate import resolve_policy, run_gate
 
     try:
-        arguments, overrides = parse_arguments(argv)
-        if "promote" in arguments:
-            overrides.append(f"registry.promote={arguments['promote']}")
-        policy = load_policy(arguments.get("gate", "default"), overrides)
+        options, overrides = parse_options(GateOptions, argv, SYNOPSIS, passthrough="gate")
+        if options.promote is not None:
+            overrides.append(f"registry.promote={str(options.promote).lower()}")
+        policy = load_policy(options.gate, overrides)
         texts = evaluation_texts(policy)
         experiment = resolve_policy(policy).experiment  # a bad policy is reported before MLflow hears of it
         uri = tracking_uri()
         check_writable(uri, "set MLFLOW_TRACKING_URI=<writable store>")  # before minutes of evaluation, not after
-        candidate = arguments["candidate"]
-        default_out = artifacts_dir() / "gates" / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(candidate).name}"
-        out_dir = Path(arguments.get("out", default_out))
+        candidate = options.checkpoint
+        out_dir = options.out or artifacts_dir() / "gates" / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(candidate).name}"
         run = RunLog(uri, experiment, None, tags={"compress.kind": "gate"})
         try:
-            result = run_gate(candidate, arguments["baseline"], policy, out_dir, evaluation_texts=texts)
+            result = run_gate(candidate, options.baseline, policy, out_dir, evaluation_texts=texts)
             checkpoint = Path(candidate).expanduser()
             record_verdict(run, result, result.files, checkpoint if checkpoint.is_dir() else None, own_run=True)
         except BaseException as error:

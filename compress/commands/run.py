@@ -1,28 +1,30 @@
-"""``python -m compress run recipe=<name> [overrides] [-m]``: Hydra composes the recipe, the pipeline runs it.
+"""``python -m compress run recipe=<name> [key=value ...] [-m] [--cfg job]``: compose the recipe, run the pipeline.
 
-Before Hydra sees the command line we resolve shortcuts (``model=<folder or hub id>``, ``data=<file or dataset>``)
-and check every override key against the composed recipe, so a typo is reported with the valid keys instead of
-Hydra's generic struct error. Keys a stage accepts but its recipe file leaves at the default are added for you.
+Each job's configuration is composed once, by Hydra's compose API against the run schema, and checked before the
+first job starts; that checked ``RunConfig`` is what runs. ``-m`` sweeps comma-separated values as Hydra's basic
+sweeper does (the cartesian product, jobs one after another); ``--cfg job`` prints each job's configuration and
+runs nothing. Shortcuts (``model=<folder or hub id>``, ``data=<file or dataset>``) are resolved first, and stage
+arguments the recipe file leaves at their defaults are made settable.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import os
 import sys
-import tempfile
-import uuid
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from compress.errors import CompressError
 from compress.paths import recipes_dir
 
+if TYPE_CHECKING:
+    from compress.config import RunConfig
+
 GROUPS = ("model", "data", "gate")
-HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i"}
-OUTCOMES_ENV = "COMPRESS_JOB_OUTCOMES"  # the folder where each job of this command records how it ended
+MULTIRUN_FLAGS = {"-m", "--multirun"}
+PRINT_FLAGS = {"--cfg", "-c"}  # followed by `job`: print each job's configuration
 
 
 def available(group: str | None = None) -> list[str]:
@@ -30,18 +32,22 @@ def available(group: str | None = None) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.yaml") if not p.name.startswith("_"))
 
 
-def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Hydra flags (``-m``, ``--cfg job`` ...) and ``key=value`` overrides."""
-    flags, overrides = [], []
+def split_arguments(argv: list[str]) -> tuple[bool, bool, list[str]]:
+    """``(multirun, print_only, overrides)``: the flags ``-m`` and ``--cfg job``, and the ``key=value`` overrides."""
+    multirun, print_only, overrides = False, False, []
     tokens = iter(argv)
     for token in tokens:
-        if token.startswith("-"):
-            flags.append(token)
-            if token in HYDRA_FLAGS_WITH_VALUE:
-                flags.append(next(tokens, ""))
+        if token in MULTIRUN_FLAGS:
+            multirun = True
+        elif token in PRINT_FLAGS:
+            if next(tokens, None) != "job":
+                raise CompressError(f"{token} takes `job`: {token} job prints each job's configuration")
+            print_only = True
+        elif token.startswith("-"):
+            raise CompressError(f"unknown flag {token!r}; use -m (sweep comma-separated values) or --cfg job")
         else:
             overrides.append(token)
-    return flags, overrides
+    return multirun, print_only, overrides
 
 
 def _key(override: str) -> str:
@@ -73,80 +79,81 @@ def _stage_keys(stage: dict) -> list[str] | None:
 
 
 def check_overrides(recipe: str, overrides: list[str]) -> list[str]:
-    """Raise on unknown keys (naming the valid ones); return overrides with stage defaults made appendable."""
-    from hydra import compose, initialize_config_dir
+    """Raise on unknown group options and stage keys; return the overrides with stage arguments the recipe file
+    leaves at their defaults (and ``gate.engine`` options) made appendable. The typed keys are checked by the
+    schema while composing; stages are a list of different kinds, read from the recipe file, where they live."""
     from omegaconf import OmegaConf
 
-    from compress.config import unknown_key_error
-
-    group_choices = []
+    stages = OmegaConf.to_container(OmegaConf.load(recipes_dir() / f"{recipe}.yaml")).get("stages") or []
+    checked = []
     for override in overrides:
         key = _key(override)
+        parts = key.split(".")
         if key in GROUPS:
             for choice in override.split("=", 1)[1].split(","):
                 if choice not in available(key):
                     raise CompressError(f"{key}={choice} is not a known option; available: {', '.join(available(key))}")
-            group_choices.append(override.split(",")[0])
-    with initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3"):
-        composed = OmegaConf.to_container(compose(config_name=recipe, overrides=group_choices), resolve=False)
-
-    checked = []
-    for override in overrides:
-        key = _key(override)
-        if key in GROUPS or key.startswith("hydra") or override.startswith(("+", "~")):
-            checked.append(override)
-            continue
-        node, path = composed, []
-        for part in key.split("."):
-            if isinstance(node, list):
-                if not part.isdigit() or int(part) >= len(node):
-                    raise CompressError(f"{key}: {'.'.join(path)} has {len(node)} entries (0..{len(node) - 1})")
-                node = node[int(part)]
-            elif isinstance(node, dict) and part in node:
-                node = node[part]
-            else:
-                where = ".".join(path) or "config"
-                stage_keys = _stage_keys(node) if path[:1] == ["stages"] and isinstance(node, dict) else None
-                if stage_keys is not None and part in stage_keys and len(path) == 2:
-                    override = "+" + override  # a stage argument the recipe file leaves at its default
-                    break
-                if path[:2] == ["gate", "engine"]:
-                    override = "+" + override  # free-form compress.engine.EngineConfig options
-                    break
-                valid = stage_keys if stage_keys is not None else list(node) if isinstance(node, dict) else []
-                raise unknown_key_error(where, part, valid)
-            path.append(part)
+        elif parts[0] == "hydra" or key.startswith("hydra/"):
+            raise CompressError(
+                f"{override}: jobs run one after another in this process, composed by compress; "
+                "Hydra's launcher and output settings do not apply"
+            )
+        elif override.startswith(("+", "~")):
+            pass
+        elif parts[:2] == ["gate", "engine"] and len(parts) == 3:
+            override = "+" + override  # free-form compress.engine.EngineConfig options, checked after composing
+        elif parts[0] == "stages" and len(parts) > 1:
+            override = _stage_override(override, parts, stages)
         checked.append(override)
     return checked
 
 
+def _stage_override(override: str, parts: list[str], stages: list) -> str:
+    """``stages.<i>.<key>=<value>`` checked against stage ``i`` of the recipe; ``+`` added when the recipe file
+    leaves that argument at its default."""
+    from compress.commands.args import unknown_key_error
+
+    index = parts[1]
+    if not index.isdigit() or int(index) >= len(stages):
+        raise CompressError(f"{'.'.join(parts)}: stages has {len(stages)} entries (0..{len(stages) - 1})")
+    stage = stages[int(index)]
+    if len(parts) != 3 or not isinstance(stage, dict) or parts[2] in stage:
+        return override
+    valid = _stage_keys(stage)
+    if valid is None:
+        return override  # an unknown stage type: build_chain names the known ones
+    if parts[2] not in valid:
+        raise unknown_key_error(f"stages.{index}", parts[2], valid)
+    return "+" + override
+
+
 @dataclass
 class Outcome:
-    """How one job ended, written where the parent process can read it (joblib jobs run in other processes)."""
+    """How one job ended: its exit code and the line the sweep summary shows."""
 
-    job: int  # Hydra's job number (0 for a single run)
+    job: int  # the job's number in the sweep (0 for a single run)
     exit_code: int
     line: str
 
 
-def compose_job(recipe: str, overrides: list[str]) -> dict:
-    """The composed config of one job, type-checked against the run schema; Hydra's errors become one line."""
+def compose_job(recipe: str, overrides: list[str]) -> RunConfig:
+    """The one composition of a job: Hydra composes the recipe with the job's overrides against the run schema,
+    ``build_run_config`` types and checks it; Hydra's errors become one line."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException, MissingConfigException
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from compress.config import config_error
+    from compress.config import build_run_config, config_error
 
     try:
         with initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3"):
-            cfg = compose(config_name=recipe, overrides=overrides)
-        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+            composed = compose(config_name=recipe, overrides=overrides)
     except MissingConfigException as error:
         options = f"; available: {', '.join(error.options)}" if error.options else ""
         raise CompressError(str(error).strip().splitlines()[0] + options) from None
     except (HydraException, OmegaConfBaseException) as error:
         raise config_error(error) from None
+    return build_run_config(composed)
 
 
 def job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
@@ -164,28 +171,11 @@ def job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
-def prepare_tracking(configs: list) -> None:
-    """Create (and migrate) each MLflow store and experiment once, before parallel jobs race to do it: two fresh
-    processes migrating one sqlite file fail with "table _alembic_tmp_metrics already exists"."""
-    from mlflow.tracking import MlflowClient
-
-    from compress.tracking import experiment_id, tracking_uri
-
-    for uri, experiment in {
-        (tracking_uri(c.tracking.uri), c.tracking.experiment) for c in configs if c.tracking.enabled
-    }:
-        experiment_id(MlflowClient(tracking_uri=uri), experiment)
-
-
-def _run_job(cfg, job: int) -> Outcome:
-    from omegaconf import OmegaConf
-
-    from compress.config import build_run_config
+def _run_job(config: RunConfig, job: int) -> Outcome:
     from compress.pipeline import run
     from compress.report import gate_details, summary_lines, verdict_line
 
     try:
-        config = build_run_config(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
         result = run(config)
     except CompressError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -197,34 +187,10 @@ def _run_job(cfg, job: int) -> Outcome:
     gate = result.report.get("gate")
     if gate is None:
         return Outcome(job, 0, f"run folder: {result.run_dir}")
-    enforce = bool(config.gate.get("enforce", False))
+    enforce = config.gate.enforce
     line = verdict_line(gate, enforce)
     print("\n".join([*gate_details(gate), line]))
     return Outcome(job, 1 if enforce and not gate["passed"] else 0, line)
-
-
-def _task(cfg) -> None:
-    """One Hydra job. It never raises SystemExit, which would stop a sweep: it records how it ended instead."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
-
-    job = int(OmegaConf.select(HydraConfig.get(), "job.num", default=0, throw_on_missing=False) or 0)
-    try:
-        outcome = _run_job(cfg, job)
-    except BaseException as error:  # a bug: recorded as a failure, then Hydra reports it after the other jobs
-        _record(Outcome(job, 1, f"{type(error).__name__}: {error}"))
-        raise
-    _record(outcome)
-
-
-def _record(outcome: Outcome) -> None:
-    folder = os.environ.get(OUTCOMES_ENV)
-    if folder:
-        (Path(folder) / f"{uuid.uuid4().hex}.json").write_text(json.dumps(dataclasses.asdict(outcome)))
-
-
-def _outcomes(folder: Path) -> list[Outcome]:
-    return [Outcome(**json.loads(path.read_text())) for path in sorted(folder.glob("*.json"))]
 
 
 def config_uri(config) -> str:
@@ -233,20 +199,17 @@ def config_uri(config) -> str:
     return tracking_uri(config.tracking.uri)
 
 
-def validate(recipe: str, overrides: list[str], multirun: bool) -> tuple[list[str], list[list[str]], list]:
-    """Every job's configuration, checked before the first job starts: the overrides to hand to Hydra (key-checked,
-    stage defaults made appendable), each job's own overrides, and each job's ``RunConfig``."""
-    from compress.config import build_run_config, register_schema
+def validate(recipe: str, overrides: list[str], multirun: bool) -> tuple[list[list[str]], list[RunConfig]]:
+    """Every job's overrides and its composed, checked ``RunConfig``, all before the first job starts."""
+    from compress.config import register_schema
     from compress.models import check_model_source
 
     register_schema()
-    overrides = check_overrides(recipe, resolve_shortcuts(overrides))
-    jobs, configs = job_overrides(overrides, multirun), []
-    for job in jobs:
-        config = build_run_config(compose_job(recipe, job))
+    jobs = job_overrides(check_overrides(recipe, resolve_shortcuts(overrides)), multirun)
+    configs = [compose_job(recipe, job) for job in jobs]
+    for config in configs:
         check_model_source(config.model)
-        configs.append(config)
-    return overrides, jobs, configs
+    return jobs, configs
 
 
 def sweep_labels(jobs: list[list[str]]) -> list[str]:
@@ -254,48 +217,49 @@ def sweep_labels(jobs: list[list[str]]) -> list[str]:
     return [" ".join(o for o in job if not all(o in other for other in jobs)) or "(no varying key)" for job in jobs]
 
 
+def run_jobs(configs: list[RunConfig], multirun: bool) -> list[Outcome]:
+    """Each job in turn, as Hydra's basic launcher runs a sweep: a job's unexpected exception is reported and
+    recorded as a failure, and the sweep goes on."""
+    if not multirun:
+        return [_run_job(configs[0], 0)]
+    outcomes = []
+    for job, config in enumerate(configs):
+        try:
+            outcomes.append(_run_job(config, job))
+        except Exception as error:  # noqa: BLE001 - a bug in one job must not stop the others
+            traceback.print_exc()
+            outcomes.append(Outcome(job, 1, f"{type(error).__name__}: {error}"))
+    return outcomes
+
+
 def main(argv: list[str]) -> int:
+    from omegaconf import OmegaConf
+
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    flags, overrides = split_arguments(argv)
-    multirun = bool({"-m", "--multirun"} & set(flags))
-    recipes = [o for o in overrides if o.startswith("recipe=")]
-    overrides = [o for o in overrides if not o.startswith("recipe=")]
     try:
+        multirun, print_only, overrides = split_arguments(argv)
+        recipes = [o for o in overrides if o.startswith("recipe=")]
+        overrides = [o for o in overrides if not o.startswith("recipe=")]
         if not recipes:
             raise CompressError(f"choose a recipe: recipe=<name>; available: {', '.join(available())}")
         recipe = recipes[-1].split("=", 1)[1]
         if recipe not in available():
             raise CompressError(f"unknown recipe {recipe!r}; available: {', '.join(available())}")
-        overrides, jobs, configs = validate(recipe, overrides, multirun)
-        if multirun:
-            prepare_tracking(configs)
+        jobs, configs = validate(recipe, overrides, multirun)
+        if print_only:
+            for label, config in zip(sweep_labels(jobs), configs, strict=True):
+                print(f"# {label}\n" if multirun else "", OmegaConf.to_yaml(config.raw), sep="", end="")
+            return 0
     except CompressError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-
-    import hydra
-
-    entry = hydra.main(version_base="1.3", config_path=None, config_name=None)(_task)
-    saved_argv, saved_env = sys.argv, os.environ.get(OUTCOMES_ENV)
-    sys.argv = ["compress", f"--config-dir={recipes_dir()}", f"--config-name={recipe}", *flags, *overrides]
-    with tempfile.TemporaryDirectory(prefix="compress-outcomes-") as folder:
-        os.environ[OUTCOMES_ENV] = folder
-        code = 0
-        try:
-            entry()
-        except SystemExit as exit_:  # Hydra's own usage errors, and a job's unexpected exception
-            code = exit_.code if isinstance(exit_.code, int) else 1
-        finally:
-            sys.argv = saved_argv
-            if saved_env is None:
-                os.environ.pop(OUTCOMES_ENV, None)
-            else:
-                os.environ[OUTCOMES_ENV] = saved_env
-        outcomes = _outcomes(Path(folder))
-    if multirun and outcomes:
+    outcomes = run_jobs(configs, multirun)
+    if multirun:
         labels = sweep_labels(jobs)
         print(f"\nsweep: {len(outcomes)} of {len(jobs)} jobs ran")
-        for outcome in sorted(outcomes, key=lambda outcome: outcome.job):
-            label = labels[outcome.job] if outcome.job < len(labels) else f"job {outcome.job}"
-            print(f"  #{outcome.job} {label}: {outcome.line}")
-    return max([code, *(outcome.exit_code for outcome in outcomes)])
+        for outcome in outcomes:
+            print(f"  #{outcome.job} {labels[outcome.job]}: {outcome.line}")
+    return max(outcome.exit_code for outcome in outcomes)

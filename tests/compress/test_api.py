@@ -72,9 +72,10 @@ def test_oneshot_calibrates_on_a_list_of_strings(tmp_path):
     chain = [{"type": "gptq", "bits": 4, "group_size": 32}]
     checkpoint = oneshot(
         build_tiny_llama(), chain, data=texts, tokenizer=tokenizer, output_dir=tmp_path / "c",
-        overrides=["data.num_samples=2", "data.seq_len=32"],
+        overrides=["data.num_samples=2", "data.seq_len=32", "stages.0.group_size=16"],
     )  # fmt: skip
     assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "tokenizer.json").is_file()
+    assert yaml.safe_load((checkpoint / "recipe.yaml").read_text())["stages"][0]["group_size"] == 16
 
 
 @pytest.mark.parametrize(

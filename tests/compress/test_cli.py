@@ -33,7 +33,18 @@ def test_awq_run_writes_checkpoint_report_and_mlflow(tiny_model_dir, artifacts, 
     assert run.data.tags["compress.run_dir"] == str(run_dir)
 
 
-def test_multirun_sweep(tiny_model_dir, artifacts):
+def test_multirun_sweep_composes_each_job_once(tiny_model_dir, artifacts, monkeypatch):
+    """Each job's configuration is composed once, checked, and that object runs: no second composition by Hydra."""
+    from hydra._internal.hydra import Hydra
+
+    compositions = []
+    compose_config = Hydra.compose_config
+
+    def counting(self, config_name, overrides, *args, **kwargs):
+        compositions.append(list(overrides))
+        return compose_config(self, config_name, overrides, *args, **kwargs)
+
+    monkeypatch.setattr(Hydra, "compose_config", counting)
     args = [
         "run",
         "recipe=rtn_int4",
@@ -46,6 +57,11 @@ def test_multirun_sweep(tiny_model_dir, artifacts):
     assert main(args) == 0
     reports = [json.loads((d / "report.json").read_text()) for d in (artifacts / "runs").iterdir()]
     assert sorted(r["checkpoint"]["bits_per_weight"] for r in reports) == [4.0, 5.0]  # 3/4 bits + fp32 scale / 32
+    assert len(compositions) == 2, compositions  # one per job
+    assert sorted(next(o for o in job if o.startswith("stages.0.bits")) for job in compositions) == [
+        "stages.0.bits=3",
+        "stages.0.bits=4",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -119,3 +135,27 @@ def test_rtn_reference_without_an_integer_quantizer_fails_before_work(tiny_model
     assert main(args) == 1
     assert "eval.reference=rtn needs an integer weight quantizer" in capsys.readouterr().err
     assert not (artifacts / "runs").exists() or not any((artifacts / "runs").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [("gate", "checkpoint=(required)"), ("generate", "max_tokens=64"), ("compare", "limit=200")],
+)
+def test_help_lists_every_key_with_its_default(command, expected, capsys):
+    assert main([command, "--help"]) == 0
+    assert expected in capsys.readouterr().out
+
+
+def test_cfg_job_prints_each_composed_job_and_runs_nothing(tiny_model_dir, artifacts, capsys):
+    args = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", "stages.0.bits=3,4", "--cfg", "job", "-m"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "# stages.0.bits=3\nrecipe: rtn_int4\n" in out and "# stages.0.bits=4\n" in out
+    assert "  bits: 3\n" in out and "  bits: 4\n" in out
+    assert not (artifacts / "runs").exists()
+
+
+def test_hydra_launcher_settings_are_one_line(capsys):
+    assert main(["run", "recipe=rtn_int4", "hydra/launcher=joblib", "stages.0.bits=3,4", "-m"]) == 1
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: hydra/launcher=joblib: jobs run one after another")

@@ -64,6 +64,16 @@ def test_pareto_front_keeps_only_undominated_points():
     assert compare.pareto_front([(90.0, 21.0), (90.0, 24.0), (270.0, 20.0), (300.0, 25.0)]) == [0, 2]
 
 
-def test_bad_argument_is_a_usage_error(capsys):
-    assert compare.main(["colour=red"]) == 2
-    assert "usage" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argument", "message"),
+    [
+        ("colour=red", "unknown key 'colour'"),
+        ("since=yesterday", "since='yesterday': give a date as YYYY-MM-DD"),
+        ("kind=sweep", "kind='sweep': choose run or gate"),
+        ("limit=many", "limit='many': give an integer"),
+    ],
+)
+def test_bad_argument_is_a_usage_error(argument, message, capsys):
+    assert compare.main([argument]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and message in errors[0]

@@ -47,7 +47,7 @@ def test_unchanged_model_passes_against_itself_and_is_registered(checkpoints, tm
     out = tmp_path / "gate"
     code = gate_command.main(
         [
-            f"candidate={checkpoints['base']}",
+            f"checkpoint={checkpoints['base']}",
             f"baseline={checkpoints['base']}",
             "gate=quick",
             f"out={out}",
@@ -92,7 +92,7 @@ def test_broken_checkpoint_is_blocked_by_the_perplexity_layer(checkpoints, tmp_p
     out = tmp_path / "gate"
     code = gate_command.main(
         [
-            f"candidate={checkpoints['broken']}",
+            f"checkpoint={checkpoints['broken']}",
             f"baseline={checkpoints['base']}",
             "gate=quick",
             f"out={out}",
@@ -137,7 +137,7 @@ def test_an_evaluator_that_raises_blocks(tokenizer, tmp_path):
 
 def test_unknown_policy_key_is_a_usage_error(checkpoints, capsys):
     code = gate_command.main(
-        [f"candidate={checkpoints['base']}", f"baseline={checkpoints['base']}", "gate.perplexity.max_ratoi=1.1"]
+        [f"checkpoint={checkpoints['base']}", f"baseline={checkpoints['base']}", "gate.perplexity.max_ratoi=1.1"]
     )
     assert code == 2
     assert "max_ratoi" in capsys.readouterr().err
@@ -145,7 +145,7 @@ def test_unknown_policy_key_is_a_usage_error(checkpoints, capsys):
 
 def test_disabled_gate_checks_nothing(checkpoints, tmp_path):
     code = gate_command.main(
-        [f"candidate={checkpoints['base']}", f"baseline={checkpoints['base']}", "gate=none", f"out={tmp_path}"]
+        [f"checkpoint={checkpoints['base']}", f"baseline={checkpoints['base']}", "gate=none", f"out={tmp_path}"]
     )
     assert code == 0
     assert json.loads((tmp_path / "gate.json").read_text())["layers"] == []
@@ -159,7 +159,7 @@ def test_disabled_gate_checks_nothing(checkpoints, tmp_path):
 def test_a_gate_that_ran_no_check_blocks(checkpoints, tmp_path, layers):
     code = gate_command.main(
         [
-            f"candidate={checkpoints['base']}",
+            f"checkpoint={checkpoints['base']}",
             f"baseline={checkpoints['base']}",
             "gate=quick",
             f"out={tmp_path}",
@@ -175,7 +175,7 @@ def test_a_gate_that_ran_no_check_blocks(checkpoints, tmp_path, layers):
 def test_a_gate_whose_limits_are_all_null_blocks(checkpoints, tmp_path):
     code = gate_command.main(
         [
-            f"candidate={checkpoints['base']}",
+            f"checkpoint={checkpoints['base']}",
             f"baseline={checkpoints['base']}",
             "gate=quick",
             f"out={tmp_path}",

@@ -25,7 +25,7 @@ def test_decode_mode_times_dense_and_every_converted_format(tiny_model_dir, tmp_
 def test_converted_linears_are_restored(tiny_model_dir):
     import torch
 
-    model, _ = bench.load({**bench.DEFAULTS, "checkpoint": str(tiny_model_dir)}, "cpu")
+    model, _ = bench.load(bench.EngineBenchOptions(checkpoint=str(tiny_model_dir)), "cpu")
     ids = torch.tensor([[1, 2, 3, 4]])
     before = model(ids).logits
     replaced = bench.convert_linears(model, "w4a16", 128)  # 64-wide tiny layers fall back to group 64
