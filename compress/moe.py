@@ -133,30 +133,32 @@ def unfuse(fused: nn.Module, family: MoEFamily) -> UnfusedExperts:
 
 
 def unfuse_experts(model: nn.Module) -> int:
-    """Replace every supported fused experts module in the model's decoder layers by :class:`UnfusedExperts` (the
-    function is unchanged); returns how many were replaced. Unknown layouts stay: :func:`check_weights_handled`
-    refuses them."""
+    """Replace every fused experts module in the model's decoder layers by :class:`UnfusedExperts` (the function
+    is unchanged); returns how many were replaced. All or nothing: if one has a layout we do not know, nothing is
+    touched and :func:`check_weights_handled` refuses the model in the stages' ``prepare``."""
     family = moe_family(model)
     if family is None:
         return 0
-    replaced = 0
-    for layer in model.model.layers:
-        block = getattr(layer, BLOCK, None)
-        experts = getattr(block, "experts", None)
-        if experts is None or isinstance(experts, UnfusedExperts) or not _expected_layout(experts):
-            continue
-        block.experts = unfuse(experts, family)
-        replaced += 1
-    return replaced
+    blocks = [getattr(layer, BLOCK, None) for layer in model.model.layers]
+    fused = [block for block in blocks if not isinstance(getattr(block, "experts", None), UnfusedExperts | None)]
+    if not all(_expected_layout(block.experts) for block in fused):
+        return 0
+    for block in fused:
+        block.experts = unfuse(block.experts, family)
+    return len(fused)
 
 
 def _expected_layout(experts: nn.Module) -> bool:
-    """``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, no biases: the layout :func:`unfuse` reads."""
+    """``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (by the module's own ``hidden_dim`` and
+    ``intermediate_dim``), no biases: the layout :func:`unfuse` reads."""
     names = {name for name, _ in experts.named_parameters(recurse=False)}
-    if names != {"gate_up_proj", "down_proj"} or not hasattr(experts, "act_fn"):
+    dims = [getattr(experts, name, None) for name in ("num_experts", "hidden_dim", "intermediate_dim", "act_fn")]
+    if names != {"gate_up_proj", "down_proj"} or None in dims:
         return False
-    experts_n, doubled, hidden = experts.gate_up_proj.shape
-    return doubled % 2 == 0 and tuple(experts.down_proj.shape) == (experts_n, hidden, doubled // 2)
+    count, hidden, intermediate, _ = dims
+    return tuple(experts.gate_up_proj.shape) == (count, 2 * intermediate, hidden) and tuple(
+        experts.down_proj.shape
+    ) == (count, hidden, intermediate)
 
 
 ROUTERS = frozenset(f"{BLOCK}.{router}" for family in MOE_FAMILIES.values() for router in family.routers)

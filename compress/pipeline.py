@@ -18,6 +18,7 @@ from compress.api import named_summaries, select_device, write_checkpoint
 from compress.calibration import restore_dtypes, upcast
 from compress.checkpoint import load_checkpoint
 from compress.compression import compress_model
+from compress.moe import unfuse_experts
 from compress.config import RunConfig, check_evaluation_length
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
@@ -88,6 +89,7 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
         corpus = load_corpus(config.data)  # before the model: a bad data source fails in seconds
     with timer.phase("load_model"):
         model, tokenizer = load(config.model)
+        unfuse_experts(model)  # MoE: the stages check (and the baseline runs) the per-expert form they compress
         for stage in stages:
             stage.prepare(model)  # a model a stage cannot handle fails before the baseline evaluation
     with timer.phase("data"):

@@ -249,6 +249,30 @@ def _qwen3_moe(vocab_size: int):
     return Qwen3MoeForCausalLM(config)
 
 
+def build_tiny_deepseek_v3(vocab_size: int = 320, seed: int = 0) -> torch.nn.Module:
+    """DeepSeek-V3: MLA attention (low-rank q/kv projections), 4 routed experts + 1 shared, sigmoid group routing.
+    Outside :data:`MOE_BUILDERS`: AWQ/SmoothQuant have no MLA mappings and the engine does not run MLA."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(
+        vocab_size=vocab_size,
+        **{**MOE_COMMON, "num_key_value_heads": 4},
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=0,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+    )
+    return DeepseekV3ForCausalLM(config).eval()
+
+
 # MoE families (transformers 5 fuses their experts into 3-D parameters): 4 experts, top-2 routing, random routers, so
 # a tiny calibration set leaves some experts rarely or never routed, as real MoE models do.
 MOE_BUILDERS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
