@@ -18,11 +18,11 @@ from compress.api import named_summaries, select_device, write_checkpoint
 from compress.calibration import restore_dtypes, upcast
 from compress.checkpoint import load_checkpoint
 from compress.compression import compress_model
-from compress.moe import unfuse_experts
 from compress.config import RunConfig, check_evaluation_length
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
 from compress.models import check_model_source, load, materialize_all, resolve_model_path
+from compress.moe import unfuse_experts
 from compress.paths import artifacts_dir
 from compress.report import Timer, peak_rss_mb, run_metrics, write_report
 from compress.rundir import sigterm_as_interrupt, staged_run_folder
