@@ -268,3 +268,20 @@ def test_weights_no_stage_knows_are_refused_in_one_line_before_any_work(build, m
         assert error.match(message)
     after = model.state_dict()
     assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+
+
+def test_run_rtn_int4_on_qwen3_moe_quantizes_every_expert_and_writes_vllm_names(tmp_path, artifacts):
+    """The issue's command, end to end through the CLI: on main it exited 0 with 8 quantized linears."""
+    from helpers import build_tiny_tokenizer
+
+    from compress.__main__ import main
+
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_moe("qwen3_moe", len(tokenizer)).save_pretrained(tmp_path / "moe")
+    tokenizer.save_pretrained(tmp_path / "moe")
+    small = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=2", "stages.0.group_size=32"]
+    assert main(["run", "recipe=rtn_int4", f"model={tmp_path / 'moe'}", *small, "gate=none"]) == 0
+    [run_dir] = (artifacts / "runs").iterdir()
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["checkpoint"]["quantized_linears"] == LAYERS * (4 + EXPERTS * 3)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight_packed" in _keys(run_dir / "checkpoint")
