@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from compress.calibration import capture_first_layer_inputs, decoder_layers, restore_dtypes, run_layer, upcast
 from compress.models import materialize_all, materialize_layer
+from compress.moe import expert_token_report, unfuse_experts
 from compress.stages import LayerContext, Stage, build_chain, check_chain
 
 
@@ -34,10 +35,16 @@ def compress_model(
         chain = list(stages)
         check_chain(chain)  # the same order rules as a recipe
     device = torch.device(device)
+    unfuse_experts(model)  # MoE: one linear per expert, so every stage sees (and the checkpoint names) each one
     for stage in chain:
         stage.prepare(model)
     apply_stages(model, chain, samples, device, batch_size)
-    return [{**stage.finalize(model), "seconds": stage.seconds} for stage in chain]
+    summaries = [{**stage.finalize(model), "seconds": stage.seconds} for stage in chain]
+    experts = expert_token_report(model)
+    for stage, summary in zip(chain, summaries, strict=True):
+        if experts and stage.needs_calibration:
+            summary["expert_tokens"] = experts
+    return summaries
 
 
 def apply_stages(
