@@ -67,3 +67,27 @@ def test_pareto_front_keeps_only_undominated_points():
 def test_bad_argument_is_a_usage_error(capsys):
     assert compare.main(["colour=red"]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_search_trials_are_squares_coloured_by_their_verdict(store):
+    from matplotlib.colors import to_rgba
+
+    from compress.tracking import tracking_uri
+
+    parent = RunLog(tracking_uri(), "compress", "search", tags={"compress.kind": "search"})
+    for number, (size, ppl, passed) in enumerate([(60.0, 30.0, 0.0), (75.0, 22.0, 1.0)], start=1):
+        tags = {"compress.kind": "search-trial", "compress.recipe": f"gptq_int4 search #{number}"}
+        trial = RunLog(tracking_uri(), "compress", f"trial-{number}", tags, parent.run_id)
+        trial.metrics({"size_mb": size, "gate.ppl_candidate": ppl, "gate.passed": passed})
+        trial.finish()
+    assert trial.client.get_run(trial.run_id).data.tags["mlflow.parentRunId"] == parent.run_id
+    figure = compare.pareto_figure(compare.load_rows(None, None, None, None, 100))
+    squares = {
+        collection.get_label(): (collection.get_offsets().tolist(), tuple(collection.get_facecolors()[0]))
+        for collection in figure.axes[0].collections
+        if collection.get_label().startswith("search trial")
+    }
+    assert squares == {
+        "search trial: pass": ([[75.0, 22.0]], to_rgba("tab:green")),
+        "search trial: BLOCK": ([[60.0, 30.0]], to_rgba("tab:red")),
+    }
