@@ -84,6 +84,7 @@ def test_every_registered_stage_declares_what_it_does():
         "awq",
         "fp8",
         "gptq",
+        "mixed",
         "rtn",
         "w8a8",
     ]
