@@ -8,6 +8,7 @@ import sys
 
 COMMANDS = {
     "run": "run a recipe: calibrate, compress, save a checkpoint, evaluate, gate, log to MLflow",
+    "search": "the smallest mixed-precision checkpoint within a bits budget that passes the gate",
     "gate": "judge a candidate checkpoint against a baseline; exit 0 pass, 1 block",
     "compare": "table and Pareto plot of logged runs",
     "generate": "generate text from a checkpoint with the compress engine",

@@ -57,6 +57,9 @@ class CheckpointSummary:
     quantized_params: int
     total_params: int
     bits_per_weight: float  # stored bits (codes + scales + zero points) per quantized weight
+    # the same over every linear but the output head, unquantized ones at their dtype's width: what a mixed
+    # checkpoint's bits budget (``compress search``) counts
+    linear_bits_per_weight: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,7 +82,8 @@ def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -
         schemes.setdefault(_scheme_key(module), []).append(name)
     groups = {}
     for index, ((bits, symmetric, group_size, act_order), names) in enumerate(sorted(schemes.items(), key=str)):
-        targets = ["Linear"] if len(schemes) == 1 else [f"re:^{re.escape(n)}$" for n in names]
+        alone = len(schemes) == 1 and not activation_groups  # "Linear" would also match the W8A8 modules
+        targets = ["Linear"] if alone else [f"re:^{re.escape(n)}$" for n in names]
         groups[f"group_{index}"] = {
             "targets": targets,
             "weights": {
@@ -260,6 +264,10 @@ def summarize(model: nn.Module, folder: Path) -> CheckpointSummary:
     quantized_params += sum(m.in_features * m.out_features for m in eight_bit)
     quantized += eight_bit
     total = sum(p.numel() for p in model.parameters()) + quantized_params
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    dense = [m.weight for m in model.modules() if type(m) is nn.Linear and m is not head]
+    linear_params = quantized_params + sum(w.numel() for w in dense)
+    linear_bits = stored_bits + sum(w.numel() * w.element_size() * 8 for w in dense)
     return CheckpointSummary(
         path=str(folder),
         size_mb=size / 1e6,
@@ -267,6 +275,7 @@ def summarize(model: nn.Module, folder: Path) -> CheckpointSummary:
         quantized_params=quantized_params,
         total_params=total,
         bits_per_weight=stored_bits / quantized_params if quantized_params else 0.0,
+        linear_bits_per_weight=linear_bits / linear_params if linear_params else 0.0,
     )
 
 

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 CANDIDATE_ALIAS, CHAMPION_ALIAS = "candidate", "champion"
 PID_TAG, HOST_TAG = "compress.pid", "compress.host"
+PARENT_TAG = "mlflow.parentRunId"  # how the MLflow UI nests child runs
 
 
 def tracking_uri(configured: str | None = None) -> str:
@@ -154,13 +155,18 @@ class RunLog:
     The run carries its process id and host, so a later run can close it as KILLED if this process dies unannounced.
     """
 
-    def __init__(self, uri: str, experiment: str, run_name: str | None, tags: dict[str, str]):
+    def __init__(
+        self, uri: str, experiment: str, run_name: str | None, tags: dict[str, str], parent_run_id: str | None = None
+    ):
+        """``parent_run_id``: nest this run under another (MLflow's ``mlflow.parentRunId`` tag), e.g. a search trial."""
         from mlflow.tracking import MlflowClient
 
         self.uri = uri
         self.client = MlflowClient(tracking_uri=uri, registry_uri=uri)
         mark_orphaned_runs(self.client, experiment)
         tags = {**tags, PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
+        if parent_run_id is not None:
+            tags[PARENT_TAG] = parent_run_id
         run = self.client.create_run(experiment_id(self.client, experiment), run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
         location = local_path(run.info.artifact_uri)

@@ -14,6 +14,8 @@ from compress.errors import CompressError
 from compress.paths import artifacts_dir
 
 SYNOPSIS = __doc__.split(":", 1)[0].strip("`").replace("\n", " ")
+SEARCH_TRIAL = "search-trial"  # compress.kind of a `compress search` trial
+VERDICT_COLOURS = {"pass": "tab:green", "BLOCK": "tab:red", "–": "tab:gray"}
 
 
 def parse_date(text: str) -> dt.date:
@@ -28,7 +30,7 @@ class CompareOptions:
     model: str | None = None  # runs whose model path contains this text
     recipe: str | None = None
     since: dt.date | None = field(default=None, metadata={"parse": parse_date})
-    kind: Literal["run", "gate"] | None = None
+    kind: Literal["run", "gate", "search-trial"] | None = None
     limit: int = 200  # the newest runs read from the store
     plot: Path | None = None  # default <artifacts>/compare/pareto.png
 
@@ -127,8 +129,8 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 
 def pareto_figure(rows: list[Row]):
-    """Perplexity against size, colour = TPOT (grey where not measured); the Pareto front is joined. None when no run
-    has both size and perplexity."""
+    """Perplexity against size, colour = TPOT (grey where not measured), ``compress search`` trials as squares coloured
+    by their gate verdict; the Pareto front is joined. None when no run has both size and perplexity."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,8 +140,9 @@ def pareto_figure(rows: list[Row]):
     if not plotted:
         return None
     points = [(row.metrics["size_mb"], row.metrics["ppl_candidate"]) for row in plotted]
-    timed = [index for index, row in enumerate(plotted) if "tpot_p50_ms" in row.metrics]
-    untimed = [index for index in range(len(plotted)) if index not in timed]
+    trials = [index for index, row in enumerate(plotted) if row.kind == SEARCH_TRIAL]
+    timed = [i for i, row in enumerate(plotted) if "tpot_p50_ms" in row.metrics and i not in trials]
+    untimed = [index for index in range(len(plotted)) if index not in timed and index not in trials]
     figure, axis = plt.subplots(figsize=(7, 4.5))
     if timed:  # a colormap draws NaN transparent, so runs without TPOT get their own grey markers below
         scatter = axis.scatter(
@@ -158,6 +161,17 @@ def pareto_figure(rows: list[Row]):
             s=60,
             label="TPOT not measured",
         )
+    for verdict, colour in VERDICT_COLOURS.items():
+        shown = [i for i in trials if plotted[i].verdict == verdict]
+        if shown:
+            axis.scatter(
+                [points[i][0] for i in shown],
+                [points[i][1] for i in shown],
+                color=colour,
+                marker="s",
+                s=50,
+                label=f"search trial: {verdict}",
+            )
     front = sorted(points[index] for index in pareto_front(points))
     axis.plot(*zip(*front, strict=True), color="tab:red", linewidth=1, label="Pareto front")
     for row, (size, ppl) in zip(plotted, points, strict=True):

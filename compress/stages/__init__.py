@@ -10,12 +10,13 @@ from compress.stages.distill import DistillStage
 from compress.stages.gptq import GPTQStage
 from compress.stages.kv_cache import KVCacheStage
 from compress.stages.lora import LoRAMergeStage
+from compress.stages.mixed import MixedStage
 from compress.stages.prune import MagnitudePruneStage, SparseGPTStage, WandaStage
 from compress.stages.rotate import RotateStage
 from compress.stages.rtn import RTNStage
 from compress.stages.smoothquant import SmoothQuantStage
 
-STAGES: dict[str, type[Stage]] = {stage.name: stage for stage in (RTNStage, AWQStage, GPTQStage)}
+STAGES: dict[str, type[Stage]] = {stage.name: stage for stage in (RTNStage, AWQStage, GPTQStage, MixedStage)}
 STAGES.update({s.name: s for s in (RotateStage, SmoothQuantStage, W8A8Stage, FP8Stage, KVCacheStage)})
 STAGES.update({s.name: s for s in (LoRAMergeStage, MagnitudePruneStage, WandaStage, SparseGPTStage, DistillStage)})
 

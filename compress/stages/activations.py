@@ -69,14 +69,19 @@ class W8A8Stage(GPTQStage):
             if not torch.isfinite(linear.weight).all():
                 raise CompressError(f"{ctx.name}.{name}: weight holds NaN/inf; the model or an earlier stage is broken")
             codes, scale, _ = quantize(linear.weight.data, self.config.scheme, scale_dtype=torch.float32)
-            module = self.build_module(linear, codes, scale, None)
+            module = self.build_module(linear, codes, scale, None, self.config.scheme)
             dense = linear.weight.data.float()
             error = (module.dequantized_weight() - dense).pow(2).mean() / dense.pow(2).mean()
             self.stats[f"{ctx.name}.{name}"] = {"weight_rel_mse": float(error), "hessian_rel_error": float("nan")}
             replace_module(ctx.layer, name, module)
 
     def build_module(
-        self, linear: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+        self,
+        linear: nn.Linear,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor | None,
+        scheme: WeightScheme,
     ) -> nn.Module:
         module = Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
         module.weight.copy_(codes)

@@ -176,7 +176,11 @@ class GPTQStage(WeightQuantizerStage):
                 hessians = collect_hessians(ctx, [group[0]], stop_at=group[0])
             self._quantize_group(ctx, group, hessians[group[0]])
 
-    def _quantize_group(self, ctx: LayerContext, names: list[str], hessian: torch.Tensor) -> None:
+    def _quantize_group(
+        self, ctx: LayerContext, names: list[str], hessian: torch.Tensor, scheme: WeightScheme | None = None
+    ) -> None:
+        """GPTQ on the stacked weights of ``names`` (one shared input) with ``scheme`` (default the stage's)."""
+        scheme = scheme or self.config.scheme
         linears = [ctx.layer.get_submodule(n) for n in names]
         full = f"{ctx.name}.{'+'.join(n.rpartition('.')[2] for n in names)}"
         weight = torch.cat([linear.weight.data for linear in linears])
@@ -186,7 +190,7 @@ class GPTQStage(WeightQuantizerStage):
         result = gptq_quantize(
             weight,
             hessian,
-            c.scheme,
+            scheme,
             block_size=c.block_size,
             dampening=c.dampening,
             max_damp_retries=c.max_damp_retries,
@@ -202,7 +206,7 @@ class GPTQStage(WeightQuantizerStage):
             rows = slice(row, row + linear.out_features)
             row += linear.out_features
             zero = None if result.zero_point is None else result.zero_point[rows]
-            module = self.build_module(linear, result.codes[rows], result.scale[rows], zero)
+            module = self.build_module(linear, result.codes[rows], result.scale[rows], zero, scheme)
             dense = linear.weight.data.float()
             error = (module.dequantized_weight().float() - dense).pow(2).mean() / dense.pow(2).mean()
             self.stats[f"{ctx.name}.{name}"] = {
@@ -213,12 +217,16 @@ class GPTQStage(WeightQuantizerStage):
             replace_module(ctx.layer, name, module.to(linear.weight.device))
 
     def build_module(
-        self, linear: nn.Linear, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+        self,
+        linear: nn.Linear,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor | None,
+        scheme: WeightScheme,
     ) -> nn.Module:
         """The stored form of one quantized linear (packed int-N here; W8A8 overrides it)."""
         bias = None if linear.bias is None else linear.bias.data
-        group = self.config.scheme.group_for(linear.in_features)
-        return QuantizedLinear.from_codes(codes, scale, zero, self.config.bits, group, bias)
+        return QuantizedLinear.from_codes(codes, scale, zero, scheme.bits, scheme.group_for(linear.in_features), bias)
 
     def finalize(self, model: nn.Module) -> dict:
         summary = super().finalize(model)

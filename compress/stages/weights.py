@@ -67,14 +67,15 @@ class WeightQuantizerStage(Stage):
         clip: torch.Tensor | float = 1.0,
         inputs: torch.Tensor | None = None,
         scale_dtype: torch.dtype | None = None,
+        scheme: WeightScheme | None = None,
     ) -> None:
-        """Replace ``layer.<name>`` with its quantized form (scales in ``scale_dtype``, default the weight's);
-        record the weight (and output, given inputs) error."""
+        """Replace ``layer.<name>`` with its quantized form (``scheme``, default the stage's; scales in
+        ``scale_dtype``, default the weight's); record the weight (and output, given inputs) error."""
         linear = layer.get_submodule(name)
         weight = linear.weight.data
         if not torch.isfinite(weight).all():
             raise CompressError(f"{full_name}: weight holds NaN/inf; the model or an earlier stage is broken")
-        scheme = self.config.scheme
+        scheme = scheme or self.config.scheme
         codes, scale, zero = quantize(weight, scheme, clip, scale_dtype=scale_dtype or weight.dtype)
         bias = None if linear.bias is None else linear.bias.data
         quantized = QuantizedLinear.from_codes(codes, scale, zero, scheme.bits, scheme.group_for(weight.shape[1]), bias)

@@ -69,7 +69,7 @@ def test_pareto_front_keeps_only_undominated_points():
     [
         ("colour=red", "unknown key 'colour'"),
         ("since=yesterday", "since='yesterday': give a date as YYYY-MM-DD"),
-        ("kind=sweep", "kind='sweep': choose run or gate"),
+        ("kind=sweep", "kind='sweep': choose run or gate or search-trial"),
         ("limit=many", "limit='many': give an integer"),
     ],
 )
@@ -77,3 +77,27 @@ def test_bad_argument_is_a_usage_error(argument, message, capsys):
     assert compare.main([argument]) == 2
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 1 and message in errors[0]
+
+
+def test_search_trials_are_squares_coloured_by_their_verdict(store):
+    from matplotlib.colors import to_rgba
+
+    from compress.tracking import tracking_uri
+
+    parent = RunLog(tracking_uri(), "compress", "search", tags={"compress.kind": "search"})
+    for number, (size, ppl, passed) in enumerate([(60.0, 30.0, 0.0), (75.0, 22.0, 1.0)], start=1):
+        tags = {"compress.kind": "search-trial", "compress.recipe": f"gptq_int4 search #{number}"}
+        trial = RunLog(tracking_uri(), "compress", f"trial-{number}", tags, parent.run_id)
+        trial.metrics({"size_mb": size, "gate.ppl_candidate": ppl, "gate.passed": passed})
+        trial.finish()
+    assert trial.client.get_run(trial.run_id).data.tags["mlflow.parentRunId"] == parent.run_id
+    figure = compare.pareto_figure(compare.load_rows(None, None, None, None, 100))
+    squares = {
+        collection.get_label(): (collection.get_offsets().tolist(), tuple(collection.get_facecolors()[0]))
+        for collection in figure.axes[0].collections
+        if collection.get_label().startswith("search trial")
+    }
+    assert squares == {
+        "search trial: pass": ([[75.0, 22.0]], to_rgba("tab:green")),
+        "search trial: BLOCK": ([[60.0, 30.0]], to_rgba("tab:red")),
+    }

@@ -76,7 +76,7 @@ def test_every_registered_stage_declares_what_it_does():
     assert declared == {
         "merges_adapters": ["lora_merge"],
         "heals": ["distill"],
-        "needs_dense_weights": ["smoothquant"],
+        "needs_dense_weights": ["rotate", "smoothquant"],
         "quantizes_kv_cache": ["kv_cache"],
         "prunes_weights": ["magnitude_prune", "sparsegpt", "wanda"],
     }
@@ -84,6 +84,7 @@ def test_every_registered_stage_declares_what_it_does():
         "awq",
         "fp8",
         "gptq",
+        "mixed",
         "rtn",
         "w8a8",
     ]

@@ -1,0 +1,534 @@
+"""``compress search``: the smallest mixed-precision checkpoint that passes the release gate.
+
+1. Sensitivity (one layer walk over the unquantized model): for every linear and every candidate scheme, the output
+   error it would make on the calibration activations, tr(ΔW H ΔWᵀ) with H = E[x xᵀ] of its input (round-to-nearest
+   ΔW: a cheap proxy; GPTQ lowers every scheme's error, roughly in proportion).
+2. Allocation: linears that must share a scheme (q/k/v, gate/up: one stacked kernel) form a unit; a multiple-choice
+   knapsack gives, for every total size up to the budget, the scheme per unit with the least summed error. It is
+   solved exactly as a Pareto frontier (size ascending, error descending), so any size target reads off one point.
+3. Closed loop: build the frontier point, run the gate. A block moves to a larger point, chosen from the gate's
+   measured failure: log(ppl ratio) is taken as proportional to the predicted error, so the next point is the
+   smallest whose predicted error meets ``margin`` × the gate's limit (halfway to the budget when the failure is not
+   perplexity). Moving along the frontier raises precision where it removes the most error per extra bit. After a
+   pass, points between the largest block and the smallest pass are bisected while trials remain. Every trial is an
+   MLflow child run; the result names the smallest passing checkpoint, or the limit that stopped the search.
+
+Bits are counted as the checkpoint stores them (packed codes + scales in the model's dtype; unquantized linears at
+the dtype's width) over every linear but the output head: the same number as ``size.json``'s
+``linear_bits_per_weight``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from compress.api import select_device, write_checkpoint
+from compress.compression import compress_model
+from compress.data import calibration_samples, load_corpus, tokenize
+from compress.errors import CompressError
+from compress.models import load_model, resolve_model_path
+from compress.paths import artifacts_dir
+from compress.qlinear import Fp8Linear
+from compress.quant import fake_quantize
+from compress.stages import build_chain
+from compress.stages.base import LayerContext, Stage
+from compress.stages.hessian import collect_hessians, input_groups
+from compress.stages.mixed import Candidate, candidate
+from compress.stages.weights import target_linears
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CANDIDATES = ["int3_g64", "int4_g64", "int8", "fp8", "bf16"]
+SEARCHABLE = ("rtn", "gptq")  # base-recipe weight quantizers whose rounding the mixed stage can apply per scheme
+
+
+@dataclass
+class SearchSpec:
+    """``search.*`` keys of the command."""
+
+    budget_bits: float = 4.5  # the most bits per linear weight a trial may use
+    candidates: list[str] = field(default_factory=lambda: list(DEFAULT_CANDIDATES))
+    max_trials: int = 6
+    start_bits: float | None = None  # the first trial's size; null: the smallest allocation
+    tolerance_bits: float = 0.05  # stop bisecting once the largest block and the smallest pass are this close
+    margin: float = 0.9  # aim the predicted log-ppl ratio at this fraction of the gate's limit
+
+    def check(self) -> list[Candidate]:
+        if self.max_trials < 1:
+            raise CompressError(f"search.max_trials={self.max_trials} must be ≥ 1")
+        if not self.candidates:
+            raise CompressError("search.candidates is empty; give schemes, e.g. [int3_g64,int4_g64,int8,bf16]")
+        if not 0 < self.margin <= 1:
+            raise CompressError(f"search.margin={self.margin} must be in (0, 1]")
+        return [candidate(name) for name in self.candidates]
+
+
+# --- sensitivity ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Unit:
+    """Linears that must share a scheme: one choice of the allocation."""
+
+    names: list[str]  # full module names
+    params: int
+    bits: dict[str, int]  # scheme → stored bits of all its linears
+    cost: dict[str, float]  # scheme → predicted error (summed output error on the calibration tokens)
+
+
+def quantization_delta(linear: nn.Linear, chosen: Candidate) -> torch.Tensor:
+    """The weight error ``Q(W) - W`` of ``chosen`` (fp32)."""
+    weight = linear.weight.detach().float()
+    if chosen.kind == "dense":
+        return torch.zeros_like(weight)
+    if chosen.kind == "fp8":
+        return Fp8Linear.from_float(linear).dequantized_weight().float() - weight
+    return fake_quantize(weight, chosen.weight_scheme) - weight
+
+
+def fits(chosen: Candidate, in_features: int) -> bool:
+    return chosen.kind != "int" or chosen.group_size is None or in_features % chosen.group_size == 0
+
+
+@dataclass
+class SensitivityConfig:
+    candidates: list[str] = field(default_factory=lambda: list(DEFAULT_CANDIDATES))
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+
+
+class SensitivityStage(Stage):
+    """Measures, changes nothing: each unit's error and size under every candidate, in one walk over the dense
+    model (not a recipe stage: ``compress search`` runs it through ``compress_model`` for the walk)."""
+
+    name = "sensitivity"
+    Config = SensitivityConfig
+
+    def prepare(self, model: nn.Module) -> None:
+        self.candidates = [candidate(name) for name in self.config.candidates]
+        self.units: list[Unit] = []
+
+    @torch.no_grad()
+    def process_layer(self, ctx: LayerContext) -> None:
+        if ctx.inputs is None:
+            raise CompressError("sensitivity needs calibration inputs")
+        targets = target_linears(ctx.layer, ctx.name, self.config.ignore)
+        groups = input_groups(targets)
+        hessians = collect_hessians(ctx, [group[0] for group in groups], stop_at=None)
+        dtype_bits = torch.finfo(ctx.dtype).bits
+        for group in groups:
+            linears = [targets[name] for name in group]
+            hessian = hessians[group[0]]
+            options = [c for c in self.candidates if all(fits(c, linear.in_features) for linear in linears)]
+            if not options:
+                raise CompressError(
+                    f"{ctx.name}.{group[0]}: no candidate fits its input width {linears[0].in_features}; "
+                    "add a per-channel scheme (int8) or bf16 to search.candidates"
+                )
+            cost, bits = {}, {}
+            for chosen in options:
+                deltas = [quantization_delta(linear, chosen) for linear in linears]
+                cost[chosen.name] = float(sum(((delta @ hessian) * delta).sum() for delta in deltas))
+                bits[chosen.name] = sum(chosen.stored_bits(*linear.weight.shape, dtype_bits) for linear in linears)
+            params = sum(linear.weight.numel() for linear in linears)
+            self.units.append(Unit([f"{ctx.name}.{name}" for name in group], params, bits, cost))
+
+
+# --- allocation ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Allocation:
+    schemes: list[str]  # per unit
+    bits: int
+    cost: float
+    params: int
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.bits / self.params
+
+    def per_module(self, units: list[Unit]) -> dict[str, str]:
+        return {name: scheme for unit, scheme in zip(units, self.schemes, strict=True) for name in unit.names}
+
+    def counts(self) -> dict[str, int]:
+        return {scheme: self.schemes.count(scheme) for scheme in sorted(set(self.schemes))}
+
+
+class Frontier:
+    """Every allocation no other beats on both size and predicted error, sizes ≤ ``max_bits``: the exact solution
+    of the multiple-choice knapsack for every budget at once. Built unit by unit, keeping only the Pareto states
+    (vectorised), with back-pointers to read any point's schemes."""
+
+    def __init__(self, units: list[Unit], max_bits: float):
+        self.units = units
+        self.params = sum(unit.params for unit in units)
+        bits, cost = np.zeros(1, dtype=np.int64), np.zeros(1)
+        self._steps: list[tuple[np.ndarray, np.ndarray, list[str]]] = []
+        for unit in units:
+            names = list(unit.bits)
+            unit_bits = np.array([unit.bits[name] for name in names], dtype=np.int64)
+            unit_cost = np.array([unit.cost[name] for name in names])
+            all_bits = (bits[:, None] + unit_bits[None, :]).ravel()
+            all_cost = (cost[:, None] + unit_cost[None, :]).ravel()
+            parent = np.repeat(np.arange(len(bits)), len(names))
+            choice = np.tile(np.arange(len(names)), len(bits))
+            keep = all_bits <= max_bits
+            all_bits, all_cost, parent, choice = all_bits[keep], all_cost[keep], parent[keep], choice[keep]
+            order = np.lexsort((all_cost, all_bits))  # by bits, then cost
+            all_bits, all_cost, parent, choice = all_bits[order], all_cost[order], parent[order], choice[order]
+            best_before = np.concatenate([[np.inf], np.minimum.accumulate(all_cost)[:-1]])
+            pareto = all_cost < best_before  # strictly better than every smaller-or-equal state
+            bits, cost = all_bits[pareto], all_cost[pareto]
+            self._steps.append((parent[pareto], choice[pareto], names))
+        self.bits, self.cost = bits, cost
+
+    def __len__(self) -> int:
+        return len(self.bits)
+
+    def bits_per_weight(self, index: int) -> float:
+        return float(self.bits[index]) / self.params
+
+    def allocation(self, index: int) -> Allocation:
+        schemes: list[str] = []
+        state = index
+        for parent, choice, names in reversed(self._steps):
+            schemes.append(names[choice[state]])
+            state = parent[state]
+        return Allocation(schemes[::-1], int(self.bits[index]), float(self.cost[index]), self.params)
+
+    def at_most(self, bits_per_weight: float) -> int:
+        """The least-error point within ``bits_per_weight`` (the smallest point when none fits)."""
+        return max(int(np.searchsorted(self.bits, bits_per_weight * self.params, side="right")) - 1, 0)
+
+
+def allocate(units: list[Unit], budget_bits: float) -> Allocation:
+    """The scheme per unit with the least predicted error within ``budget_bits`` per weight."""
+    frontier = Frontier(units, budget_bits * sum(unit.params for unit in units))
+    if not len(frontier):
+        raise CompressError(budget_error(units, budget_bits))
+    return frontier.allocation(len(frontier) - 1)
+
+
+def budget_error(units: list[Unit], budget_bits: float) -> str:
+    smallest = sum(min(unit.bits.values()) for unit in units) / sum(unit.params for unit in units)
+    return (
+        f"search.budget_bits={budget_bits:g} is below the smallest allocation of these candidates "
+        f"({smallest:.3f} bits/weight); raise search.budget_bits or add a smaller scheme to search.candidates"
+    )
+
+
+# --- the closed loop -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Trial:
+    number: int
+    point: int  # frontier index
+    bits_per_weight: float  # as stored (size.json linear_bits_per_weight)
+    predicted_cost: float
+    passed: bool
+    ppl_ratio: float | None
+    reasons: list[str]
+    checkpoint: str
+    size_mb: float
+    schemes: dict[str, int]  # scheme → units
+    mlflow_run_id: str | None = None
+
+
+def next_point(frontier: Frontier, trials: list[Trial], spec: SearchSpec, max_ratio: float | None) -> int | str:
+    """The frontier index of the next trial, or why the search ends: ``passed``, ``budget``."""
+    last = len(frontier) - 1
+    if not trials:
+        return 0 if spec.start_bits is None else frontier.at_most(spec.start_bits)
+    passed = [t for t in trials if t.passed]
+    blocked = [t for t in trials if not t.passed]
+    if passed:
+        best = min(passed, key=lambda t: t.point)
+        below = [t.point for t in blocked if t.point < best.point]
+        if not below:
+            return "passed"
+        low = max(below)
+        gap = frontier.bits_per_weight(best.point) - frontier.bits_per_weight(low)
+        if best.point - low < 2 or gap <= spec.tolerance_bits:
+            return "passed"
+        middle = (frontier.bits[low] + frontier.bits[best.point]) / 2
+        return int(min(max(np.searchsorted(frontier.bits, middle), low + 1), best.point - 1))
+    worst = max(blocked, key=lambda t: t.point)
+    if worst.point >= last:
+        return "budget"
+    ratio = worst.ppl_ratio
+    if max_ratio is not None and ratio is not None and ratio > max_ratio and worst.predicted_cost > 0:
+        # log(ppl ratio) ∝ predicted error, calibrated on the last block
+        target = spec.margin * math.log(max_ratio) * worst.predicted_cost / math.log(ratio)
+        meets = np.nonzero(frontier.cost[worst.point + 1 :] <= target)[0]
+        return worst.point + 1 + int(meets[0]) if len(meets) else last
+    middle = (frontier.bits[worst.point] + frontier.bits[last]) / 2  # the failure says nothing about perplexity
+    return int(max(np.searchsorted(frontier.bits, middle), worst.point + 1))
+
+
+@dataclass
+class SearchResult:
+    outcome: str  # passed | budget | max_trials
+    line: str  # the one line the command prints last
+    trials: list[Trial]
+    best: Trial | None
+    folder: Path
+    mlflow_run_id: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.best is not None else 1
+
+
+def outcome_line(outcome: str, trials: list[Trial], best: Trial | None, spec: SearchSpec) -> str:
+    if best is not None:
+        return (
+            f"search: PASSED — smallest passing checkpoint {best.checkpoint} ({best.bits_per_weight:.3f} bits/weight, "
+            f"{best.size_mb:.1f} MB, trial {best.number} of {len(trials)})"
+        )
+    worst = max(trials, key=lambda t: t.point)
+    why = "; ".join(worst.reasons) or "blocked"
+    if outcome == "budget":
+        return (
+            f"search: BLOCKED — budget limit: the best allocation within search.budget_bits={spec.budget_bits:g} "
+            f"({worst.bits_per_weight:.3f} bits/weight, trial {worst.number}) was blocked ({why}); "
+            f"{len(trials)} trials recorded; raise search.budget_bits or relax the gate"
+        )
+    return (
+        f"search: BLOCKED — trial limit: search.max_trials={spec.max_trials} trials ran, none passed (largest "
+        f"{worst.bits_per_weight:.3f} bits/weight: {why}); raise search.max_trials"
+    )
+
+
+def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchResult:
+    """Sensitivity → frontier → trials for the composed base recipe ``config`` (a ``RunConfig``)."""
+    from evals.gate import resolve_policy
+
+    candidates = spec.check()
+    position, quantizer = _weight_quantizer(config.stages)
+    policy = resolve_policy(config.gate)
+    if not policy.enabled:
+        raise CompressError(
+            "search needs a gate to close the loop; gate=none judges nothing: choose gate=quick|default"
+        )
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{config.recipe}-{spec.budget_bits:g}bits"
+    folder = Path(folder or (Path(config.output.dir) if config.output.dir else artifacts_dir() / "searches") / stamp)
+    if folder.exists():
+        raise CompressError(f"search folder {folder} already exists; choose another output.dir")
+    device = select_device(config.device)
+    corpus = load_corpus(config.data)
+    model, tokenizer = load_model(config.model, layerwise=True)
+    ids = tokenize(tokenizer, corpus.calibration_text)
+    samples = calibration_samples(ids, config.data.num_samples, config.data.seq_len, config.seed)
+    sensitivity = SensitivityStage(SensitivityConfig([c.name for c in candidates], list(quantizer.get("ignore", []))))
+    compress_model(model, [sensitivity], samples, device, config.calibration_batch_size)
+    del model
+    units = sensitivity.units
+    frontier = Frontier(units, spec.budget_bits * sum(unit.params for unit in units))
+    if not len(frontier):
+        raise CompressError(budget_error(units, spec.budget_bits))
+    folder.mkdir(parents=True)
+    tracker = _Tracker(config, spec, folder)
+    trials: list[Trial] = []
+    outcome = "max_trials"
+    try:
+        while len(trials) < spec.max_trials:
+            point = next_point(frontier, trials, spec, policy.perplexity.max_ratio)
+            if isinstance(point, str):
+                outcome = point
+                break
+            allocation = frontier.allocation(point)
+            trial_dir = folder / f"trial-{len(trials) + 1}"
+            stage_args = [dict(stage) for stage in config.stages]
+            stage_args[position] = _mixed_stage(quantizer, allocation.per_module(units))
+            trials.append(
+                _trial(config, len(trials) + 1, point, allocation, stage_args, samples, device, corpus.evaluation,
+                       trial_dir, tracker)
+            )  # fmt: skip
+        else:
+            outcome = next_point(frontier, trials, spec, policy.perplexity.max_ratio)
+            outcome = outcome if outcome in ("passed", "budget") else "max_trials"
+        passing = [t for t in trials if t.passed]
+        best = min(passing, key=lambda t: t.bits_per_weight) if passing else None
+        line = outcome_line(outcome, trials, best, spec)
+        result = SearchResult(outcome, line, trials, best, folder, tracker.run_id)
+        _write_summary(result, spec, frontier)
+        tracker.finish(result, policy)
+    except BaseException as error:
+        tracker.fail(error)
+        raise
+    return result
+
+
+def _weight_quantizer(stages: list[dict]) -> tuple[int, dict]:
+    for position, stage in enumerate(stages):
+        if stage.get("type") in SEARCHABLE:
+            return position, stage
+    kinds = [stage.get("type") for stage in stages]
+    raise CompressError(
+        f"search needs a base recipe whose weight quantizer is {' or '.join(SEARCHABLE)} (its stages: {kinds}); "
+        "e.g. recipe=gptq_int4 or recipe=rtn_int4"
+    )
+
+
+def _mixed_stage(quantizer: dict, schemes: dict[str, str]) -> dict:
+    """The base recipe's quantizer as a ``mixed`` stage with one scheme per linear (its knobs kept)."""
+    knobs = {k: v for k, v in quantizer.items() if k not in ("type", "bits", "group_size", "symmetric")}
+    return {"type": "mixed", "method": quantizer["type"], **knobs, "schemes": schemes}
+
+
+def _trial(config, number: int, point: int, allocation: Allocation, stage_args: list[dict], samples, device,
+           texts: list[str], folder: Path, tracker: _Tracker) -> Trial:  # fmt: skip
+    """Compress a fresh copy of the model with this allocation, save it, gate it, record it."""
+    from evals.gate import run_gate
+
+    model, tokenizer = load_model(config.model, layerwise=True)
+    stages = build_chain(stage_args)
+    summaries = compress_model(model, stages, samples, device, config.calibration_batch_size)
+    checkpoint = folder / "checkpoint"
+    summary = write_checkpoint(
+        model, tokenizer, stages, summaries, checkpoint, f"{config.recipe}-search", stage_args,
+        config.output.save_dtype,
+    )  # fmt: skip
+    del model
+    policy = {**config.gate, "registry": {**config.gate.get("registry", {}), "register": False}}  # the best, later
+    verdict = run_gate(
+        checkpoint, resolve_model_path(config.model), policy, folder / "gate", evaluation_texts=texts,
+        candidate_label=str(checkpoint),
+    )  # fmt: skip
+    candidate_ppl = verdict.metric("perplexity", "perplexity")
+    baseline_ppl = verdict.metric("perplexity", "perplexity", "baseline")
+    trial = Trial(
+        number=number,
+        point=point,
+        bits_per_weight=summary.linear_bits_per_weight,
+        predicted_cost=allocation.cost,
+        passed=verdict.passed,
+        ppl_ratio=candidate_ppl / baseline_ppl if candidate_ppl and baseline_ppl else None,
+        reasons=list(verdict.reasons),
+        checkpoint=str(checkpoint),
+        size_mb=summary.size_mb,
+        schemes=allocation.counts(),
+    )
+    log.info(
+        "search trial %d: %.3f bits/weight, %s", number, trial.bits_per_weight, "pass" if trial.passed else "block"
+    )
+    tracker.trial(trial, verdict, checkpoint, allocation)
+    trial.passed = verdict.passed  # recording the verdict fails closed: a verdict MLflow lost is a block
+    trial.reasons = list(verdict.reasons)
+    return trial
+
+
+def _write_summary(result: SearchResult, spec: SearchSpec, frontier: Frontier) -> None:
+    data = {
+        "outcome": result.outcome,
+        "line": result.line,
+        "spec": asdict(spec),
+        "frontier_points": len(frontier),
+        "best": asdict(result.best) if result.best else None,
+        "trials": [asdict(trial) for trial in result.trials],
+    }
+    (result.folder / "search.json").write_text(json.dumps(data, indent=2))
+    lines = [
+        "# compress search",
+        "",
+        f"budget {spec.budget_bits:g} bits/weight, candidates {', '.join(spec.candidates)}",
+        "",
+        "| trial | bits/weight | size MB | ppl ratio | predicted error | schemes (units) | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for t in result.trials:
+        ratio = "–" if t.ppl_ratio is None else f"{t.ppl_ratio:.4f}"
+        schemes = ", ".join(f"{name} ×{count}" for name, count in t.schemes.items())
+        verdict = "pass" if t.passed else "BLOCK: " + "; ".join(t.reasons)
+        lines.append(
+            f"| {t.number} | {t.bits_per_weight:.3f} | {t.size_mb:.2f} | {ratio} | {t.predicted_cost:.4g} | {schemes} "
+            f"| {verdict} |"
+        )
+    lines += ["", result.line, ""]
+    (result.folder / "search.md").write_text("\n".join(lines))
+
+
+class _Tracker:
+    """The search's MLflow parent run and one child run per trial (``mlflow.parentRunId``); nothing when tracking
+    is off."""
+
+    def __init__(self, config, spec: SearchSpec, folder: Path):
+        from compress.tracking import RunLog, check_writable, flatten, tracking_uri
+
+        self.parent = None
+        self.children: dict[int, object] = {}
+        self.config = config
+        if not config.tracking.enabled:
+            return
+        uri = tracking_uri(config.tracking.uri)
+        check_writable(uri, "set tracking.uri=<a writable store> or tracking.enabled=false")
+        tags = {"compress.kind": "search", "compress.recipe": config.recipe, "compress.model": config.model.path}
+        self.parent = RunLog(uri, config.tracking.experiment, folder.name, tags=tags)
+        self.parent.params({**flatten(asdict(spec), "search."), "recipe": config.recipe})
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self.parent is None else self.parent.run_id
+
+    def trial(self, trial: Trial, verdict, checkpoint: Path, allocation: Allocation) -> None:
+        from compress.tracking import RunLog, record_verdict
+
+        if self.parent is None:
+            return
+        tags = {
+            "compress.kind": "search-trial",
+            "compress.recipe": f"{self.config.recipe} search #{trial.number}",
+            "compress.model": self.config.model.path,
+        }
+        child = RunLog(
+            self.parent.uri, self.config.tracking.experiment, f"trial-{trial.number}", tags, self.parent.run_id
+        )
+        child.params({f"schemes.{name}": str(count) for name, count in trial.schemes.items()})
+        child.metrics(
+            {
+                "size_mb": trial.size_mb,
+                "bits_per_weight": trial.bits_per_weight,
+                "predicted_bits_per_weight": allocation.bits_per_weight,
+                "predicted_error": trial.predicted_cost,
+            }
+        )
+        record_verdict(child, verdict, verdict.files, checkpoint, own_run=False)
+        child.artifact(checkpoint / "recipe.yaml")
+        child.finish()
+        trial.mlflow_run_id = child.run_id
+        self.children[trial.number] = child
+
+    def finish(self, result: SearchResult, policy) -> None:
+        from compress.tracking import register_checkpoint, registered_name
+
+        if self.parent is None:
+            return
+        self.parent.metrics({"trials": len(result.trials), "passed": float(result.best is not None)})
+        self.parent.tag("compress.search.outcome", result.line)
+        if result.best is not None:
+            self.parent.metrics({"best_bits_per_weight": result.best.bits_per_weight, "size_mb": result.best.size_mb})
+            self.parent.tag("compress.search.best_trial_run", str(result.best.mlflow_run_id))
+            if policy.registry.register:
+                name = policy.registry.name or registered_name(self.config.model.path)
+                tags = {"bits_per_weight": f"{result.best.bits_per_weight:.4f}"}
+                registry = register_checkpoint(
+                    self.children[result.best.number], Path(result.best.checkpoint), name, tags, policy.registry.promote
+                )
+                self.parent.tag("compress.search.registered", f"{registry['name']} v{registry['version']}")
+        for name in ("search.json", "search.md"):
+            self.parent.artifact(result.folder / name)
+        self.parent.finish()
+
+    def fail(self, error: BaseException) -> None:
+        if self.parent is not None:
+            self.parent.fail(error)

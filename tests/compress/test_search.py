@@ -1,0 +1,215 @@
+"""``compress search`` on tiny models: the knapsack is exact and keeps tied linears together, its bits are the bits
+the checkpoint stores, mixed checkpoints load in transformers and run in our engine, and the closed loop over a real
+gate (perplexity layer only, for speed) raises precision after a block, or stops at the budget in one line with every
+trial an MLflow child run."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from helpers import build_tiny_llama, wide_init_model
+from transformers import AutoModelForCausalLM
+
+from compress.__main__ import main
+from compress.checkpoint import load_checkpoint, save_checkpoint
+from compress.commands.run import validate
+from compress.compression import compress_model
+from compress.engine import LLM, SamplingParams
+from compress.errors import CompressError
+from compress.search import (
+    Frontier,
+    SearchSpec,
+    SensitivityConfig,
+    SensitivityStage,
+    Unit,
+    allocate,
+    next_point,
+    run_search,
+)
+
+PERPLEXITY_GATE = ["gate=quick", "gate.layers=[perplexity]"]
+SMALL = ["data.num_samples=4", "data.seq_len=64"]
+
+
+def synthetic_units(count: int, seed: int) -> list[Unit]:
+    rng = random.Random(seed)
+    units = []
+    for index in range(count):
+        params = rng.choice([64, 128, 192])
+        bits = {name: params * width + rng.randrange(8) for name, width in (("a", 3), ("b", 4), ("c", 8), ("d", 16))}
+        error = {"a": rng.uniform(2, 9), "b": rng.uniform(0.5, 2), "c": rng.uniform(0.01, 0.5), "d": 0.0}
+        units.append(Unit([f"unit{index}"], params, bits, error))
+    return units
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_frontier_is_the_exact_knapsack_optimum(seed):
+    units = synthetic_units(6, seed)
+    params = sum(unit.params for unit in units)
+    for budget in (3.2, 4.0, 4.5, 6.0, 9.0, 16.5):
+        best = min(
+            (sum(u.cost[c] for u, c in zip(units, combo, strict=True)), combo)
+            for combo in itertools.product("abcd", repeat=len(units))
+            if sum(u.bits[c] for u, c in zip(units, combo, strict=True)) <= budget * params
+        )
+        allocation = allocate(units, budget)
+        assert allocation.cost == pytest.approx(best[0])
+        assert allocation.bits <= budget * params
+        assert allocation.bits == sum(u.bits[c] for u, c in zip(units, allocation.schemes, strict=True))
+    frontier = Frontier(units, 16.5 * params)
+    assert (frontier.bits[1:] > frontier.bits[:-1]).all() and (frontier.cost[1:] < frontier.cost[:-1]).all()
+
+
+def test_a_budget_below_every_allocation_is_one_line():
+    with pytest.raises(CompressError, match=r"search.budget_bits=2 is below the smallest allocation"):
+        allocate(synthetic_units(3, 0), 2.0)
+
+
+def sensitivity(model, candidates):
+    stage = SensitivityStage(SensitivityConfig(candidates))
+    compress_model(model, [stage], torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(0)))
+    return stage.units
+
+
+def test_allocation_keeps_tied_linears_together_and_its_bits_are_what_the_checkpoint_stores(tmp_path):
+    model = build_tiny_llama(seed=3)
+    units = sensitivity(model, ["int3_g32", "int4_g32", "int8", "fp8", "bf16"])
+    assert [len(unit.names) for unit in units] == [3, 1, 2, 1] * 2  # q/k/v, o, gate/up, down per layer
+    assert all(
+        unit.cost["bf16"] == 0 < unit.cost["int8"] < unit.cost["int4_g32"] < unit.cost["int3_g32"] for unit in units
+    )
+    allocation = allocate(units, 6.0)
+    schemes = allocation.per_module(units)
+    for layer in (0, 1):
+        attention = {schemes[f"model.layers.{layer}.self_attn.{p}_proj"] for p in "qkv"}
+        mlp = {schemes[f"model.layers.{layer}.mlp.{p}_proj"] for p in ("gate", "up")}
+        assert len(attention) == 1 and len(mlp) == 1
+    assert len(set(schemes.values())) >= 2 and allocation.bits_per_weight <= 6.0
+    compress_model(model, [{"type": "mixed", "method": "rtn", "schemes": schemes}], torch.zeros(1, 8, dtype=torch.long))
+    summary = save_checkpoint(model, None, tmp_path / "ckpt")
+    assert summary.linear_bits_per_weight == pytest.approx(allocation.bits_per_weight, rel=1e-12)
+
+
+def test_mixed_checkpoint_loads_in_transformers_and_runs_in_the_engine(tmp_path):
+    """Several config groups (int3 g32, int4 g32, int8 per channel, fp8, unquantized): transformers + compressed-tensors
+    computes our logits, and the engine's greedy tokens equal transformers generate."""
+    model = wide_init_model()
+    schemes = {
+        "re:self_attn\\.[qkv]_proj$": "int8",
+        "o_proj": "bf16",
+        "re:layers\\.0\\.mlp\\.(gate|up)_proj$": "int3_g32",
+        "re:layers\\.1\\.mlp\\.(gate|up)_proj$": "fp8",
+    }
+    stage = {"type": "mixed", "method": "gptq", "bits": 4, "group_size": 32, "schemes": schemes}
+    compress_model(model, [stage], torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0)))
+    save_checkpoint(model, None, tmp_path / "ckpt")
+    qconfig = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    kinds = {
+        (g["weights"]["type"], g["weights"]["num_bits"], g["weights"]["group_size"], g["format"])
+        for g in qconfig["config_groups"].values()
+    }
+    assert kinds == {
+        ("int", 8, None, "pack-quantized"),
+        ("int", 3, 32, "pack-quantized"),
+        ("int", 4, 32, "pack-quantized"),  # down_proj: the stage's own scheme
+        ("float", 8, None, "float-quantized"),
+    }
+    assert qconfig["format"] == "mixed-precision" and "model.layers.0.self_attn.o_proj" in qconfig["ignore"]
+    assert all(target.startswith("re:^") for g in qconfig["config_groups"].values() for target in g["targets"])
+    ours, _ = load_checkpoint(tmp_path / "ckpt")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(theirs(tokens).logits, ours(tokens).logits, atol=1e-4)
+    prompts = [tokens[0, :5].tolist(), tokens[1, :13].tolist()]
+    outputs = LLM(str(tmp_path / "ckpt"), num_kv_blocks=32, block_size=16).generate(
+        prompts, SamplingParams(max_tokens=8, ignore_eos=True)
+    )
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([prompt])
+        expected = theirs.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert output.token_ids == expected[0, len(prompt) :].tolist()
+
+
+def test_the_closed_loop_raises_precision_after_a_block_and_the_gate_agrees(tiny_model_dir, artifacts):
+    """All-int3 moves perplexity; the gate allows none (max_ratio=1): the search must climb the frontier to a pass."""
+    overrides = [f"model={tiny_model_dir}", *SMALL, *PERPLEXITY_GATE, "gate.perplexity.max_ratio=1.0"]
+    _, _, [config] = validate("rtn_int4", overrides, multirun=False)
+    spec = SearchSpec(budget_bits=32.0, candidates=["int3_g64", "int8", "bf16"], max_trials=6)
+    result = run_search(config, spec)
+    first, last = result.trials[0], result.trials[-1]
+    assert not first.passed and first.schemes == {"int3_g64": 8} and first.ppl_ratio > 1.0
+    assert len(result.trials) >= 2 and result.best is not None and result.exit_code == 0
+    assert all(t.bits_per_weight > first.bits_per_weight for t in result.trials[1:])
+    assert result.best.bits_per_weight == min(t.bits_per_weight for t in result.trials if t.passed)
+    assert result.line.startswith(f"search: PASSED — smallest passing checkpoint {result.best.checkpoint}")
+    assert last.passed or any(t.passed for t in result.trials)
+    gate = ["gate", f"candidate={result.best.checkpoint}", f"baseline={tiny_model_dir}", *PERPLEXITY_GATE[:1]]
+    assert (
+        main([*gate, "gate.layers=[perplexity]", "gate.perplexity.max_ratio=1.0", "gate.registry.register=false"]) == 0
+    )
+
+
+def test_an_impossible_budget_stops_in_one_line_with_exit_1_and_every_trial_recorded(tiny_model_dir, artifacts, capsys):
+    from mlflow import MlflowClient
+
+    from compress.tracking import experiment_id
+
+    args = [
+        "search",
+        "recipe=rtn_int4",
+        f"model={tiny_model_dir}",
+        *SMALL,
+        *PERPLEXITY_GATE,
+        "gate.perplexity.max_ratio=0.5",
+        "search.budget_bits=4",
+        "search.candidates=[int3_g64,int4_g64]",
+    ]
+    assert main(args) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("search: BLOCKED — budget limit: the best allocation within search.budget_bits=4 ")
+    assert (
+        "raise search.budget_bits or relax the gate" in out[-1] and sum(line.startswith("search:") for line in out) == 1
+    )
+    client = MlflowClient(tracking_uri=f"sqlite:///{artifacts / 'mlflow.db'}")
+    runs = client.search_runs([experiment_id(client, "compress")])
+    [parent] = [run for run in runs if run.data.tags["compress.kind"] == "search"]
+    children = [run for run in runs if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    [folder] = (artifacts / "searches").iterdir()
+    trials = json.loads((folder / "search.json").read_text())["trials"]
+    assert len(trials) == len(children) >= 2 and parent.data.metrics["trials"] == len(trials)
+    assert all(c.data.tags["compress.gate"] == "block" and "size_mb" in c.data.metrics for c in children)
+    assert {c.data.metrics["bits_per_weight"] for c in children} == {t["bits_per_weight"] for t in trials}
+    assert parent.data.tags["compress.search.outcome"] == out[-1]
+
+
+def test_next_point_follows_the_measured_failure():
+    units = synthetic_units(6, 0)
+    frontier = Frontier(units, 16 * sum(u.params for u in units))
+    spec = SearchSpec(budget_bits=16, max_trials=9)
+    assert next_point(frontier, [], spec, 1.1) == 0
+    from compress.search import Trial
+
+    def trial(point, passed, ratio):
+        return Trial(
+            1, point, frontier.bits_per_weight(point), float(frontier.cost[point]), passed, ratio, [], "", 0, {}
+        )
+
+    near = next_point(frontier, [trial(0, False, 1.2)], spec, 1.1)
+    far = next_point(frontier, [trial(0, False, 3.0)], spec, 1.1)
+    assert 0 < near < far  # a worse failure jumps further up the frontier
+    assert frontier.cost[far] <= spec.margin * frontier.cost[0] * 0.0953102 / 1.0986123 + 1e-9  # log 1.1 / log 3
+    assert next_point(frontier, [trial(len(frontier) - 1, False, 1.2)], spec, 1.1) == "budget"
+    middle = next_point(frontier, [trial(0, False, 1.2), trial(len(frontier) - 1, True, 1.0)], spec, 1.1)
+    assert 0 < middle < len(frontier) - 1  # bisect between the largest block and the smallest pass
