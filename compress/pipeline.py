@@ -158,7 +158,10 @@ def _rtn_reference(stages: list[Stage]) -> RTNStage:
             "set eval.reference=null"
         )
     c = quantizer.config
-    return RTNStage(RTNConfig(bits=c.bits, group_size=c.group_size, symmetric=c.symmetric, ignore=list(c.ignore)))
+    fmt = getattr(c, "format", "int")  # FP4 recipes compare against RTN on the same FP4 grid
+    return RTNStage(
+        RTNConfig(bits=c.bits, group_size=c.group_size, symmetric=c.symmetric, ignore=list(c.ignore), format=fmt)
+    )
 
 
 def _gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None) -> dict:
