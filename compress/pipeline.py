@@ -158,9 +158,9 @@ def _rtn_reference(stages: list[Stage]) -> RTNStage:
             "set eval.reference=null"
         )
     c = quantizer.config
-    fmt = getattr(c, "format", "int")  # FP4 recipes compare against RTN on the same FP4 grid
+    fp4 = {"format": getattr(c, "format", "int"), "activations": getattr(c, "activations", "none")}  # same grid
     return RTNStage(
-        RTNConfig(bits=c.bits, group_size=c.group_size, symmetric=c.symmetric, ignore=list(c.ignore), format=fmt)
+        RTNConfig(bits=c.bits, group_size=c.group_size, symmetric=c.symmetric, ignore=list(c.ignore), **fp4)
     )
 
 

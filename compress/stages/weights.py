@@ -64,7 +64,9 @@ class WeightQuantizerStage(Stage):
     def prepare(self, model: nn.Module) -> None:
         scheme = self.config.scheme
         if scheme.format not in self.formats:
-            raise CompressError(f"{self.name} writes {' or '.join(self.formats)} weights, not format={scheme.format}")
+            raise CompressError(
+                f"{self.name} writes format {' | '.join(self.formats)} weights, not format={scheme.format}"
+            )
         activations = getattr(self.config, "activations", "none")
         if activations not in ("none", "fp4") or (activations == "fp4" and scheme.format == "int"):
             raise CompressError(
