@@ -141,6 +141,22 @@ def observe_inputs(
             handle.remove()
 
 
+@torch.no_grad()
+def input_absmax(layer: nn.Module, inputs: LayerInputs, prefix: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """max |x| over every calibration token at each named submodule's input (a static per-tensor range)."""
+    maxima: dict[str, torch.Tensor] = {}
+
+    def observer(name: str) -> Callable[[torch.Tensor], None]:
+        def observe(x: torch.Tensor) -> None:
+            peak = x.abs().amax()
+            maxima[name] = torch.maximum(maxima.get(name, peak), peak)
+
+        return observe
+
+    observe_inputs(layer, inputs, prefix, {name: observer(name) for name in names})
+    return maxima
+
+
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 

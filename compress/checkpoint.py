@@ -35,17 +35,20 @@ from torch import nn
 
 from compress.errors import CompressError
 from compress.moe import checkpoint_name, model_name, router_names, unfuse_experts
-from compress.qlinear import Fp8Linear, Int8Linear, QuantizedLinear
+from compress.qlinear import Fp4Linear, Fp8BlockLinear, Fp8Linear, Int8Linear, QuantizedLinear
 from compress.sparsity import sparsity_config
 from kernels.packing import pack_int32, unpack_int32
 
 FORMAT = "pack-quantized"
 INT_FORMAT = "int-quantized"  # W8A8 int8: int8 `weight`, `weight_scale [out, 1]`, activations quantized per token
 FLOAT_FORMAT = "float-quantized"  # FP8 e4m3 `weight`, `weight_scale [out, 1]`, optional static `input_scale`
+NVFP4_FORMAT = "nvfp4-pack-quantized"  # uint8 `weight_packed`, fp8 `weight_scale`, fp32 `weight_global_scale`
+MXFP4_FORMAT = "mxfp4-pack-quantized"  # uint8 `weight_packed`, uint8 e8m0 `weight_scale`
 MIXED_FORMAT = "mixed-precision"  # several of the above; each config group names its own format
 ACTIVATION_QUANTIZED = (Int8Linear, Fp8Linear)
 DENSE = "dense"  # a pruned but unquantized model: plain weights, sparsity recorded in sparsity_config
-READABLE_FORMATS = (FORMAT, INT_FORMAT, FLOAT_FORMAT, MIXED_FORMAT, DENSE)
+FLOAT_WEIGHTS = (Fp8BlockLinear, Fp4Linear)  # FP8_BLOCK / NVFP4 / MXFP4 modules, described by _float_weight_groups
+READABLE_FORMATS = (FORMAT, INT_FORMAT, FLOAT_FORMAT, NVFP4_FORMAT, MXFP4_FORMAT, MIXED_FORMAT, DENSE)
 MAX_SHARD_BYTES = 2 * 1024**3
 
 
@@ -74,7 +77,7 @@ def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -
     """The ``quantization_config`` block describing the model's ``QuantizedLinear`` modules."""
     model_type = getattr(model.config, "model_type", None)
     quantized = {checkpoint_name(model_type, n): m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    activation_groups = _activation_groups(model)
+    activation_groups = _activation_groups(model) + _float_weight_groups(model)
     if not quantized and not activation_groups and kv_cache_scheme is None:
         return None
     schemes: dict[tuple, list[str]] = {}
@@ -156,9 +159,45 @@ def _activation_groups(model: nn.Module) -> list[dict]:
     return groups
 
 
+def _float_scheme(module: nn.Module) -> dict:
+    """``weights`` and ``input_activations`` of an FP8-block or FP4 module, exactly as compressed-tensors 0.20 writes
+    its ``FP8_BLOCK``, ``NVFP4A16``, ``NVFP4``, ``MXFP4A16`` and ``MXFP4`` presets, and the group's format."""
+    if isinstance(module, Fp8BlockLinear):
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "block"}
+        weights.update(block_structure=[128, 128], dynamic=False)
+        inputs = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": 128, "strategy": "group"}
+        return {"weights": weights, "input_activations": {**inputs, "dynamic": True}, "format": FLOAT_FORMAT}
+    nv = module.fmt == "nvfp4"
+    args = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16 if nv else 32}
+    args.update(strategy="tensor_group" if nv else "group", dynamic=False)
+    args["scale_dtype"] = "torch.float8_e4m3fn" if nv else "torch.uint8"
+    inputs = None
+    if module.quantize_activations:
+        inputs = {**args, "dynamic": "local", "observer": "static_minmax"} if nv else {**args, "dynamic": True}
+    return {"weights": args, "input_activations": inputs, "format": NVFP4_FORMAT if nv else MXFP4_FORMAT}
+
+
+def _float_weight_groups(model: nn.Module) -> list[dict]:
+    """Config groups of the FP8-block and FP4 modules, one per distinct scheme."""
+    by_scheme: dict[str, tuple[dict, list[str]]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FLOAT_WEIGHTS):
+            scheme = _float_scheme(module)
+            by_scheme.setdefault(json.dumps(scheme, sort_keys=True), (scheme, []))[1].append(name)
+    others = (QuantizedLinear, *ACTIVATION_QUANTIZED)
+    single = len(by_scheme) == 1 and not any(isinstance(m, others) for m in model.modules())
+    groups = []
+    for _, (scheme, names) in sorted(by_scheme.items()):
+        targets = ["Linear"] if single else [f"re:^{re.escape(n)}$" for n in names]
+        groups.append({"targets": targets, **scheme, "output_activations": None})
+    return groups
+
+
 def _tensors(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    activation_quantized = {name for name, m in model.named_modules() if isinstance(m, ACTIVATION_QUANTIZED)}
+    activation_quantized = {
+        name for name, m in model.named_modules() if isinstance(m, (*ACTIVATION_QUANTIZED, Fp4Linear))
+    }
     tied = getattr(model.config, "tie_word_embeddings", False)
     model_type = getattr(model.config, "model_type", None)
     tensors: dict[str, torch.Tensor] = {}
@@ -169,7 +208,8 @@ def _tensors(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Ten
         if owner in quantized and leaf == "weight_zero_point":
             value = pack_int32(value.cpu(), model.get_submodule(owner).num_bits, dim=0)
         elif value.is_floating_point() and dtype is not None and owner not in activation_quantized:
-            value = value.to(dtype)  # fp8 codes and their fp32 scales keep their dtypes
+            if value.element_size() > 1:  # fp8 codes and fp32 W8A8/FP4 scales keep their dtypes
+                value = value.to(dtype)
         tensors[key] = value.detach().cpu().contiguous().clone()
     for owner in quantized:
         module = model.get_submodule(owner)
@@ -263,6 +303,13 @@ def summarize(model: nn.Module, folder: Path) -> CheckpointSummary:
         stored_bits += m.weight.numel() * 8 + m.weight_scale.numel() * m.weight_scale.element_size() * 8
     quantized_params += sum(m.in_features * m.out_features for m in eight_bit)
     quantized += eight_bit
+    float_weights = [m for m in model.modules() if isinstance(m, FLOAT_WEIGHTS)]
+    for m in float_weights:
+        stored = (m.weight_packed if isinstance(m, Fp4Linear) else m.weight, m.weight_scale)
+        stored += tuple(t for t in (getattr(m, "weight_global_scale", None),) if t is not None)
+        stored_bits += sum(t.numel() * t.element_size() * 8 for t in stored)
+    quantized_params += sum(m.in_features * m.out_features for m in float_weights)
+    quantized += float_weights
     total = sum(p.numel() for p in model.parameters()) + quantized_params
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     dense = [m.weight for m in model.modules() if type(m) is nn.Linear and m is not head]
@@ -297,14 +344,20 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _module_scheme(name: str, qconfig: dict) -> dict | None:
+def _module_group(name: str, qconfig: dict) -> dict | None:
+    """The config group that targets module ``name`` (None if ignored or untargeted)."""
     if name in qconfig.get("ignore", []):
         return None
     for group in qconfig["config_groups"].values():
         for target in group["targets"]:
             if target == "Linear" or (target.startswith("re:") and re.search(target[3:], name)):
-                return group["weights"]
+                return group
     return None
+
+
+def _module_scheme(name: str, qconfig: dict) -> dict | None:
+    group = _module_group(name, qconfig)
+    return None if group is None else group["weights"]
 
 
 def _quantized_module(name: str, weights: dict, tensors: dict[str, torch.Tensor], dense: nn.Linear) -> QuantizedLinear:
@@ -356,6 +409,38 @@ def _replace_activation_quantized(model: nn.Module, name: str, dense: nn.Linear,
         )
     else:
         raise CompressError(f"{name}: weight_scale stored with a {stored} weight; expected int8 or float8_e4m3fn")
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+def _is_float_weight(name: str, qconfig: dict, tensors: dict) -> bool:
+    """FP4 (uint8 ``weight_packed``) or FP8-block (``strategy: block``) weights: the formats ``FLOAT_WEIGHTS`` hold."""
+    packed = tensors.get(f"{name}.weight_packed")
+    if packed is not None:
+        return packed.dtype == torch.uint8
+    weights = _module_scheme(name, qconfig) if f"{name}.weight_scale" in tensors else None
+    return weights is not None and weights.get("strategy") == "block"
+
+
+def _replace_float_weight(model: nn.Module, name: str, dense: nn.Linear, qconfig: dict, tensors: dict) -> None:
+    """An empty Fp8BlockLinear/Fp4Linear shaped and typed like the stored tensors in place of ``dense``;
+    load_state_dict fills its buffers."""
+    bias, dtype = dense.bias is not None, dense.weight.dtype
+    if f"{name}.weight_packed" in tensors:
+        group = _module_group(name, qconfig)
+        fmt = "nvfp4" if tensors[f"{name}.weight_scale"].dtype == torch.float8_e4m3fn else "mxfp4"
+        activations = group is not None and group.get("input_activations") is not None
+        module = Fp4Linear(dense.in_features, dense.out_features, fmt, bias, dtype, activations)
+    else:
+        scale_dtype = tensors[f"{name}.weight_scale"].dtype
+        module = Fp8BlockLinear(dense.in_features, dense.out_features, bias, dtype, scale_dtype)
+    for key, buffer in module.state_dict().items():
+        stored = tensors.get(f"{name}.{key}")
+        if stored is not None and stored.shape != buffer.shape:
+            raise CompressError(
+                f"{name}.{key}: stored shape {tuple(stored.shape)} does not match the model config "
+                f"({tuple(buffer.shape)}); the checkpoint belongs to another model"
+            )
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, module)
 
@@ -485,7 +570,9 @@ def _load_compressed(folder: Path, qconfig: dict, dtype: str) -> nn.Module:
     model = AutoModelForCausalLM.from_config(config, dtype=saved)
     unfuse_experts(model)  # the checkpoint stores one linear per expert
     for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear and f"{name}.weight_packed" in tensors:
+        if type(module) is nn.Linear and _is_float_weight(name, qconfig, tensors):
+            _replace_float_weight(model, name, module, qconfig, tensors)
+        elif type(module) is nn.Linear and f"{name}.weight_packed" in tensors:
             weights = _module_scheme(checkpoint_name(model_type, name), qconfig)
             if weights is None:
                 raise CompressError(f"{folder}: {name} is packed but no config group targets it")

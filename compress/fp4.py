@@ -25,6 +25,7 @@ from compress.errors import CompressError
 from kernels.fp4 import (
     E2M1_GRID,
     E2M1_MAX,
+    E8M0_BIAS,
     FP8_SCALE,
     MXFP4_GROUP,
     NVFP4_GROUP,
@@ -141,3 +142,27 @@ def quantize_to_grid(values: torch.Tensor, scale: torch.Tensor) -> tuple[torch.T
     scale = scale.float()
     codes = e2m1_codes(values.float() / scale)
     return codes, e2m1_to_float(codes) * scale
+
+
+FP4_GROUPS = {"nvfp4": NVFP4_GROUP, "mxfp4": MXFP4_GROUP}
+
+
+def stored_group_scales(effective: torch.Tensor, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """The checkpoint form of fp32 effective group scales that came from :func:`nvfp4_scales` / :func:`mxfp4_scales`
+    (possibly clipped): ``fp8(effective * global)`` for NVFP4, the e8m0 exponent for MXFP4. Exact for such scales:
+    the fp32 round trip moves them far less than the fp8 grid spacing."""
+    if global_scale is None:
+        return (torch.log2(effective.float()).round() + E8M0_BIAS).clamp(0, 255).to(torch.uint8)
+    return (effective.float() * global_scale.float()).clamp(-FP8_SCALE_MAX, FP8_SCALE_MAX).to(FP8_SCALE)
+
+
+def fake_quantize_fp4_activations(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., K]`` quantized per token and group (16 with NVFP4's calibrated ``global_scale``, 32 with MXFP4's
+    power-of-two scales) and dequantized, in ``x.dtype``: compressed-tensors' dynamic (``local``) activation scales,
+    the W4A4 input a kernel with FP4 tensor cores would see."""
+    rows = x.reshape(-1, x.shape[-1])
+    scale = mxfp4_scales(rows) if fmt == "mxfp4" else nvfp4_scales(rows, global_scale)
+    codes = quantize_fp4_codes(rows, scale, global_scale if fmt == "nvfp4" else None)
+    effective = effective_group_scales(scale, global_scale if fmt == "nvfp4" else None)
+    values = e2m1_to_float(codes) * effective.repeat_interleave(FP4_GROUPS[fmt], dim=-1)
+    return values.to(x.dtype).reshape(x.shape)

@@ -160,7 +160,10 @@ def _rtn_reference(stages: list[Stage]) -> RTNStage:
             "set eval.reference=null"
         )
     c = quantizer.config
-    return RTNStage(RTNConfig(bits=c.bits, group_size=c.group_size, symmetric=c.symmetric, ignore=list(c.ignore)))
+    fp4 = {"format": getattr(c, "format", "int"), "activations": getattr(c, "activations", "none")}  # same grid
+    return RTNStage(
+        RTNConfig(bits=c.bits, group_size=c.group_size, symmetric=c.symmetric, ignore=list(c.ignore), **fp4)
+    )
 
 
 def _gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None) -> dict:

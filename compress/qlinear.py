@@ -1,6 +1,7 @@
 """Quantized linear modules: what stages produce, what the checkpoint stores and what the engine runs.
 
-Imports only torch and ``kernels`` so that a GPU box without the pipeline's dependencies can run them.
+Imports only torch, ``kernels`` and ``compress.fp4`` (FP4 activation rounding, itself torch and kernels only) so
+that a GPU box without the pipeline's dependencies can run them.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import ops
+from compress.fp4 import fake_quantize_fp4_activations
+from kernels import fp4, fp8_block, ops
 from kernels.backend import requested_backend
 from kernels.dequant import dequantize_packed
 from kernels.dtypes import FP8_MAX, INT8_MAX
@@ -282,3 +284,121 @@ class Fp8Linear(_ActivationQuantizedLinear):
     def extra_repr(self) -> str:
         activations = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
         return f"in={self.in_features}, out={self.out_features}, w8a8 fp8 e4m3 per-channel, {activations}"
+
+
+class Fp8BlockLinear(nn.Module):
+    """FP8 block-wise W8A8 (compressed-tensors ``float-quantized``, ``strategy: block``): e4m3 ``weight [out, in]``
+    with one scale per 128x128 block, ``weight_scale [ceil(out/128), ceil(in/128)]`` (edge blocks partial);
+    activations quantized per token and group of 128 input channels at run time."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        scale_dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        blocks = (-(-out_features // fp8_block.BLOCK[0]), -(-in_features // fp8_block.BLOCK[1]))
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", torch.ones(blocks, dtype=scale_dtype))
+        zeros = torch.zeros(out_features, dtype=dtype)
+        self.bias = nn.Parameter(zeros, requires_grad=False) if bias else None
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, scale_dtype: torch.dtype = torch.float32) -> Fp8BlockLinear:
+        """Round to nearest per block; ``scale_dtype`` is what the checkpoint stores (the model's dtype there)."""
+        codes, scale = fp8_block.quantize_weight_fp8_blocks(linear.weight.detach(), scale_dtype=scale_dtype)
+        with torch.device(linear.weight.device):
+            bias = linear.bias is not None
+            module = cls(linear.in_features, linear.out_features, bias, linear.weight.dtype, scale.dtype)
+        module.weight.copy_(codes)
+        module.weight_scale.copy_(scale)
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.detach())
+        return module
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return fp8_block.dequantize_fp8_blocks(self.weight, self.weight_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.fp8_block_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fp8 e4m3 128x128 blocks, dynamic per-token-group 128"
+
+
+class Fp4Linear(nn.Module):
+    """FP4 e2m1 weights (compressed-tensors ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized``): ``weight_packed``
+    uint8 ``[out, in/2]`` with NVFP4 fp8 group-16 scales and an fp32 ``weight_global_scale``, or MXFP4 e8m0
+    group-32 scales. With ``quantize_activations`` (W4A4: NVFP4, MXFP4 presets) the inputs are quantized per token
+    and group too, NVFP4's against the calibrated ``input_global_scale``; the product itself runs on 16-bit
+    activations (a GPU with FP4 tensor cores gets the same numbers from FP4 operands)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        fmt: str,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        quantize_activations: bool = False,
+    ):
+        super().__init__()
+        groups = {"nvfp4": fp4.NVFP4_GROUP, "mxfp4": fp4.MXFP4_GROUP}
+        if fmt not in groups:
+            raise ValueError(f"unknown FP4 format {fmt!r}; use nvfp4 or mxfp4")
+        if in_features % groups[fmt]:
+            raise ValueError(f"in_features {in_features} is not a multiple of the {fmt} group {groups[fmt]}")
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.quantize_activations = quantize_activations
+        nv = fmt == "nvfp4"
+        scale_dtype = fp4.FP8_SCALE if nv else fp4.MX_SCALE
+        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("weight_scale", torch.ones(out_features, in_features // groups[fmt]).to(scale_dtype))
+        self.register_buffer("weight_global_scale", torch.ones(1) if nv else None)
+        self.register_buffer("input_global_scale", torch.ones(1) if nv and quantize_activations else None)
+        zeros = torch.zeros(out_features, dtype=dtype)
+        self.bias = nn.Parameter(zeros, requires_grad=False) if bias else None
+
+    @classmethod
+    def from_packed(
+        cls,
+        packed: torch.Tensor,
+        scale: torch.Tensor,
+        global_scale: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
+        quantize_activations: bool = False,
+        input_global_scale: torch.Tensor | None = None,
+    ) -> Fp4Linear:
+        """Build from checkpoint-layout tensors (see :class:`compress.fp4.Fp4Weight`)."""
+        fmt = "mxfp4" if fp4.uses_mx_scales(scale, global_scale) else "nvfp4"
+        out_features, in_features = packed.shape[0], packed.shape[1] * 2
+        dtype = torch.float32 if bias is None else bias.dtype
+        with torch.device(packed.device):
+            module = cls(in_features, out_features, fmt, bias is not None, dtype, quantize_activations)
+        module.weight_packed.copy_(packed)
+        module.weight_scale.copy_(scale)
+        if global_scale is not None:
+            module.weight_global_scale.copy_(global_scale.reshape(1))
+        if module.input_global_scale is not None:
+            if input_global_scale is None:
+                raise ValueError("NVFP4 with quantized activations needs the calibrated input_global_scale")
+            module.input_global_scale.copy_(input_global_scale.reshape(1))
+        if bias is not None:
+            module.bias.data.copy_(bias)
+        return module
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return fp4.dequantize_fp4_reference(self.weight_packed, self.weight_scale, self.weight_global_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantize_activations:
+            x = fake_quantize_fp4_activations(x, self.fmt, self.input_global_scale)
+        return ops.fp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        activations = f"{self.fmt} activations" if self.quantize_activations else "16-bit activations"
+        return f"in={self.in_features}, out={self.out_features}, {self.fmt} weights, {activations}"

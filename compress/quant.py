@@ -20,6 +20,7 @@ class WeightScheme:
     bits: int = 4
     group_size: int | None = 128  # None: one scale per output channel
     symmetric: bool = True
+    format: str = "int"  # int (signed integer codes) | nvfp4 | mxfp4 (e2m1 codes, see compress.fp4)
 
     @property
     def qmin(self) -> int:
@@ -33,11 +34,26 @@ class WeightScheme:
         return in_features if self.group_size is None else self.group_size
 
     def describe(self) -> str:
+        if self.format != "int":
+            return f"{self.format} e2m1 g{self.group_size}"
         group = "channel" if self.group_size is None else f"g{self.group_size}"
         return f"int{self.bits} {'sym' if self.symmetric else 'asym'} {group}"
 
 
+FP4_GROUP_SIZES = {"nvfp4": 16, "mxfp4": 32}  # fixed by each format (compress.fp4 / kernels.fp4)
+
+
 def validate_scheme(scheme: WeightScheme) -> None:
+    if scheme.format != "int":
+        if scheme.format not in FP4_GROUP_SIZES:
+            raise CompressError(f"format={scheme.format!r} is unknown; use int, {' or '.join(FP4_GROUP_SIZES)}")
+        group = FP4_GROUP_SIZES[scheme.format]
+        if (scheme.bits, scheme.group_size, scheme.symmetric) != (4, group, True):
+            raise CompressError(
+                f"format={scheme.format} is 4-bit symmetric in groups of {group}: set bits=4, group_size={group}, "
+                "symmetric=true"
+            )
+        return
     if not 2 <= scheme.bits <= 8:
         raise CompressError(f"bits={scheme.bits} is not supported; use 2..8")
     if scheme.group_size is not None and scheme.group_size < 1:
@@ -51,6 +67,11 @@ def fitting_group_sizes(in_features: int) -> list[int]:
 def check_group_size(layer_name: str, in_features: int, scheme: WeightScheme) -> None:
     """A group must tile the input width exactly; say which sizes would fit this layer."""
     if scheme.group_size is not None and in_features % scheme.group_size:
+        if scheme.format != "int":
+            raise CompressError(
+                f"{layer_name}: input width {in_features} is not a multiple of the {scheme.format} group "
+                f"({scheme.group_size}); add this layer to the stage's ignore list to keep it unquantized"
+            )
         fits = fitting_group_sizes(in_features)
         raise CompressError(
             f"{layer_name}: input width {in_features} is not a multiple of group_size={scheme.group_size}; "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import w4a16, w8a8
+from kernels import fp4, fp8_block, w4a16, w8a8
 from kernels.backend import choose_backend
 
 
@@ -98,3 +98,30 @@ def fp8_linear(
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_linear needs a float8_e4m3fn weight, got {weight.dtype}")
     return _activation_quantized_linear(x, weight, weight_scale, bias, input_scale)
+
+
+def fp8_block_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """FP8 block-wise (``FP8_BLOCK``): e4m3 ``weight [N, K]`` with one scale per 128x128 block, activations
+    quantized per token and group of 128 on the fly; output in ``x.dtype``."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_block_linear needs a float8_e4m3fn weight, got {weight.dtype}")
+    if choose_backend(x.device) == "reference":
+        return fp8_block.fp8_block_linear_reference(x, weight, weight_scale, bias)
+    return fp8_block.fp8_block_linear(x, weight, weight_scale, bias)
+
+
+def fp4_linear(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    global_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FP4 weights (NVFP4: fp8 group-16 scales and a global scale; MXFP4: e8m0 group-32 scales) times 16-bit
+    activations, the weight decoded tile by tile; output in ``x.dtype``."""
+    why_not = "" if x.dtype in (torch.float16, torch.bfloat16) else f"{x.dtype} activations (fp16/bf16 only)"
+    if choose_backend(x.device, not why_not, why_not) == "reference":
+        return fp4.fp4_linear_reference(x, weight_packed, weight_scale, global_scale, bias)
+    return fp4.fp4_linear(x, weight_packed, weight_scale, global_scale, bias)

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compress.calibration import observe_inputs
+from compress.calibration import input_absmax
 from compress.errors import CompressError
 from compress.moe import check_weights_handled
-from compress.qlinear import Fp8Linear, Int8Linear
+from compress.qlinear import Fp8BlockLinear, Fp8Linear, Int8Linear
 from compress.quant import WeightScheme, quantize
 from compress.stages.base import LayerContext
 from compress.stages.gptq import GPTQStage
@@ -99,17 +99,26 @@ class W8A8Stage(GPTQStage):
 @dataclass
 class FP8Config:
     activations: str = "dynamic"  # dynamic (per token at run time) | static (one calibrated scale per tensor)
+    strategy: str = "channel"  # channel (one weight scale per row) | block (FP8_BLOCK: per 128x128, token-group 128)
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
 
     def __post_init__(self):
         if self.activations not in ("dynamic", "static"):
             raise ValueError(f"activations={self.activations!r} must be 'dynamic' or 'static'")
+        if self.strategy not in ("channel", "block"):
+            raise ValueError(f"strategy={self.strategy!r} must be 'channel' or 'block'")
+        if self.strategy == "block" and self.activations != "dynamic":
+            raise ValueError(
+                "strategy=block quantizes activations per token group at run time: use activations=dynamic"
+            )
 
     scheme = WeightScheme(8, None, True)  # the group-size check in prepare: per channel, always fits
 
 
 class FP8Stage(WeightQuantizerStage):
-    """FP8 e4m3 per-channel weights; FP8_DYNAMIC (per-token activations) or static per-tensor activations."""
+    """FP8 e4m3 weights. Per channel: FP8_DYNAMIC (per-token activations) or static per-tensor activations. Per
+    128x128 block (``strategy: block``, FP8_BLOCK): activations per token and group of 128 at run time; edge blocks
+    of widths that are not multiples of 128 are partial, as compressed-tensors pads them."""
 
     name = "fp8"
     Config = FP8Config
@@ -132,7 +141,10 @@ class FP8Stage(WeightQuantizerStage):
             input_scale = None
             if name in input_max:
                 input_scale = (input_max[name] / FP8_MAX).clamp(min=1e-12)
-            module = Fp8Linear.from_float(linear, input_scale)
+            if self.config.strategy == "block":
+                module = Fp8BlockLinear.from_float(linear, scale_dtype=ctx.dtype)  # what compressed-tensors stores
+            else:
+                module = Fp8Linear.from_float(linear, input_scale)
             dense = linear.weight.data.float()
             error = (module.dequantized_weight() - dense).pow(2).mean() / dense.pow(2).mean()
             self.stats[f"{ctx.name}.{name}"] = {"weight_rel_mse": float(error)}
@@ -141,25 +153,14 @@ class FP8Stage(WeightQuantizerStage):
             replace_module(ctx.layer, name, module)
 
     def _input_maxima(self, ctx: LayerContext, names: list[str]) -> dict[str, torch.Tensor]:
-        """max |x| over every calibration token at each linear's input (the static per-tensor range)."""
         if ctx.inputs is None:
             raise CompressError("fp8 with activations=static needs calibration inputs")
-        maxima: dict[str, torch.Tensor] = {}
-
-        def observer(name):
-            def observe(x: torch.Tensor) -> None:
-                peak = x.abs().amax()
-                maxima[name] = torch.maximum(maxima.get(name, peak), peak)
-
-            return observe
-
-        observe_inputs(ctx.layer, ctx.inputs, ctx.name, {n: observer(n) for n in names})
-        return maxima
+        return input_absmax(ctx.layer, ctx.inputs, ctx.name, names)
 
     def finalize(self, model: nn.Module) -> dict:
         errors = [s["weight_rel_mse"] for s in self.stats.values()]
         return {
-            "scheme": f"fp8 e4m3 per-channel weights, {self.config.activations} activations",
+            "scheme": f"fp8 e4m3 per-{self.config.strategy} weights, {self.config.activations} activations",
             "quantized_linears": len(self.stats),
             "mean_weight_rel_mse": sum(errors) / max(len(errors), 1),
             "per_layer": self.stats,

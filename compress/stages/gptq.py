@@ -26,6 +26,7 @@ from compress.errors import CompressError
 from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, quantize
 from compress.stages.base import LayerContext
+from compress.stages.fp4 import Fp4Grid
 from compress.stages.hessian import cholesky_inverse_upper, collect_hessians, input_groups, without_dead_channels
 from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, replace_module, target_linears
 from kernels.dequant import dequantize_codes
@@ -93,9 +94,13 @@ def gptq_quantize(
     clip_search: bool = True,
     scale_dtype: torch.dtype | None = None,
     name: str = "linear",
+    grid: Fp4Grid | None = None,
 ) -> GPTQResult:
-    """Quantize ``weight [out, in]`` against ``hessian [in, in]`` (E[x xᵀ] of its inputs)."""
-    dtype = scale_dtype or weight.dtype
+    """Quantize ``weight [out, in]`` against ``hessian [in, in]`` (E[x xᵀ] of its inputs). With an FP4 ``grid``
+    the columns are rounded onto e2m1 times each group's scale (codes 0..15, ``scale`` the fp32 effective scales)."""
+    if grid is not None and act_order:
+        raise CompressError(f"{name}: act_order is not supported with FP4 formats; set act_order=false")
+    dtype = torch.float32 if grid is not None else scale_dtype or weight.dtype
     original, reference_h = weight.detach().float().clone(), hessian.detach().float()
     W, H = without_dead_channels(weight, hessian)
     out_features, columns = W.shape
@@ -131,21 +136,31 @@ def gptq_quantize(
             if not act_order and column % group == 0:  # lazy groups: from the weight as compensated so far
                 cols = slice(start + i, start + i + group)
                 pending = _pending(W, block, start, i, group)
-                scale, zero = _group_params(pending, H[cols, cols], scheme, clip_search, dtype)
+                if grid is not None:
+                    scale, zero = grid.group_scales(pending, H[cols, cols]), None
+                else:
+                    scale, zero = _group_params(pending, H[cols, cols], scheme, clip_search, dtype)
                 scales[:, g : g + 1] = scale
                 if zeros is not None:
                     zeros[:, g : g + 1] = zero
             scale = scales[:, g].float()
             zero = 0.0 if zeros is None else zeros[:, g].float()
             w = block[:, i]
-            q = (torch.round(w / scale) + zero).clamp_(qmin, qmax)
+            if grid is not None:
+                q, rounded = grid.round(w, scale)
+            else:
+                q = (torch.round(w / scale) + zero).clamp_(qmin, qmax)
+                rounded = (q - zero) * scale
             codes[:, column] = q.to(torch.int8)
-            error = (w - (q - zero) * scale) / block_inv[i, i]
+            error = (w - rounded) / block_inv[i, i]
             block[:, i:] -= error[:, None] * block_inv[i, i:][None, :]
             errors[:, i] = error
         W[:, end:] -= errors @ Hinv[start:end, end:]
 
-    delta = dequantize_codes(codes, scales.float(), zeros, group) - original
+    dequantized = (
+        grid.dequantize(codes, scales) if grid is not None else dequantize_codes(codes, scales.float(), zeros, group)
+    )
+    delta = dequantized - original
     hessian_error = ((delta @ reference_h) * delta).sum() / ((original @ reference_h) * original).sum().clamp(min=1e-30)
     return GPTQResult(codes, scales, zeros, damp, retries, float(hessian_error))
 
@@ -160,6 +175,7 @@ def _pending(W: torch.Tensor, block: torch.Tensor, start: int, i: int, group: in
 class GPTQStage(WeightQuantizerStage):
     name = "gptq"
     Config = GPTQConfig
+    formats = ("int", "nvfp4", "mxfp4")
 
     def prepare(self, model: nn.Module) -> None:
         super().prepare(model)
@@ -168,7 +184,10 @@ class GPTQStage(WeightQuantizerStage):
     def process_layer(self, ctx: LayerContext) -> None:
         if ctx.inputs is None:
             raise CompressError("GPTQ needs calibration inputs")
-        groups = input_groups(target_linears(ctx.layer, ctx.name, self.config.ignore))
+        targets = target_linears(ctx.layer, ctx.name, self.config.ignore)
+        if self.fp4 is not None:
+            self.fp4.observe(ctx, targets)  # W4A4 input scales, from the layer before any of it is quantized
+        groups = input_groups(targets)
         if not self.config.true_sequential:  # one forward, one Hessian per shared input
             hessians = collect_hessians(ctx, [group[0] for group in groups], stop_at=None)
         for group in groups:
@@ -198,6 +217,7 @@ class GPTQStage(WeightQuantizerStage):
             clip_search=c.clip_search,
             scale_dtype=ctx.dtype,
             name=full,
+            grid=self._fp4_grid(weight, ctx.dtype),
         )
         if result.retries:
             self.retries[full] = result.retries
@@ -216,6 +236,14 @@ class GPTQStage(WeightQuantizerStage):
             }
             replace_module(ctx.layer, name, module.to(linear.weight.device))
 
+    def _fp4_grid(self, weight: torch.Tensor, dtype: torch.dtype) -> Fp4Grid | None:
+        """FP4 formats: the grid GPTQ rounds onto (NVFP4's global scale from the stacked weight in the model's
+        dtype, as RTN takes it), kept for :meth:`build_module`; None for integer schemes."""
+        self.grid = (
+            None if self.fp4 is None else Fp4Grid.for_weight(weight.to(dtype), self.fp4.fmt, self.config.clip_search)
+        )
+        return self.grid
+
     def build_module(
         self,
         linear: nn.Linear,
@@ -224,7 +252,9 @@ class GPTQStage(WeightQuantizerStage):
         zero: torch.Tensor | None,
         scheme: WeightScheme,
     ) -> nn.Module:
-        """The stored form of one quantized linear (packed int-N here; W8A8 overrides it)."""
+        """The stored form of one quantized linear (packed int-N or FP4 here; W8A8 overrides it)."""
+        if self.fp4 is not None:
+            return self.fp4.module(linear, codes, scale, self.grid.global_scale)
         bias = None if linear.bias is None else linear.bias.data
         return QuantizedLinear.from_codes(codes, scale, zero, scheme.bits, scheme.group_for(linear.in_features), bias)
 

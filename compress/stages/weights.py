@@ -13,7 +13,9 @@ from compress.moe import ROUTERS, check_weights_handled
 from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, check_group_size, matches, quantize, validate_scheme
 from compress.sparsity import carry_mask
-from compress.stages.base import Stage
+from compress.stages.base import LayerContext, Stage
+from compress.stages.fp4 import Fp4Layers, rtn_fp4
+from compress.stages.hessian import input_groups
 
 
 @dataclass
@@ -22,10 +24,12 @@ class WeightQuantConfig:
     group_size: int | None = 128
     symmetric: bool = True
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    format: str = "int"  # int | nvfp4 (e2m1, fp8 group-16 scales + global) | mxfp4 (e2m1, e8m0 group-32 scales)
+    activations: str = "none"  # none (16-bit) | fp4 (W4A4: inputs quantized to the weights' FP4 format)
 
     @property
     def scheme(self) -> WeightScheme:
-        return WeightScheme(self.bits, self.group_size, self.symmetric)
+        return WeightScheme(self.bits, self.group_size, self.symmetric, self.format)
 
 
 def target_linears(layer: nn.Module, prefix: str, ignore: list[str]) -> dict[str, nn.Linear]:
@@ -50,9 +54,28 @@ class WeightQuantizerStage(Stage):
     """Base for stages that turn a layer's linears into ``QuantizedLinear``; subclasses choose how."""
 
     quantizes_weights = True
+    formats: tuple[str, ...] = ("int",)  # weight formats the stage can produce (WeightScheme.format)
+
+    def __init__(self, config):
+        super().__init__(config)
+        scheme = config.scheme
+        self.fp4 = None if scheme.format == "int" else Fp4Layers(scheme.format, config.activations == "fp4")
+        if self.fp4 is not None and self.fp4.needs_calibration:
+            self.needs_calibration = True
 
     def prepare(self, model: nn.Module) -> None:
-        validate_scheme(self.config.scheme)
+        scheme = self.config.scheme
+        if scheme.format not in self.formats:
+            raise CompressError(
+                f"{self.name} writes format {' | '.join(self.formats)} weights, not format={scheme.format}"
+            )
+        activations = getattr(self.config, "activations", "none")
+        if activations not in ("none", "fp4") or (activations == "fp4" and scheme.format == "int"):
+            raise CompressError(
+                f"activations={activations!r}: use none, or fp4 with format=nvfp4/mxfp4 (W4A4 quantizes inputs to "
+                "the weights' FP4 format)"
+            )
+        validate_scheme(scheme)
         check_weights_handled(model, self.name)
         self.stats: dict[str, dict] = {}
         for index, layer in enumerate(decoder_layers(model)):
@@ -82,6 +105,33 @@ class WeightQuantizerStage(Stage):
         error = (quantized.dequantized_weight().float() - weight.float()).pow(2).mean() / weight.float().pow(2).mean()
         self.stats[full_name] = {"weight_rel_mse": float(error)}
         replace_module(layer, name, quantized.to(weight.device))
+
+    def quantize_fp4_layer(self, ctx: LayerContext) -> None:
+        """Round-to-nearest FP4 for every target of the layer; linears sharing an input are stacked so NVFP4 gives
+        them one global scale."""
+        targets = target_linears(ctx.layer, ctx.name, self.config.ignore)
+        self.fp4.observe(ctx, targets)
+        for names in input_groups(targets):
+            linears = [targets[name] for name in names]
+            weight = torch.cat([linear.weight.data for linear in linears])
+            if not torch.isfinite(weight).all():
+                raise CompressError(
+                    f"{ctx.name}.{names[0]}: weight holds NaN/inf; the model or an earlier stage is broken"
+                )
+            codes, scale, global_scale = rtn_fp4(weight.to(ctx.dtype), self.fp4.fmt)
+            row = 0
+            for name, linear in zip(names, linears, strict=True):
+                rows = slice(row, row + linear.out_features)
+                row += linear.out_features
+                module = self.fp4.module(linear, codes[rows], scale[rows], global_scale)
+                self.record_and_replace(ctx, name, linear, module)
+
+    def record_and_replace(self, ctx: LayerContext, name: str, linear: nn.Linear, module: nn.Module) -> None:
+        """Record the weight error of ``module`` against the dense ``linear`` it replaces, then replace it."""
+        dense = linear.weight.data.float()
+        error = (module.dequantized_weight().float() - dense).pow(2).mean() / dense.pow(2).mean()
+        self.stats[f"{ctx.name}.{name}"] = {"weight_rel_mse": float(error)}
+        replace_module(ctx.layer, name, module.to(linear.weight.device))
 
     def finalize(self, model: nn.Module) -> dict:
         errors = [s["weight_rel_mse"] for s in self.stats.values()]

@@ -6,9 +6,8 @@ The rules:
 
 * ``kernels/`` and ``compress/engine/`` are the runtime a bare GPU box installs: they import the standard library,
   torch, triton, transformers, safetensors, numpy, each other, and the runtime modules ``compress.checkpoint``,
-  ``compress.qlinear``, ``compress.quant`` and ``compress.kv_quant`` (the quantized layers and KV scheme a checkpoint
-  loads into); never Hydra, MLflow,
-  lm-eval, the pipeline or the gate.
+  ``compress.qlinear``, ``compress.quant``, ``compress.fp4`` and ``compress.kv_quant`` (the quantized layers and KV
+  scheme a checkpoint loads into); never Hydra, MLflow, lm-eval, the pipeline or the gate.
 * ``evals/`` may add the gate's own libraries (lm-eval, matplotlib, jsonschema, omegaconf for its policy schema,
   tqdm) and the runtime side of ``compress`` (engine, checkpoint, models, errors, data, qlinear, quant), but never
   ``compress.pipeline``, ``compress.commands``, ``compress.tracking``, ``compress.config``, nor MLflow: the app layer
@@ -32,6 +31,7 @@ RUNTIME_COMPRESS = {
     "compress.quant",
     "compress.kv_quant",
     "compress.moe",
+    "compress.fp4",
     "compress.errors",
 }
 RUNTIME_ALLOWED = RUNTIME_THIRD_PARTY | RUNTIME_COMPRESS | {"kernels"}
