@@ -12,7 +12,9 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from compress import distributed
 from compress.calibration import capture_first_layer_inputs, decoder_layers, restore_dtypes, run_layer, upcast
+from compress.errors import CompressError
 from compress.models import materialize_all, materialize_layer
 from compress.stages import LayerContext, Stage, build_chain, check_chain
 
@@ -27,16 +29,25 @@ def compress_model(
     """Apply ``stages`` (Stage objects, or recipe-style ``{"type": ..., ...}`` mappings checked as a chain) to
     ``model`` in place, calibrating on the token ids ``samples`` ([n, seq_len]); returns each stage's summary, in
     order, with its own wall time under ``seconds``. Every stage's ``prepare`` runs before any work, so a model a
-    stage cannot handle fails before anything is changed."""
+    stage cannot handle fails before anything is changed. Under torchrun each rank calibrates on its own shard of
+    ``samples`` (``compress.distributed``) and every rank ends with the same compressed model."""
     if all(isinstance(s, dict) for s in stages):
         chain = build_chain([dict(s) for s in stages])
     else:
         chain = list(stages)
         check_chain(chain)  # the same order rules as a recipe
-    device = torch.device(device)
+    device = distributed.device_for(torch.device(device))
+    if distributed.active():
+        trained = [stage.name for stage in chain if not stage.layerwise and stage.needs_calibration]
+        if trained:
+            raise CompressError(
+                f"{trained[0]} trains on the whole model and cannot run data-parallel yet; run it in one process"
+            )
+        samples = distributed.shard(samples, batch_size)
     for stage in chain:
         stage.prepare(model)
     apply_stages(model, chain, samples, device, batch_size)
+    distributed.barrier()  # every rank holds the same compressed model
     return [{**stage.finalize(model), "seconds": stage.seconds} for stage in chain]
 
 
@@ -81,7 +92,12 @@ def walk_layers(
     inputs = capture_first_layer_inputs(model, samples, batch_size, device) if calibrate else None
     layers = decoder_layers(model)
     storage_dtype = getattr(model, "dtype", torch.float32)  # what quantization scales are rounded to
-    for index in tqdm(range(len(layers)), desc=f"compress [{'+'.join(s.name for s in stages)}]", unit="layer"):
+    for index in tqdm(
+        range(len(layers)),
+        desc=f"compress [{'+'.join(s.name for s in stages)}]",
+        unit="layer",
+        disable=not distributed.is_main(),
+    ):
         materialize_layer(model, index)
         layer = layers[index].to(device)
         stored_dtypes = upcast(layer)

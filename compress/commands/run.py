@@ -180,6 +180,8 @@ def _run_job(config: RunConfig, job: int) -> Outcome:
     except CompressError as error:
         print(f"error: {error}", file=sys.stderr)
         return Outcome(job, 1, f"error: {error}")
+    if result is None:  # a data-parallel rank other than 0: its calibration shard is done
+        return Outcome(job, 0, "calibration shard done")
     print("\n" + "\n".join(summary_lines(result.report)))
     print(f"\nrun folder: {result.run_dir}")
     if result.mlflow_run_id:

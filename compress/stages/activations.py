@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from compress import distributed
 from compress.calibration import observe_inputs
 from compress.errors import CompressError
 from compress.qlinear import Fp8Linear, Int8Linear
@@ -147,7 +148,7 @@ class FP8Stage(WeightQuantizerStage):
             return observe
 
         observe_inputs(ctx.layer, ctx.inputs, ctx.name, {n: observer(n) for n in names})
-        return maxima
+        return {name: distributed.all_reduce_max(peak) for name, peak in maxima.items()}
 
     def finalize(self, model: nn.Module) -> dict:
         errors = [s["weight_rel_mse"] for s in self.stats.values()]
