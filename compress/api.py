@@ -27,7 +27,7 @@ from compress.compression import compress_model
 from compress.config import RunConfig
 from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
-from compress.models import load
+from compress.models import load, resolve_model_path
 from compress.paths import artifacts_dir, recipes_dir
 from compress.stages import Stage, build_chain
 
@@ -68,6 +68,8 @@ def oneshot(
     if target.exists():
         raise CompressError(f"output_dir {target} already exists; choose another folder or remove it")
     distributed.barrier()  # every rank has checked before rank 0 can write it
+    if source is not None:
+        distributed.main_first(lambda: resolve_model_path(config.model))  # convert the default model once
     loaded, tokenizer = (model, tokenizer) if source is None else load(config.model)
     samples = calibration_ids(data, config.data, tokenizer, config.seed)
     compute = select_device(device or config.device)

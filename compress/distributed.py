@@ -13,6 +13,7 @@ when CUDA is visible (each rank on ``cuda:LOCAL_RANK``), gloo on CPU.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -143,6 +144,16 @@ def broadcast_object(value, src: int = 0):
     holder = [value]
     dist.broadcast_object_list(holder, src)
     return holder[0]
+
+
+def main_first(action: Callable[[], object]) -> None:
+    """Run ``action`` on rank 0 before any other rank goes on: work that must happen once before every rank uses
+    its result (the default model's one-time conversion, which ranks racing each other would clobber)."""
+    if not active():
+        return
+    if is_main():
+        action()
+    barrier()
 
 
 def barrier() -> None:

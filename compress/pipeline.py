@@ -51,6 +51,7 @@ def run(config: RunConfig) -> RunResult | None:
         _rtn_reference(stages)  # fail now, not after the compression, when the recipe has no integer scheme
     device = select_device(config.device)
     check_model_source(config.model)  # a missing model fails here, before a run folder or MLflow run exists
+    distributed.main_first(lambda: resolve_model_path(config.model))  # convert the default model once
     if not distributed.is_main():
         torch.manual_seed(config.seed)
         model, _, _, samples = _load(config, stages, Timer())

@@ -10,6 +10,7 @@ below is about the model's outputs: the two checkpoints' logits differ by less t
 itself changes (measured 0.21 GPTQ, 0.14 AWQ), and both are equally far from the float model (within 10%).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -75,3 +76,17 @@ def test_sum_recipes_match_one_process_within_rounding(checkpoints, name):
 
     assert distance(ours, reference) < distance(reference, dense) / 3
     assert distance(ours, dense) == pytest.approx(distance(reference, dense), rel=0.1)
+
+
+def test_run_under_torchrun_records_once_from_rank_zero(tiny_model_dir, tmp_path):
+    """``torchrun -m compress run``: both ranks calibrate, rank 0 alone writes the run folder and its report."""
+    runs = tmp_path / "runs"
+    args = ["-m", "compress", "run", "recipe=gptq_int4", f"model={tiny_model_dir}", "data.num_samples=4"]
+    args += ["data.seq_len=64", "calibration_batch_size=2", "stages.0.group_size=32", "eval.perplexity=false"]
+    args += ["eval.reference=null", "gate=none", "tracking.enabled=false", "device=cpu", f"output.dir={runs}"]
+    done = torchrun(args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [run_dir] = runs.iterdir()
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["data"]["ranks"] == 2 and report["checkpoint"]["quantized_linears"] == 14
+    assert done.stdout.count("run folder: ") == 1
