@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
+from compress.moe import all_tokens_through_experts
 
 
 @dataclass
@@ -107,7 +108,8 @@ def observe_inputs(
 ) -> None:
     """Run ``layer`` over every calibration batch and hand each named submodule's input, flattened to
     ``[tokens, in]`` in fp32, to its observer. With ``stop_after``, each batch's forward ends once that submodule has
-    run (nothing after it is needed). NaN/inf inputs are refused, naming the submodule."""
+    run (nothing after it is needed). NaN/inf inputs are refused, naming the submodule. Every MoE expert sees every
+    token here (its statistics never starve on a router that rarely picks it); the layer's output stays routed."""
 
     def hook_for(name: str, observe: Callable[[torch.Tensor], None]):
         def hook(_module, args, _output):
@@ -128,11 +130,12 @@ def observe_inputs(
     if stop_after is not None:
         handles.append(layer.get_submodule(stop_after).register_forward_hook(stop))
     try:
-        for hidden, kwargs in zip(inputs.hidden, inputs.kwargs, strict=True):
-            try:
-                layer(hidden, **kwargs)
-            except _StopForward:
-                pass
+        with all_tokens_through_experts(layer):
+            for hidden, kwargs in zip(inputs.hidden, inputs.kwargs, strict=True):
+                try:
+                    layer(hidden, **kwargs)
+                except _StopForward:
+                    pass
     finally:
         for handle in handles:
             handle.remove()

@@ -8,6 +8,11 @@ transformers load it. Each quantized linear ``<name>`` stores ``<name>.weight_pa
 input dim), ``<name>.weight_scale``, ``<name>.weight_shape`` and, when asymmetric, ``<name>.weight_zero_point``
 (packed along the output dim) and, with act-order groups, ``<name>.weight_g_idx``.
 
+MoE models: the stages quantize one linear per expert (``compress.moe``), and tensors and config groups are named as
+hub checkpoints and vLLM's compressed-tensors MoE loader name them (``model.layers.L.mlp.experts.N.gate_proj.*``;
+Mixtral ``model.layers.L.block_sparse_moe.experts.N.w1.*``); routers are listed in ``ignore``. Loading rebuilds the
+per-expert structure; transformers loads the folder into its fused experts through its own MoE weight conversion.
+
 Imports only torch, safetensors and transformers: the engine loads checkpoints with it on a bare GPU box.
 """
 
@@ -29,6 +34,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from compress.errors import CompressError
+from compress.moe import checkpoint_name, model_name, router_names, unfuse_experts
 from compress.qlinear import Fp8Linear, Int8Linear, QuantizedLinear
 from compress.sparsity import sparsity_config
 from kernels.packing import pack_int32, unpack_int32
@@ -63,7 +69,8 @@ def _scheme_key(module: QuantizedLinear) -> tuple:
 
 def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -> dict | None:
     """The ``quantization_config`` block describing the model's ``QuantizedLinear`` modules."""
-    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    model_type = getattr(model.config, "model_type", None)
+    quantized = {checkpoint_name(model_type, n): m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     activation_groups = _activation_groups(model)
     if not quantized and not activation_groups and kv_cache_scheme is None:
         return None
@@ -92,6 +99,8 @@ def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -
         groups[f"group_{index}"] = group
     formats = sorted({group["format"] for group in groups.values()})
     dense = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    dense += [name for name in router_names(model) if name not in dense]  # vLLM builds routers as linears
+    dense = [checkpoint_name(model_type, name) for name in dense]
     return {
         "quant_method": "compressed-tensors",
         "format": formats[0] if len(formats) == 1 else (MIXED_FORMAT if formats else DENSE),
@@ -106,11 +115,12 @@ def _activation_groups(model: nn.Module) -> list[dict]:
     """Config groups of the W8A8 modules (int8 or fp8 weights per channel; dynamic per-token or static per-tensor
     activations), one per distinct scheme."""
     by_scheme: dict[tuple[str, bool], list[str]] = {}
+    model_type = getattr(model.config, "model_type", None)
     for name, module in model.named_modules():
         if isinstance(module, ACTIVATION_QUANTIZED):
             kind = "int" if isinstance(module, Int8Linear) else "float"
             static = getattr(module, "input_scale", None) is not None
-            by_scheme.setdefault((kind, static), []).append(name)
+            by_scheme.setdefault((kind, static), []).append(checkpoint_name(model_type, name))
     single = len(by_scheme) == 1 and not any(isinstance(m, QuantizedLinear) for m in model.modules())
     groups = []
     for (kind, static), names in sorted(by_scheme.items()):
@@ -146,6 +156,7 @@ def _tensors(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Ten
     quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     activation_quantized = {name for name, m in model.named_modules() if isinstance(m, ACTIVATION_QUANTIZED)}
     tied = getattr(model.config, "tie_word_embeddings", False)
+    model_type = getattr(model.config, "model_type", None)
     tensors: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         if tied and key == "lm_head.weight":
@@ -159,7 +170,7 @@ def _tensors(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Ten
     for owner in quantized:
         module = model.get_submodule(owner)
         tensors[f"{owner}.weight_shape"] = torch.tensor([module.out_features, module.in_features])
-    return tensors
+    return {checkpoint_name(model_type, key): value for key, value in tensors.items()}
 
 
 def _write_shards(tensors: dict[str, torch.Tensor], folder: Path) -> None:
@@ -460,11 +471,13 @@ def _load_compressed(folder: Path, qconfig: dict, dtype: str) -> nn.Module:
         raise CompressError(
             f"{folder} is a quantized checkpoint saved in {saved}; it loads in that dtype only: use dtype=auto"
         )
-    tensors = _read_tensors(folder)
+    model_type = getattr(config, "model_type", None)
+    tensors = {model_name(model_type, key): value for key, value in _read_tensors(folder).items()}
     model = AutoModelForCausalLM.from_config(config, dtype=saved)
+    unfuse_experts(model)  # the checkpoint stores one linear per expert
     for name, module in list(model.named_modules()):
         if type(module) is nn.Linear and f"{name}.weight_packed" in tensors:
-            weights = _module_scheme(name, qconfig)
+            weights = _module_scheme(checkpoint_name(model_type, name), qconfig)
             if weights is None:
                 raise CompressError(f"{folder}: {name} is packed but no config group targets it")
             parent, _, child = name.rpartition(".")

@@ -16,6 +16,7 @@ from compress import distributed
 from compress.calibration import capture_first_layer_inputs, decoder_layers, restore_dtypes, run_layer, upcast
 from compress.errors import CompressError
 from compress.models import materialize_all, materialize_layer
+from compress.moe import expert_token_report, moe_family, unfuse_experts
 from compress.stages import LayerContext, Stage, build_chain, check_chain
 
 
@@ -37,18 +38,34 @@ def compress_model(
         chain = list(stages)
         check_chain(chain)  # the same order rules as a recipe
     device = distributed.device_for(torch.device(device))
+    unfuse_experts(model)  # MoE: one linear per expert, so every stage sees (and the checkpoint names) each one
     if distributed.active():
-        trained = [stage.name for stage in chain if not stage.layerwise and stage.needs_calibration]
-        if trained:
-            raise CompressError(
-                f"{trained[0]} trains on the whole model and cannot run data-parallel yet; run it in one process"
-            )
+        _check_data_parallel(model, chain)
         samples = distributed.shard(samples, batch_size)
     for stage in chain:
         stage.prepare(model)
     apply_stages(model, chain, samples, device, batch_size)
     distributed.barrier()  # every rank holds the same compressed model
-    return [{**stage.finalize(model), "seconds": stage.seconds} for stage in chain]
+    summaries = [{**stage.finalize(model), "seconds": stage.seconds} for stage in chain]
+    experts = expert_token_report(model)
+    for stage, summary in zip(chain, summaries, strict=True):
+        if experts and stage.needs_calibration:
+            summary["expert_tokens"] = experts
+    return summaries
+
+
+def _check_data_parallel(model: torch.nn.Module, chain: list[Stage]) -> None:
+    """What data-parallel calibration does not cover yet, refused in one line before any work."""
+    trained = [stage.name for stage in chain if not stage.layerwise and stage.needs_calibration]
+    if trained:
+        raise CompressError(
+            f"{trained[0]} trains on the whole model and cannot run data-parallel yet; run it in one process"
+        )
+    if moe_family(model) is not None and any(stage.needs_calibration for stage in chain):
+        raise CompressError(
+            "calibrating a mixture-of-experts model data-parallel is not supported yet (each rank routes its own "
+            "tokens to different experts); run it in one process"
+        )
 
 
 def apply_stages(

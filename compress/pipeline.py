@@ -23,6 +23,7 @@ from compress.config import RunConfig, check_evaluation_length
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
 from compress.models import check_model_source, load, materialize_all, resolve_model_path
+from compress.moe import unfuse_experts
 from compress.paths import artifacts_dir
 from compress.report import Timer, peak_rss_mb, run_metrics, write_report
 from compress.rundir import sigterm_as_interrupt, staged_run_folder
@@ -97,6 +98,7 @@ def _load(config: RunConfig, stages: list[Stage], timer: Timer) -> tuple:
         corpus = load_corpus(config.data)  # before the model: a bad data source fails in seconds
     with timer.phase("load_model"):
         model, tokenizer = load(config.model)
+        unfuse_experts(model)  # MoE: the stages check (and the baseline runs) the per-expert form they compress
         for stage in stages:
             stage.prepare(model)  # a model a stage cannot handle fails before the baseline evaluation
     with timer.phase("data"):

@@ -215,3 +215,79 @@ def build_tiny_model(family: str, vocab_size: int = 320, seed: int = 0) -> torch
             if name.endswith("norm.weight") or "layernorm" in name:
                 parameter.copy_(torch.empty_like(parameter).uniform_(0.5, 1.5) - (1.0 if "gemma" in family else 0))
     return model
+
+
+MOE_COMMON = dict(COMMON, intermediate_size=64, num_experts_per_tok=2)
+
+
+def _mixtral(vocab_size: int):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(vocab_size=vocab_size, num_local_experts=4, **MOE_COMMON))
+
+
+def _qwen2_moe(vocab_size: int):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=vocab_size,
+        num_experts=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        use_sliding_window=False,
+        **MOE_COMMON,
+    )
+    return Qwen2MoeForCausalLM(config)
+
+
+def _qwen3_moe(vocab_size: int):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size, num_experts=4, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True, **MOE_COMMON
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+def build_tiny_deepseek_v3(vocab_size: int = 320, seed: int = 0) -> torch.nn.Module:
+    """DeepSeek-V3: MLA attention (low-rank q/kv projections), 4 routed experts + 1 shared, sigmoid group routing.
+    Outside :data:`MOE_BUILDERS`: AWQ/SmoothQuant have no MLA mappings and the engine does not run MLA."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(
+        vocab_size=vocab_size,
+        **{**MOE_COMMON, "num_key_value_heads": 4},
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=0,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+    )
+    return DeepseekV3ForCausalLM(config).eval()
+
+
+# MoE families (transformers 5 fuses their experts into 3-D parameters): 4 experts, top-2 routing, random routers, so
+# a tiny calibration set leaves some experts rarely or never routed, as real MoE models do.
+MOE_BUILDERS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
+MOE_FAMILIES = tuple(MOE_BUILDERS)
+
+
+def build_tiny_moe(family: str, vocab_size: int = 320, seed: int = 0) -> torch.nn.Module:
+    """A random fp32 MoE model of ``family``, norms randomised like :func:`build_tiny_model`'s; routers get a wide
+    init so routing is decisive (not a near-tie that any rounding flips)."""
+    torch.manual_seed(seed)
+    model = MOE_BUILDERS[family](vocab_size).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                parameter.copy_(torch.empty_like(parameter).uniform_(0.5, 1.5))
+            elif name.endswith("mlp.gate.weight"):
+                parameter.normal_(0, 0.5)
+    return model

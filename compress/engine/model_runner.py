@@ -26,7 +26,10 @@ from kernels import kv_cache, paged_attention
 log = logging.getLogger(__name__)
 
 # Families whose attention modules call AttentionInterface and whose outputs the tests check against transformers.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+SUPPORTED_MODEL_TYPES = (
+    *("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"),
+    *("mixtral", "qwen2_moe", "qwen3_moe"),  # MoE: fused or per-expert (compressed) experts
+)
 PAGED_ATTENTION = "compress_paged"
 _GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 

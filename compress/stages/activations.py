@@ -16,6 +16,7 @@ from torch import nn
 from compress import distributed
 from compress.calibration import observe_inputs
 from compress.errors import CompressError
+from compress.moe import check_weights_handled
 from compress.qlinear import Fp8Linear, Int8Linear
 from compress.quant import WeightScheme, quantize
 from compress.stages.base import LayerContext
@@ -114,6 +115,7 @@ class FP8Stage(WeightQuantizerStage):
         self.needs_calibration = config.activations == "static"
 
     def prepare(self, model: nn.Module) -> None:
+        check_weights_handled(model, self.name)
         self.stats = {}
 
     @torch.no_grad()

@@ -27,7 +27,7 @@ from compress.calibration import observe_inputs
 from compress.errors import CompressError
 from compress.quant import fake_quantize
 from compress.stages.base import LayerContext
-from compress.stages.mappings import Mapping, family_mappings, fold_scale, previous_width
+from compress.stages.mappings import Mapping, family_mappings, fold_scale, layer_mappings, previous_width
 from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, target_linears
 
 
@@ -72,9 +72,10 @@ class AWQStage(WeightQuantizerStage):
         if ctx.inputs is None:
             raise CompressError("AWQ needs calibration inputs")
         targets = target_linears(ctx.layer, ctx.name, self.config.ignore)
-        activations = self._capture(ctx)
+        mappings = layer_mappings(ctx.layer, self.mappings)
+        activations = self._capture(ctx, mappings)
         input_scale: dict[str, torch.Tensor] = {}
-        for mapping in self.mappings:
+        for mapping in mappings:
             if not all(name in targets for name in mapping.linears):
                 continue  # an ignored linear stays dense; scaling it would buy nothing
             scale = self._search_scale(ctx, mapping, activations[mapping.linears[0]])
@@ -84,7 +85,7 @@ class AWQStage(WeightQuantizerStage):
                 for name in mapping.linears:
                     input_scale[name] = self._expand(ctx, mapping, scale)
         for name in targets:
-            owner = next(m for m in self.mappings if name in m.linears)
+            owner = next(m for m in mappings if name in m.linears)
             clip = 1.0
             if self.config.clip and not name.endswith(NO_CLIP):
                 gram = activations[owner.linears[0]].gram
@@ -96,7 +97,7 @@ class AWQStage(WeightQuantizerStage):
 
     # -- calibration statistics -------------------------------------------------------------------------------
     @torch.no_grad()
-    def _capture(self, ctx: LayerContext) -> dict[str, _Activations]:
+    def _capture(self, ctx: LayerContext, mappings: list[Mapping]) -> dict[str, _Activations]:
         """E|x| and E[x xᵀ] of each mapping's input over all calibration tokens: losses then cost O(in²), not
         O(tokens), and are exact over the whole calibration set rather than a subsample."""
         sums: dict[str, torch.Tensor] = {}
@@ -115,7 +116,7 @@ class AWQStage(WeightQuantizerStage):
 
             return observe
 
-        observe_inputs(ctx.layer, ctx.inputs, ctx.name, {m.linears[0]: observer(m.linears[0]) for m in self.mappings})
+        observe_inputs(ctx.layer, ctx.inputs, ctx.name, {m.linears[0]: observer(m.linears[0]) for m in mappings})
         for name in sums:  # the scale and clip searches read only these: reduced, every rank picks the same scales
             distributed.all_reduce_sum(sums[name])
             distributed.all_reduce_sum(grams[name])

@@ -24,23 +24,35 @@ from compress.stages.base import LayerContext
 
 log = logging.getLogger(__name__)
 
-# Linears reading the same input, processed as one stacked matrix; the groups run in this order inside a decoder
-# layer. Phi-3's fused qkv_proj / gate_up_proj take their unfused counterparts' places (a layer holds one form or the
-# other).
+# Linears reading the same input, by name within their parent module, processed as one stacked matrix; the groups run
+# in this order inside a decoder layer. Phi-3's fused qkv_proj / gate_up_proj take their unfused counterparts' places
+# (a layer holds one form or the other); w1/w3/w2 are a Mixtral expert's gate/up/down. Each MoE expert (and shared
+# expert) is its own parent: its gate/up share an input, other experts' do not (they see other tokens at run time).
 SEQUENTIAL_GROUPS = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj"),
-    ("mlp.down_proj",),
+    ("q_proj", "k_proj", "v_proj", "qkv_proj"),
+    ("o_proj",),
+    ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3"),
+    ("down_proj", "w2"),
 )
 
 
 def input_groups(targets: list[str] | dict) -> list[list[str]]:
-    """``targets`` split into groups that share an input, in forward order; a linear no group names (a family with
-    extra linears) is a group of its own, after the known ones. Each group's first name is its Hessian's key."""
-    groups = [[name for name in group if name in targets] for group in SEQUENTIAL_GROUPS]
-    known = {name for group in groups for name in group}
-    return [group for group in groups if group] + [[name] for name in targets if name not in known]
+    """``targets`` split into groups of siblings that share an input, in forward order (attention, output, every
+    expert's gate/up, every expert's down); a linear no group names (a family with extra linears) is a group of its
+    own, after the known ones. Each group's first name is its Hessian's key."""
+    groups: dict[tuple[int, str], list[str]] = {}
+    for name in targets:
+        parent, _, leaf = name.rpartition(".")
+        row = next((index for index, row in enumerate(SEQUENTIAL_GROUPS) if leaf in row), None)
+        groups.setdefault((row, parent) if row is not None else (len(SEQUENTIAL_GROUPS), name), []).append(name)
+    ordered = sorted(groups.items(), key=lambda item: item[0][0])  # stable: module order within a row
+    return [sorted(names, key=_position(ordered_row)) for (ordered_row, _), names in ordered]
+
+
+def _position(row: int):
+    """Sort key putting a group's names in their ``SEQUENTIAL_GROUPS`` order (q, k, v; gate, up)."""
+    names = SEQUENTIAL_GROUPS[row] if row < len(SEQUENTIAL_GROUPS) else ()
+    return lambda name: names.index(name.rpartition(".")[2]) if names else 0
 
 
 class HessianAccumulator:

@@ -9,12 +9,18 @@ between families, and must be exact or the "unchanged" model silently is not:
 - Gemma-2/3 use sandwich norms: the attention output goes through ``post_attention_layernorm`` before the residual,
   and the MLP reads ``pre_feedforward_layernorm`` (folding into ``post_attention_layernorm`` would change the model);
 - Phi-3 fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``: the value→output mapping may only scale the
-  v rows of ``qkv_proj`` and the up→down mapping only the up half of ``gate_up_proj``.
+  v rows of ``qkv_proj`` and the up→down mapping only the up half of ``gate_up_proj``;
+- MoE blocks (experts unfused into per-expert linears by ``compress.moe``): the post-attention norm feeds every
+  expert's gate/up (and a shared expert's), so they share one scale, and it feeds the router too, whose input
+  columns must absorb the same scale (``followers``: folded, never quantized) or routing would change. ``*`` in a
+  name stands for every expert index; a mapping whose ``previous`` has one is one mapping per expert (each expert's
+  up feeds its own down).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -31,6 +37,7 @@ class Mapping:
     previous: str
     linears: tuple[str, ...]
     rows: str | None = None
+    followers: tuple[str, ...] = ()  # also read ``previous``'s outputs; get the scale folded, stay unquantized
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,24 @@ PHI3 = FamilyMappings(
         Mapping("mlp.gate_up_proj", ("mlp.down_proj",), rows="up"),
     )
 )
+
+
+def _moe(gate: str, up: str, down: str, shared: str | None = None, routers: tuple[str, ...] = ("mlp.gate",)):
+    """Llama attention; the MoE block's experts (and shared expert) reading the post-attention norm."""
+    experts_in = (f"mlp.experts.*.{gate}", f"mlp.experts.*.{up}")
+    shared_in = (f"mlp.{shared}.gate_proj", f"mlp.{shared}.up_proj") if shared else ()
+    down_mappings = [Mapping(f"mlp.experts.*.{up}", (f"mlp.experts.*.{down}",))]
+    if shared:
+        down_mappings.append(Mapping(f"mlp.{shared}.up_proj", (f"mlp.{shared}.down_proj",)))
+    return FamilyMappings(
+        (
+            *LLAMA.mappings[:2],
+            Mapping("post_attention_layernorm", experts_in + shared_in, followers=routers),
+            *down_mappings,
+        )
+    )
+
+
 FAMILY_MAPPINGS = {
     "llama": LLAMA,
     "mistral": LLAMA,
@@ -74,7 +99,49 @@ FAMILY_MAPPINGS = {
     "gemma2": GEMMA,
     "gemma3_text": GEMMA,
     "phi3": PHI3,
+    "mixtral": _moe("w1", "w3", "w2"),
+    "qwen3_moe": _moe("gate_proj", "up_proj", "down_proj"),
+    "qwen2_moe": _moe("gate_proj", "up_proj", "down_proj", "shared_expert", ("mlp.gate", "mlp.shared_expert_gate")),
 }
+
+
+def layer_mappings(layer: nn.Module, mappings: tuple[Mapping, ...]) -> list[Mapping]:
+    """``mappings`` with every ``*`` resolved against ``layer``'s modules (see the module docstring)."""
+    names = [name for name, _ in layer.named_modules()]
+    resolved = []
+    for mapping in mappings:
+        if "*" in mapping.previous:
+            for index in _indices(names, mapping.previous):
+                resolved.append(
+                    replace(
+                        mapping,
+                        previous=mapping.previous.replace("*", index),
+                        linears=tuple(n.replace("*", index) for n in mapping.linears),
+                        followers=tuple(n.replace("*", index) for n in mapping.followers),
+                    )
+                )
+            continue
+        linears = tuple(
+            resolved_name
+            for pattern in mapping.linears
+            for resolved_name in ([pattern] if "*" not in pattern else _matching(names, pattern))
+        )
+        resolved.append(replace(mapping, linears=linears))
+    return resolved
+
+
+def _pattern(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(r"\*", r"(\d+)") + "$")
+
+
+def _indices(names: list[str], pattern: str) -> list[str]:
+    regex = _pattern(pattern)
+    return [match.group(1) for match in map(regex.match, names) if match]
+
+
+def _matching(names: list[str], pattern: str) -> list[str]:
+    regex = _pattern(pattern)
+    return [name for name in names if regex.match(name)]
 
 
 def family_mappings(model: nn.Module, stage: str, norms_only: bool = False) -> FamilyMappings:
@@ -85,18 +152,35 @@ def family_mappings(model: nn.Module, stage: str, norms_only: bool = False) -> F
         raise CompressError(
             f"{stage}: no scale mapping for model type {family!r}; supported: {', '.join(sorted(FAMILY_MAPPINGS))}"
         )
-    layer = decoder_layers(model)[0]
     spec = FAMILY_MAPPINGS[family]
-    for mapping in spec.mappings:
-        for name in (mapping.previous, *mapping.linears):
-            try:
-                layer.get_submodule(name)
-            except AttributeError as error:
-                raise CompressError(f"{stage} mapping for {family!r} expects module {name!r} in each layer") from error
+    for layer in decoder_layers(model):
+        for mapping in spec.mappings:
+            missing = _missing(layer, mapping)
+            if missing is not None:
+                raise CompressError(f"{stage} mapping for {family!r} expects module {missing!r} in each layer")
+    layer = decoder_layers(model)[0]
     if norms_only:
-        norm_mappings = tuple(m for m in spec.mappings if not isinstance(layer.get_submodule(m.previous), nn.Linear))
+        norm_mappings = tuple(
+            m
+            for m in spec.mappings
+            if "*" not in m.previous and not isinstance(layer.get_submodule(m.previous), nn.Linear)
+        )  # a per-expert previous is an expert's up_proj
         return FamilyMappings(norm_mappings, spec.norm_offset)
     return spec
+
+
+def _missing(layer: nn.Module, mapping: Mapping) -> str | None:
+    """The first name of ``mapping`` that ``layer`` lacks (a ``*`` name that matches no module counts), or None."""
+    names = [name for name, _ in layer.named_modules()]
+    patterns = (mapping.previous,) if "*" in mapping.previous else mapping.linears
+    for pattern in patterns:
+        if "*" in pattern and not _matching(names, pattern):
+            return pattern
+    for resolved in layer_mappings(layer, (mapping,)):
+        for name in (resolved.previous, *resolved.linears, *resolved.followers):
+            if name not in names:
+                return name
+    return None
 
 
 def previous_rows(mapping: Mapping, config) -> slice:
@@ -138,6 +222,6 @@ def fold_scale(
     bias = getattr(previous, "bias", None)
     if bias is not None:
         bias.data[rows] = (bias.data[rows].float() / scale).to(bias.dtype)
-    for name in mapping.linears:
+    for name in (*mapping.linears, *mapping.followers):
         linear = layer.get_submodule(name)
         linear.weight.data = (linear.weight.data.float() * per_input).to(linear.weight.dtype)

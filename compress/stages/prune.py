@@ -27,6 +27,7 @@ from torch import nn
 
 from compress.calibration import decoder_layers
 from compress.errors import CompressError
+from compress.moe import check_weights_handled
 from compress.sparsity import NMPattern, attach_mask, check_masks_held, mask_of, nm_keep_mask
 from compress.stages.base import LayerContext, Stage
 from compress.stages.hessian import cholesky_inverse_upper, collect_hessians, input_groups, without_dead_channels
@@ -130,6 +131,7 @@ class PruneStage(Stage):
 
     def prepare(self, model: nn.Module) -> None:
         pattern = self.config.pattern
+        check_weights_handled(model, self.name)
         self.pruned: dict[str, float] = {}
         for index, layer in enumerate(decoder_layers(model)):
             for name, linear in target_linears(layer, f"model.layers.{index}", self.config.ignore).items():

@@ -18,9 +18,10 @@ from torch import nn
 from compress import distributed
 from compress.calibration import observe_inputs
 from compress.errors import CompressError
+from compress.moe import check_weights_handled
 from compress.quant import matches
 from compress.stages.base import LayerContext, Stage
-from compress.stages.mappings import family_mappings, fold_scale
+from compress.stages.mappings import family_mappings, fold_scale, layer_mappings
 
 
 @dataclass
@@ -39,6 +40,7 @@ class SmoothQuantStage(Stage):
     needs_dense_weights = True  # folds scales into weights: illegal once they are quantized
 
     def prepare(self, model: nn.Module) -> None:
+        check_weights_handled(model, self.name)
         family = family_mappings(model, "SmoothQuant", norms_only=True)
         self.mappings, self.norm_offset = family.mappings, family.norm_offset
         self.smoothed: dict[str, dict] = {}
@@ -48,7 +50,9 @@ class SmoothQuantStage(Stage):
         if ctx.inputs is None:
             raise CompressError("SmoothQuant needs calibration inputs")
         mappings = [
-            m for m in self.mappings if not any(matches(f"{ctx.name}.{n}", self.config.ignore) for n in m.linears)
+            m
+            for m in layer_mappings(ctx.layer, self.mappings)
+            if not any(matches(f"{ctx.name}.{n}", self.config.ignore) for n in m.linears)
         ]
         maxima = self._activation_maxima(ctx, [m.linears[0] for m in mappings])
         for mapping in mappings:

@@ -9,6 +9,7 @@ from torch import nn
 
 from compress.calibration import decoder_layers
 from compress.errors import CompressError
+from compress.moe import ROUTERS, check_weights_handled
 from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, check_group_size, matches, quantize, validate_scheme
 from compress.sparsity import carry_mask
@@ -28,11 +29,12 @@ class WeightQuantConfig:
 
 
 def target_linears(layer: nn.Module, prefix: str, ignore: list[str]) -> dict[str, nn.Linear]:
-    """Dense linears of a decoder layer that the quantizer should replace, by name relative to the layer."""
+    """Dense linears of a decoder layer that the quantizer should replace, by name relative to the layer; MoE
+    routers stay dense (a rounded router picks other experts)."""
     return {
         name: module
         for name, module in layer.named_modules()
-        if type(module) is nn.Linear and not matches(f"{prefix}.{name}", ignore)
+        if type(module) is nn.Linear and name not in ROUTERS and not matches(f"{prefix}.{name}", ignore)
     }
 
 
@@ -51,6 +53,7 @@ class WeightQuantizerStage(Stage):
 
     def prepare(self, model: nn.Module) -> None:
         validate_scheme(self.config.scheme)
+        check_weights_handled(model, self.name)
         self.stats: dict[str, dict] = {}
         for index, layer in enumerate(decoder_layers(model)):
             for name, linear in target_linears(layer, f"model.layers.{index}", self.config.ignore).items():

@@ -31,6 +31,7 @@ RUNTIME_COMPRESS = {
     "compress.qlinear",
     "compress.quant",
     "compress.kv_quant",
+    "compress.moe",
     "compress.errors",
 }
 RUNTIME_ALLOWED = RUNTIME_THIRD_PARTY | RUNTIME_COMPRESS | {"kernels"}
