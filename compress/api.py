@@ -21,12 +21,13 @@ import torch
 import yaml
 from torch import nn
 
+from compress import distributed
 from compress.checkpoint import CheckpointSummary, save_checkpoint
 from compress.compression import compress_model
 from compress.config import RunConfig
 from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
-from compress.models import load
+from compress.models import load, resolve_model_path
 from compress.paths import artifacts_dir, recipes_dir
 from compress.stages import Stage, build_chain
 
@@ -54,19 +55,29 @@ def oneshot(
     - ``overrides``: the CLI's ``key=value`` overrides (``stages.0.group_size=128``, ``data.num_samples=128``).
     - ``output_dir``: where the checkpoint goes (must not exist); default ``<artifacts>/oneshot/<recipe>-<time>``.
     - ``device``: where each layer is calibrated (default: the recipe's ``device``, ``auto`` = CUDA when visible).
+
+    Under ``torchrun --nproc-per-node N`` every rank calls ``oneshot`` alike: each calibrates on its shard of the
+    samples, rank 0 writes the checkpoint, and every rank returns its path once it is complete.
     """
+    distributed.init()
     source = None if isinstance(model, nn.Module) else str(model)
     config = compose(recipe, overrides, source)  # a bad recipe fails here, before anything is loaded
     stages = build_chain(config.stages)
-    target = Path(output_dir) if output_dir else artifacts_dir() / "oneshot" / f"{config.recipe}-{_stamp()}"
+    default = artifacts_dir() / "oneshot" / f"{config.recipe}-{_stamp()}"
+    target = Path(output_dir) if output_dir else distributed.broadcast_object(default)  # rank 0's clock names it
     if target.exists():
         raise CompressError(f"output_dir {target} already exists; choose another folder or remove it")
+    distributed.barrier()  # every rank has checked before rank 0 can write it
+    if source is not None:
+        distributed.main_first(lambda: resolve_model_path(config.model))  # convert the default model once
     loaded, tokenizer = (model, tokenizer) if source is None else load(config.model)
     samples = calibration_ids(data, config.data, tokenizer, config.seed)
     compute = select_device(device or config.device)
     summaries = compress_model(loaded, stages, samples, compute, config.calibration_batch_size)
-    save_dtype = config.output.save_dtype
-    write_checkpoint(loaded, tokenizer, stages, summaries, target, config.recipe, config.stages, save_dtype)
+    if distributed.is_main():
+        save_dtype = config.output.save_dtype
+        write_checkpoint(loaded, tokenizer, stages, summaries, target, config.recipe, config.stages, save_dtype)
+    distributed.barrier()
     return target
 
 
@@ -168,11 +179,12 @@ def named_summaries(stages: list[Stage], summaries: list[dict]) -> dict[str, dic
 
 
 def select_device(name: str) -> torch.device:
+    """The device a name asks for; under torchrun a bare ``cuda`` is this rank's GPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return distributed.device_for(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise CompressError(f"device={name} asked for, but no CUDA GPU is visible; use device=cpu")
-    return torch.device(name)
+    return distributed.device_for(torch.device(name))
 
 
 def _stamp() -> str:

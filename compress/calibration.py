@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from compress import distributed
 from compress.errors import CompressError
 from compress.moe import all_tokens_through_experts
 
@@ -143,7 +144,8 @@ def observe_inputs(
 
 @torch.no_grad()
 def input_absmax(layer: nn.Module, inputs: LayerInputs, prefix: str, names: list[str]) -> dict[str, torch.Tensor]:
-    """max |x| over every calibration token at each named submodule's input (a static per-tensor range)."""
+    """max |x| over every calibration token at each named submodule's input (a static per-tensor range), over
+    every rank's shard when calibration is data-parallel."""
     maxima: dict[str, torch.Tensor] = {}
 
     def observer(name: str) -> Callable[[torch.Tensor], None]:
@@ -154,7 +156,7 @@ def input_absmax(layer: nn.Module, inputs: LayerInputs, prefix: str, names: list
         return observe
 
     observe_inputs(layer, inputs, prefix, {name: observer(name) for name in names})
-    return maxima
+    return {name: distributed.all_reduce_max(peak) for name, peak in maxima.items()}
 
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)

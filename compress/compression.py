@@ -12,9 +12,11 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from compress import distributed
 from compress.calibration import capture_first_layer_inputs, decoder_layers, restore_dtypes, run_layer, upcast
+from compress.errors import CompressError
 from compress.models import materialize_all, materialize_layer
-from compress.moe import expert_token_report, unfuse_experts
+from compress.moe import expert_token_report, moe_family, unfuse_experts
 from compress.stages import LayerContext, Stage, build_chain, check_chain
 
 
@@ -28,23 +30,42 @@ def compress_model(
     """Apply ``stages`` (Stage objects, or recipe-style ``{"type": ..., ...}`` mappings checked as a chain) to
     ``model`` in place, calibrating on the token ids ``samples`` ([n, seq_len]); returns each stage's summary, in
     order, with its own wall time under ``seconds``. Every stage's ``prepare`` runs before any work, so a model a
-    stage cannot handle fails before anything is changed."""
+    stage cannot handle fails before anything is changed. Under torchrun each rank calibrates on its own shard of
+    ``samples`` (``compress.distributed``) and every rank ends with the same compressed model."""
     if all(isinstance(s, dict) for s in stages):
         chain = build_chain([dict(s) for s in stages])
     else:
         chain = list(stages)
         check_chain(chain)  # the same order rules as a recipe
-    device = torch.device(device)
+    device = distributed.device_for(torch.device(device))
     unfuse_experts(model)  # MoE: one linear per expert, so every stage sees (and the checkpoint names) each one
+    if distributed.active():
+        _check_data_parallel(model, chain)
+        samples = distributed.shard(samples, batch_size)
     for stage in chain:
         stage.prepare(model)
     apply_stages(model, chain, samples, device, batch_size)
+    distributed.barrier()  # every rank holds the same compressed model
     summaries = [{**stage.finalize(model), "seconds": stage.seconds} for stage in chain]
     experts = expert_token_report(model)
     for stage, summary in zip(chain, summaries, strict=True):
         if experts and stage.needs_calibration:
             summary["expert_tokens"] = experts
     return summaries
+
+
+def _check_data_parallel(model: torch.nn.Module, chain: list[Stage]) -> None:
+    """What data-parallel calibration does not cover yet, refused in one line before any work."""
+    trained = [stage.name for stage in chain if not stage.layerwise and stage.needs_calibration]
+    if trained:
+        raise CompressError(
+            f"{trained[0]} trains on the whole model and cannot run data-parallel yet; run it in one process"
+        )
+    if moe_family(model) is not None and any(stage.needs_calibration for stage in chain):
+        raise CompressError(
+            "calibrating a mixture-of-experts model data-parallel is not supported yet (each rank routes its own "
+            "tokens to different experts); run it in one process"
+        )
 
 
 def apply_stages(
@@ -88,7 +109,12 @@ def walk_layers(
     inputs = capture_first_layer_inputs(model, samples, batch_size, device) if calibrate else None
     layers = decoder_layers(model)
     storage_dtype = getattr(model, "dtype", torch.float32)  # what quantization scales are rounded to
-    for index in tqdm(range(len(layers)), desc=f"compress [{'+'.join(s.name for s in stages)}]", unit="layer"):
+    for index in tqdm(
+        range(len(layers)),
+        desc=f"compress [{'+'.join(s.name for s in stages)}]",
+        unit="layer",
+        disable=not distributed.is_main(),
+    ):
         materialize_layer(model, index)
         layer = layers[index].to(device)
         stored_dtypes = upcast(layer)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from compress import distributed
 from compress.api import named_summaries, select_device, write_checkpoint
 from compress.calibration import restore_dtypes, upcast
 from compress.checkpoint import load_checkpoint
@@ -41,8 +42,9 @@ class RunResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def run(config: RunConfig) -> RunResult:
-    """Execute one recipe end to end; returns the report (also written to the run folder and MLflow)."""
+def run(config: RunConfig) -> RunResult | None:
+    """Execute one recipe end to end; returns the report (also written to the run folder and MLflow). Under torchrun
+    only rank 0 does all of it; the other ranks calibrate their shard of the samples and return None."""
     stages = build_chain(config.stages)  # bad stage keys or orders fail here, before anything is loaded
     if config.eval.reference not in (None, "rtn"):
         raise CompressError(f"eval.reference={config.eval.reference!r} is unknown; use rtn or null")
@@ -50,6 +52,12 @@ def run(config: RunConfig) -> RunResult:
         _rtn_reference(stages)  # fail now, not after the compression, when the recipe has no integer scheme
     device = select_device(config.device)
     check_model_source(config.model)  # a missing model fails here, before a run folder or MLflow run exists
+    distributed.main_first(lambda: resolve_model_path(config.model))  # convert the default model once
+    if not distributed.is_main():
+        torch.manual_seed(config.seed)
+        model, _, _, samples = _load(config, stages, Timer())
+        compress_model(model, stages, samples, device, config.calibration_batch_size)
+        return None
     uri = tracking_uri(config.tracking.uri) if config.tracking.enabled else None
     if uri is not None:
         check_writable(uri, "set tracking.uri=<a writable store> or tracking.enabled=false")
@@ -84,7 +92,8 @@ def run(config: RunConfig) -> RunResult:
     return RunResult(run_id, final, report, run_log.run_id if run_log else None, timer.seconds)
 
 
-def _execute(config: RunConfig, stages: list[Stage], device: torch.device, staging: Path, timer: Timer) -> dict:
+def _load(config: RunConfig, stages: list[Stage], timer: Timer) -> tuple:
+    """``(model, tokenizer, evaluation ids, calibration samples)``, the stages prepared on the model."""
     with timer.phase("data"):
         corpus = load_corpus(config.data)  # before the model: a bad data source fails in seconds
     with timer.phase("load_model"):
@@ -97,6 +106,11 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
         check_evaluation_length(int(eval_ids.numel()), config)
         calibration_ids = tokenize(tokenizer, corpus.calibration_text)
         samples = calibration_samples(calibration_ids, config.data.num_samples, config.data.seq_len, config.seed)
+    return model, tokenizer, eval_ids, samples
+
+
+def _execute(config: RunConfig, stages: list[Stage], device: torch.device, staging: Path, timer: Timer) -> dict:
+    model, tokenizer, eval_ids, samples = _load(config, stages, timer)
     results: dict[str, PerplexityResult] = {}
     if config.eval.perplexity:
         with timer.phase("eval_baseline"):
@@ -118,6 +132,7 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
         if config.eval.reference == "rtn":
             with timer.phase("eval_reference"):
                 reference_model, _ = load(config.model)
+                # rank 0 alone, data-parallel or not: round-to-nearest needs no calibration, hence no collective
                 compress_model(reference_model, [_rtn_reference(stages)], samples, device, 1)
                 results["rtn_reference"] = _evaluate(reference_model, eval_ids, config, "perplexity [rtn]", device)
     return {
@@ -127,6 +142,7 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
             "source": config.data.source,
             "calibration_tokens": int(samples.numel()),
             "evaluation_tokens": int(eval_ids.numel()),
+            "ranks": distributed.world(),  # data-parallel calibration processes (torchrun)
         },
         "stages": named_summaries(stages, summaries),
         "perplexity": {name: result.to_dict() for name, result in results.items()},

@@ -2,9 +2,11 @@
 
 Each job's configuration is composed once, by Hydra's compose API against the run schema, and checked before the
 first job starts; that checked ``RunConfig`` is what runs. ``-m`` sweeps comma-separated values as Hydra's basic
-sweeper does (the cartesian product, jobs one after another); ``--cfg job`` prints each job's configuration and
-runs nothing. Shortcuts (``model=<folder or hub id>``, ``data=<file or dataset>``) are resolved first, and stage
-arguments the recipe file leaves at their defaults are made settable.
+sweeper does (the cartesian product, jobs one after another, or all at once with
+``hydra/launcher=submitit_local|submitit_slurm``: ``compress.commands.launch``); ``--cfg job`` prints each job's
+configuration and runs nothing. Under ``torchrun --nproc-per-node N`` the ranks calibrate one job together
+(``compress.distributed``). Shortcuts (``model=<folder or hub id>``, ``data=<file or dataset>``) are resolved
+first, and stage arguments the recipe file leaves at their defaults are made settable.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from compress.commands.launch import LAUNCHERS, Outcome, executor_for, split_launcher, submit
 from compress.errors import CompressError
 from compress.paths import recipes_dir
 
@@ -95,8 +97,8 @@ def check_overrides(recipe: str, overrides: list[str]) -> list[str]:
                     raise CompressError(f"{key}={choice} is not a known option; available: {', '.join(available(key))}")
         elif parts[0] == "hydra" or key.startswith("hydra/"):
             raise CompressError(
-                f"{override}: jobs run one after another in this process, composed by compress; "
-                "Hydra's launcher and output settings do not apply"
+                f"{override}: jobs are composed by compress, so Hydra's settings do not apply except the launcher "
+                f"(hydra/launcher={'|'.join(LAUNCHERS)}, hydra.launcher.<key>=<value>)"
             )
         elif override.startswith(("+", "~")):
             pass
@@ -125,15 +127,6 @@ def _stage_override(override: str, parts: list[str], stages: list) -> str:
     if parts[2] not in valid:
         raise unknown_key_error(f"stages.{index}", parts[2], valid)
     return "+" + override
-
-
-@dataclass
-class Outcome:
-    """How one job ended: its exit code and the line the sweep summary shows."""
-
-    job: int  # the job's number in the sweep (0 for a single run)
-    exit_code: int
-    line: str
 
 
 def compose_job(recipe: str, overrides: list[str]) -> RunConfig:
@@ -180,6 +173,8 @@ def _run_job(config: RunConfig, job: int) -> Outcome:
     except CompressError as error:
         print(f"error: {error}", file=sys.stderr)
         return Outcome(job, 1, f"error: {error}")
+    if result is None:  # a data-parallel rank other than 0: its calibration shard is done
+        return Outcome(job, 0, "calibration shard done")
     print("\n" + "\n".join(summary_lines(result.report)))
     print(f"\nrun folder: {result.run_dir}")
     if result.mlflow_run_id:
@@ -217,11 +212,14 @@ def sweep_labels(jobs: list[list[str]]) -> list[str]:
     return [" ".join(o for o in job if not all(o in other for other in jobs)) or "(no varying key)" for job in jobs]
 
 
-def run_jobs(configs: list[RunConfig], multirun: bool) -> list[Outcome]:
-    """Each job in turn, as Hydra's basic launcher runs a sweep: a job's unexpected exception is reported and
-    recorded as a failure, and the sweep goes on."""
+def run_jobs(configs: list[RunConfig], multirun: bool, executor=None) -> list[Outcome]:
+    """Each job in turn, as Hydra's basic launcher runs a sweep, or all at once through submitit
+    (``compress.commands.launch``): a job's unexpected exception is reported and recorded as a failure, and the
+    sweep goes on."""
     if not multirun:
         return [_run_job(configs[0], 0)]
+    if executor is not None:  # a submitit launcher
+        return submit(executor, _run_job, configs)
     outcomes = []
     for job, config in enumerate(configs):
         try:
@@ -238,9 +236,18 @@ def main(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
         print(__doc__)
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from compress import distributed
+
+    parallel = distributed.init()  # under torchrun: every rank runs this, rank 0 alone saves and records
+    level = logging.INFO if distributed.is_main() else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         multirun, print_only, overrides = split_arguments(argv)
+        launcher, overrides = split_launcher(overrides)
+        if launcher.name != "basic" and not multirun:
+            raise CompressError(f"hydra/launcher={launcher.name} launches the jobs of a sweep; add -m")
+        if parallel and multirun:
+            raise CompressError("-m under torchrun: start one torchrun per job (the ranks calibrate one job together)")
         recipes = [o for o in overrides if o.startswith("recipe=")]
         overrides = [o for o in overrides if not o.startswith("recipe=")]
         if not recipes:
@@ -249,6 +256,8 @@ def main(argv: list[str]) -> int:
         if recipe not in available():
             raise CompressError(f"unknown recipe {recipe!r}; available: {', '.join(available())}")
         jobs, configs = validate(recipe, overrides, multirun)
+        # a bad launcher parameter fails here, before the first job
+        executor = executor_for(launcher) if launcher.name != "basic" and not print_only else None
         if print_only:
             for label, config in zip(sweep_labels(jobs), configs, strict=True):
                 print(f"# {label}\n" if multirun else "", OmegaConf.to_yaml(config.raw), sep="", end="")
@@ -256,7 +265,8 @@ def main(argv: list[str]) -> int:
     except CompressError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    outcomes = run_jobs(configs, multirun)
+    outcomes = run_jobs(configs, multirun, executor)
+    distributed.shutdown()
     if multirun:
         labels = sweep_labels(jobs)
         print(f"\nsweep: {len(outcomes)} of {len(jobs)} jobs ran")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from compress import distributed
 from compress.calibration import observe_inputs
 from compress.errors import CompressError
 from compress.quant import fake_quantize
@@ -116,6 +117,10 @@ class AWQStage(WeightQuantizerStage):
             return observe
 
         observe_inputs(ctx.layer, ctx.inputs, ctx.name, {m.linears[0]: observer(m.linears[0]) for m in mappings})
+        for name in sums:  # the scale and clip searches read only these: reduced, every rank picks the same scales
+            distributed.all_reduce_sum(sums[name])
+            distributed.all_reduce_sum(grams[name])
+            counts[name] = distributed.sum_count(counts[name], sums[name].device)
         return {name: _Activations(sums[name] / counts[name], grams[name] / counts[name]) for name in sums}
 
     # -- scale search ------------------------------------------------------------------------------------------

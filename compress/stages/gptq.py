@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from compress import distributed
 from compress.errors import CompressError
 from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, quantize
@@ -172,6 +173,32 @@ def _pending(W: torch.Tensor, block: torch.Tensor, start: int, i: int, group: in
     return inside if rest == 0 else torch.cat([inside, W[:, start + block.shape[1] : start + block.shape[1] + rest]], 1)
 
 
+def quantize_rows_across_ranks(weight: torch.Tensor, hessian: torch.Tensor, *args, **kwargs) -> GPTQResult:
+    """:func:`gptq_quantize` with the rows of ``weight`` split across the data-parallel ranks and gathered back on
+    every rank: GPTQ's rows are independent given H (the Hessian, the dampening and the Cholesky factor are the
+    same for every row), so each rank solves its own rows. One process: ``gptq_quantize`` itself."""
+    if not distributed.active():
+        return gptq_quantize(weight, hessian, *args, **kwargs)
+    rows = distributed.row_range(weight.shape[0])
+    part = gptq_quantize(weight[rows], hessian, *args, **kwargs)
+    # the relative error tr(ΔHΔᵀ)/tr(WHWᵀ) of the whole matrix, from each rank's share of both traces
+    mine = weight[rows].float()
+    totals = torch.zeros(2, dtype=torch.float64, device=weight.device)
+    totals[1] = ((mine @ hessian.float()) * mine).sum()
+    totals[0] = part.hessian_error * totals[1]
+    distributed.all_reduce_sum(totals)
+    out_features = weight.shape[0]
+    zero = None if part.zero_point is None else distributed.gather_rows(part.zero_point, out_features)
+    return GPTQResult(
+        codes=distributed.gather_rows(part.codes, out_features),
+        scale=distributed.gather_rows(part.scale, out_features),
+        zero_point=zero,
+        dampening=part.dampening,
+        retries=part.retries,
+        hessian_error=float(totals[0] / totals[1].clamp(min=1e-30)),
+    )
+
+
 class GPTQStage(WeightQuantizerStage):
     name = "gptq"
     Config = GPTQConfig
@@ -206,7 +233,7 @@ class GPTQStage(WeightQuantizerStage):
         if not torch.isfinite(weight).all():
             raise CompressError(f"{full}: weight holds NaN/inf; the model or an earlier stage is broken")
         c = self.config
-        result = gptq_quantize(
+        result = quantize_rows_across_ranks(
             weight,
             hessian,
             scheme,

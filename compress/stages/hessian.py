@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from compress import distributed
 from compress.calibration import observe_inputs
 from compress.errors import CompressError
 from compress.stages.base import LayerContext
@@ -73,6 +74,11 @@ class HessianAccumulator:
             self.total.addmm_(x.T, x)  # in place: no second [in, in] temporary per batch
         self.tokens += x.shape[0]
 
+    def all_reduce(self) -> None:
+        """Sum the running totals over the data-parallel ranks (each saw its own shard of the tokens)."""
+        distributed.all_reduce_sum(self.total)
+        self.tokens = distributed.sum_count(self.tokens, self.total.device)
+
     def hessian(self) -> torch.Tensor:
         """E[x xᵀ] (or E[x²] per channel)."""
         return self.total / self.tokens
@@ -93,6 +99,7 @@ def collect_hessians(
                 f"{ctx.name}.{name}: no calibration token reached this linear's input (the forward stopped at "
                 f"{stop_at} or never called it); gather its Hessian without stopping before it"
             )
+        accumulator.all_reduce()
     return {name: accumulator.hessian() for name, accumulator in accumulators.items()}
 
 

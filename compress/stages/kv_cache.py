@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from compress import distributed
 from compress.errors import CompressError
 from compress.kv_quant import TYPE_OF_CACHE_DTYPE, KVCacheScheme, attention_modules, route_attention, set_scales
 from compress.stages.base import LayerContext, Stage
@@ -72,7 +73,7 @@ class KVCacheStage(Stage):
         dtype = ctx.dtype
         scales = {}
         for name, peak in peaks.items():
-            peak = peak.clamp(min=1e-6)
+            peak = distributed.all_reduce_max(peak).clamp(min=1e-6)
             scale = peak.amax().reshape(1) if scheme.strategy == "tensor" else peak.reshape(-1, 1, 1)
             scales[name] = (scale / scheme.qmax).to(dtype)
         set_scales(attention, scales["k"], scales["v"], scheme)

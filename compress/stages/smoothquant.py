@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from compress import distributed
 from compress.calibration import observe_inputs
 from compress.errors import CompressError
 from compress.moe import check_weights_handled
@@ -85,7 +86,7 @@ class SmoothQuantStage(Stage):
             return observe
 
         observe_inputs(ctx.layer, ctx.inputs, ctx.name, {n: observer(n) for n in names})
-        return maxima
+        return {name: distributed.all_reduce_max(peak) for name, peak in maxima.items()}
 
     def finalize(self, model: nn.Module) -> dict:
         return {"alpha": self.config.alpha, "smoothed_norms": len(self.smoothed), "per_norm": self.smoothed}

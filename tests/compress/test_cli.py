@@ -1,6 +1,8 @@
 """End to end through the real CLI on a tiny model: Hydra recipe → stages → checkpoint → perplexity → MLflow."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -155,7 +157,40 @@ def test_cfg_job_prints_each_composed_job_and_runs_nothing(tiny_model_dir, artif
     assert not (artifacts / "runs").exists()
 
 
-def test_hydra_launcher_settings_are_one_line(capsys):
-    assert main(["run", "recipe=rtn_int4", "hydra/launcher=joblib", "stages.0.bits=3,4", "-m"]) == 1
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("hydra/launcher=joblib", "hydra/launcher=joblib is not a known launcher; available: basic, submitit_local"),
+        ("hydra.run.dir=out", "hydra.run.dir=out: jobs are composed by compress, so Hydra's settings do not apply"),
+        ("hydra.launcher.partition=gpu", "hydra.launcher.* options need hydra/launcher=submitit_local or"),
+    ],
+)
+def test_hydra_settings_other_than_the_launcher_are_one_line(override, message, capsys):
+    assert main(["run", "recipe=rtn_int4", override, "stages.0.bits=3,4", "-m"]) == 1
     errors = capsys.readouterr().err.splitlines()
-    assert len(errors) == 1 and errors[0].startswith("error: hydra/launcher=joblib: jobs run one after another")
+    assert len(errors) == 1 and errors[0].startswith(f"error: {message}")
+
+
+def test_bad_submitit_parameter_fails_before_any_job(tiny_model_dir, artifacts, capsys):
+    args = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", "hydra/launcher=submitit_local", "-m"]
+    assert main([*args, "stages.0.bits=3,4", "hydra.launcher.gpus_per_nodes=1"]) == 1
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: hydra/launcher=submitit_local: ")
+    assert "gpus_per_nodes" in errors[0] and not (artifacts / "runs").exists()
+
+
+def test_submitit_local_sweep_runs_each_composed_job_in_its_own_process(tiny_model_dir, artifacts, monkeypatch, capsys):
+    """The parent composes both jobs; each runs in a submitit job process of its own and its outcome comes back."""
+    root = Path(__file__).parents[2]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    args = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", *FAST, "stages.0.bits=3,4", "-m"]
+    assert (
+        main([*args, "tracking.enabled=false", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10"]) == 0
+    )
+    reports = [json.loads((d / "report.json").read_text()) for d in (artifacts / "runs").iterdir()]
+    assert sorted(r["checkpoint"]["bits_per_weight"] for r in reports) == [4.0, 5.0]
+    out = capsys.readouterr().out
+    assert "sweep: 2 of 2 jobs ran" in out and "#0 stages.0.bits=3: run folder: " in out
+    [logs] = (artifacts / "sweeps").iterdir()
+    job_pids = {int(p.name.split("_")[0]) for p in (logs / ".submitit").glob("*/*_log.out")}
+    assert len(job_pids) == 2 and os.getpid() not in job_pids  # two job processes, not this one
