@@ -87,14 +87,18 @@ def run_layer(layer: nn.Module, inputs: LayerInputs, name: str) -> LayerInputs:
     outputs = []
     for hidden, kwargs in zip(inputs.hidden, inputs.kwargs, strict=True):
         out = layer(hidden, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        if not torch.isfinite(out).all():
-            raise CompressError(
-                f"{name}: non-finite values (NaN/inf) in the layer's calibration outputs; check the model weights "
-                "and the previous stages (a diverged scale or a corrupt checkpoint)"
-            )
-        outputs.append(out)
+        outputs.append(checked_output(out[0] if isinstance(out, tuple) else out, name))
     return LayerInputs(hidden=outputs, kwargs=inputs.kwargs)
+
+
+def checked_output(out: torch.Tensor, name: str) -> torch.Tensor:
+    """``out``, a layer's output on calibration inputs, refused if it holds NaN/inf."""
+    if not torch.isfinite(out).all():
+        raise CompressError(
+            f"{name}: non-finite values (NaN/inf) in the layer's calibration outputs; check the model weights "
+            "and the previous stages (a diverged scale or a corrupt checkpoint)"
+        )
+    return out
 
 
 @torch.no_grad()

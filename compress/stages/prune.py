@@ -19,7 +19,6 @@ stage kept it.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +28,14 @@ from compress.calibration import decoder_layers
 from compress.errors import CompressError
 from compress.sparsity import NMPattern, attach_mask, check_masks_held, mask_of, nm_keep_mask
 from compress.stages.base import LayerContext, Stage
-from compress.stages.hessian import cholesky_inverse_upper, collect_hessians, input_groups, without_dead_channels
+from compress.stages.hessian import (
+    cholesky_inverse_upper,
+    collect_hessians,
+    input_groups,
+    one_thread,
+    sequential_hessians,
+    without_dead_channels,
+)
 from compress.stages.weights import target_linears
 
 
@@ -63,18 +69,6 @@ class SparseGPTConfig(CalibratedPruneConfig):
             raise ValueError(f"block_size={self.block_size} must be a multiple of M={self.pattern.m}")
         if not 0 < self.dampening <= 1:
             raise ValueError(f"dampening={self.dampening} must be in (0, 1]")
-
-
-@contextmanager
-def one_thread():
-    """The column loop is thousands of tiny ops; with several threads each one pays a synchronisation that costs
-    more than the op (measured 5x slower on 2 busy cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @torch.no_grad()
@@ -145,21 +139,20 @@ class PruneStage(Stage):
 
     def process_layer(self, ctx: LayerContext) -> None:
         groups = input_groups(target_linears(ctx.layer, ctx.name, self.config.ignore))
-        sequential = getattr(self.config, "sequential", False)
-        statistics: dict[str, torch.Tensor] = {}
-        if self.input_statistic is not None:
-            if ctx.inputs is None:
-                raise CompressError(f"{self.name} needs calibration inputs")
-            if not sequential:  # one forward, one statistic per shared input
-                statistics = self._statistics(ctx, [group[0] for group in groups], stop_at=None)
+        if self.input_statistic is None:
+            for group in groups:
+                self._prune_group(ctx, group, None)
+            return
+        if ctx.inputs is None:
+            raise CompressError(f"{self.name} needs calibration inputs")
+        diagonal = self.input_statistic == "norm"
+        if self.config.sequential:  # each group's statistic after the groups before it are pruned
+            for group, statistic in sequential_hessians(ctx, groups, diagonal):
+                self._prune_group(ctx, group, statistic)
+            return
+        statistics = collect_hessians(ctx, [group[0] for group in groups], None, diagonal)  # one forward
         for group in groups:
-            statistic = statistics.get(group[0])
-            if self.input_statistic is not None and sequential:
-                statistic = self._statistics(ctx, [group[0]], stop_at=group[0])[group[0]]
-            self._prune_group(ctx, group, statistic)
-
-    def _statistics(self, ctx: LayerContext, names: list[str], stop_at: str | None) -> dict[str, torch.Tensor]:
-        return collect_hessians(ctx, names, stop_at, diagonal=self.input_statistic == "norm")
+            self._prune_group(ctx, group, statistics[group[0]])
 
     def _prune_group(self, ctx: LayerContext, names: list[str], statistic: torch.Tensor | None) -> None:
         linears = [ctx.layer.get_submodule(n) for n in names]
