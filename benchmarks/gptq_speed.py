@@ -96,7 +96,7 @@ def main() -> None:
         "baseline_perplexity": baseline.perplexity,
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, shared with other jobs",
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "command": "python " + " ".join([Path(sys.argv[0]).relative_to(ROOT).as_posix(), *sys.argv[1:]]),
+        "command": "python " + " ".join([Path(sys.argv[0]).resolve().relative_to(ROOT).as_posix(), *sys.argv[1:]]),
         "schemes": {},
     }
     with tempfile.TemporaryDirectory(prefix="gptq-speed-") as tmp:
