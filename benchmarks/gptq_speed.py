@@ -6,7 +6,8 @@
 The machine is shared, so only numbers taken minutes apart compare: every row here compresses the same model on
 the same calibration ids (``benchmarks/peer_comparison.py``'s subprocess protocol: wall time and peak RSS of load +
 calibrate + quantize + save, GNU time) and is scored by ``evals/perplexity.py``. The baseline commit runs from a
-``git archive`` of that commit in a temporary folder. Results: ``benchmarks/results/gptq-speed.{json,md}``.
+``git archive`` of that commit in a temporary folder, and so does the current commit (HEAD). Results:
+``benchmarks/results/gptq-speed.{json,md}``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from compress.models import ModelSpec, load, resolve_model_path  # noqa: E402
 
 def export(rev: str, folder: Path) -> Path:
     """The tree of commit ``rev`` (its benchmarks/peer_compress.py and compress package)."""
+    folder.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
     return folder
@@ -102,10 +104,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gptq-speed-") as tmp:
         work = Path(tmp)
         torch.save(samples, work / "samples.pt")
-        compress_trees = {"compress": ROOT}
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True, capture_output=True)
+        # the current commit runs from an export too: edits to the working tree during the run change nothing
+        compress_trees = {f"compress@{head.stdout.decode().strip()}": export("HEAD", work / "head")}
         if args.baseline_rev:
             compress_trees = {
-                f"compress@{args.baseline_rev}": export(args.baseline_rev, work / "baseline"),
+                f"compress@{args.baseline_rev}": export(args.baseline_rev, work / "base"),
                 **compress_trees,
             }
         for scheme in args.schemes:
