@@ -8,7 +8,8 @@ scale of H, and dampening is relative to mean(diag H).
 
 A Hessian belongs to an *input*, not to a linear: linears that read the same activations (q/k/v, gate/up) share
 one, so :func:`input_groups` names one leader per input and :func:`collect_hessians` accumulates only what it is
-asked for, in one forward over the calibration batches.
+asked for, in one forward over the calibration batches; :func:`sequential_hessians` yields them group by group for
+the true-sequential mode, recomputing only the inputs of later groups.
 """
 
 from __future__ import annotations

@@ -84,34 +84,36 @@ def sparsegpt_prune(
     """``(pruned weight, keep mask)`` for ``weight [out, in]`` against ``hessian [in, in]``."""
     W, H = without_dead_channels(weight, hessian)
     Hinv, _, _ = cholesky_inverse_upper(H, dampening, retries, name)
-    keep = torch.ones_like(W, dtype=torch.bool)
+    Wt = W.t().contiguous()  # [in, out]: a column is one contiguous row
+    keep = torch.ones_like(Wt, dtype=torch.bool)
     with one_thread():
-        _sparsegpt_columns(W, Hinv, keep, pattern, block_size)
-    return (W * keep).to(weight.dtype), keep
+        _sparsegpt_columns(Wt, Hinv, keep, pattern, block_size)
+    return (Wt * keep).t().to(weight.dtype), keep.t()
 
 
 def _sparsegpt_columns(
-    W: torch.Tensor, Hinv: torch.Tensor, keep: torch.Tensor, pattern: NMPattern, block_size: int
+    Wt: torch.Tensor, Hinv: torch.Tensor, keep: torch.Tensor, pattern: NMPattern, block_size: int
 ) -> None:
-    """The column walk, in place on ``W`` and ``keep``."""
-    columns = W.shape[1]
+    """The column walk, in place on the transposed weight ``Wt [in, out]`` and its ``keep`` mask, in four tensor ops
+    per column (pruned part, ratio, rank-1 update of the block's later columns, zeroing)."""
+    columns, m = Wt.shape[0], pattern.m
     for start in range(0, columns, block_size):
         end = min(start + block_size, columns)
-        block = W[:, start:end].clone()
-        block_inv = Hinv[start:end, start:end]
-        errors = torch.zeros_like(block)
+        block, block_inv = Wt[start:end], Hinv[start:end, start:end]
+        errors = torch.empty_like(block)
+        pivots = block_inv.diagonal()
+        ratios = pivots.tolist()
         for i in range(end - start):
-            if i % pattern.m == 0:  # choose this group's survivors from the weights as compensated so far
-                saliency = block[:, i : i + pattern.m].pow(2) / block_inv.diagonal()[i : i + pattern.m].pow(2)
-                keep[:, start + i : start + i + pattern.m] = nm_keep_mask(saliency, pattern)
-            column = block[:, i]
-            pruned = column * keep[:, start + i]
-            error = (column - pruned) / block_inv[i, i]
-            block[:, i:] -= error[:, None] * block_inv[i, i:][None, :]
-            block[:, i] = pruned
-            errors[:, i] = error
-        W[:, start:end] = block
-        W[:, end:] -= errors @ Hinv[start:end, end:]
+            if i % m == 0:  # choose this group's survivors from the weights as compensated so far
+                saliency = block[i : i + m].t().pow(2) / pivots[i : i + m].pow(2)
+                keep[start + i : start + i + m] = nm_keep_mask(saliency, pattern).t()
+                kept = keep[start + i : start + i + m].float()
+                dropped = 1.0 - kept
+            w, error = block[i], errors[i]
+            torch.mul(w, dropped[i % m], out=error).div_(ratios[i])
+            block[i + 1 :].addr_(block_inv[i, i + 1 :], error, alpha=-1)
+            w.mul_(kept[i % m])
+        Wt[end:].addmm_(Hinv[start:end, end:].t(), errors, alpha=-1)
 
 
 class PruneStage(Stage):
