@@ -197,6 +197,8 @@ def sequential_hessians(
         ):
             final = layer.get_submodule(leader)  # the caller may have replaced it
             scope.outputs = [_with_first(o, final(x)) for o, x in zip(returned, kept_inputs, strict=True)]
+        for held in (kept_inputs, linear_outputs, returned):  # activations: free them before the next forward
+            held.clear()
     outputs = _run_batches(layer, layer_calls, layer, scopes, {}, {})
     ctx.outputs = LayerInputs([checked_output(_first(o), ctx.name) for o in outputs], ctx.inputs.kwargs)
 
