@@ -44,12 +44,12 @@ SCHEMES = {
 PEER_PYTHON = ROOT / "artifacts" / "peer-venv" / "bin" / "python"
 
 
-def measured_run(command: list[str], log: Path, timeout: float) -> dict:
-    """Wall time and peak RSS of one subprocess. RSS comes from GNU time (``%M``): the rusage a Python parent gets
-    for an exec'd child starts from the parent's own high-water mark, which would charge our driver's memory to both
-    toolkits."""
+def measured_run(command: list[str], log: Path, timeout: float, tree: Path = ROOT) -> dict:
+    """Wall time and peak RSS of one subprocess importing ``compress`` from ``tree``. RSS comes from GNU time
+    (``%M``): the rusage a Python parent gets for an exec'd child starts from the parent's own high-water mark, which
+    would charge our driver's memory to both toolkits."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = str(tree)
     rss_file = log.with_suffix(".rss")
     start = time.perf_counter()
     with log.open("w") as out:

@@ -8,6 +8,7 @@ feed the next layer, so later layers calibrate against the errors earlier layers
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -89,14 +90,18 @@ def run_layer(layer: nn.Module, inputs: LayerInputs, name: str) -> LayerInputs:
     outputs = []
     for hidden, kwargs in zip(inputs.hidden, inputs.kwargs, strict=True):
         out = layer(hidden, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        if not torch.isfinite(out).all():
-            raise CompressError(
-                f"{name}: non-finite values (NaN/inf) in the layer's calibration outputs; check the model weights "
-                "and the previous stages (a diverged scale or a corrupt checkpoint)"
-            )
-        outputs.append(out)
+        outputs.append(checked_output(out[0] if isinstance(out, tuple) else out, name))
     return LayerInputs(hidden=outputs, kwargs=inputs.kwargs)
+
+
+def checked_output(out: torch.Tensor, name: str) -> torch.Tensor:
+    """``out``, a layer's output on calibration inputs, refused if it holds NaN/inf."""
+    if not torch.isfinite(out).all():
+        raise CompressError(
+            f"{name}: non-finite values (NaN/inf) in the layer's calibration outputs; check the model weights "
+            "and the previous stages (a diverged scale or a corrupt checkpoint)"
+        )
+    return out
 
 
 @torch.no_grad()
@@ -207,3 +212,35 @@ def restore_dtypes(module: nn.Module, stored: dict[str, torch.dtype]) -> None:
     for name, tensor in list(_named_tensors(module)):
         if name in stored and tensor.dtype == torch.float32:
             _replace_tensor(module, name, tensor.to(stored[name]))
+
+
+@contextmanager
+def fp32_compute(model: nn.Module):
+    """Inside, ``model``'s 16-bit tensors compute in fp32 as if the whole model had been widened, but only one
+    decoder layer is fp32 at a time (widened when its forward starts, narrowed back when it ends); the parts outside
+    the decoder stack (embeddings, final norm, head) stay widened throughout. Widening the whole model held an fp32
+    copy of every layer: twice a bf16 model's size on top of it."""
+    outside = [module for name, module in model.named_children() if name != "model"]
+    outside += [module for name, module in model.model.named_children() if name != "layers"]
+    stored = [(module, upcast(module)) for module in outside]
+    widened: dict[int, dict[str, torch.dtype]] = {}
+
+    def widen(layer, _args):
+        widened[id(layer)] = upcast(layer)
+
+    def narrow(layer, _args, _output):
+        restore_dtypes(layer, widened.pop(id(layer)))
+
+    handles = []
+    for layer in decoder_layers(model):
+        handles += [layer.register_forward_pre_hook(widen), layer.register_forward_hook(narrow)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for layer in decoder_layers(model):
+            if id(layer) in widened:  # a forward that raised inside the layer
+                restore_dtypes(layer, widened.pop(id(layer)))
+        for module, dtypes in reversed(stored):
+            restore_dtypes(module, dtypes)

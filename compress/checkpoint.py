@@ -193,49 +193,70 @@ def _float_weight_groups(model: nn.Module) -> list[dict]:
     return groups
 
 
-def _tensors(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+def _tensors(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor the checkpoint stores, under its stored name and in its stored form, made one at a time as the
+    shards are written: a tensor already in that form is the module's own, so no copy of the model is ever held."""
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}  # in module order
     activation_quantized = {
         name for name, m in model.named_modules() if isinstance(m, (*ACTIVATION_QUANTIZED, Fp4Linear))
     }
     tied = getattr(model.config, "tie_word_embeddings", False)
     model_type = getattr(model.config, "model_type", None)
-    tensors: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         if tied and key == "lm_head.weight":
             continue
         owner, _, leaf = key.rpartition(".")
         if owner in quantized and leaf == "weight_zero_point":
-            value = pack_int32(value.cpu(), model.get_submodule(owner).num_bits, dim=0)
+            value = pack_int32(value.cpu(), quantized[owner].num_bits, dim=0)
         elif value.is_floating_point() and dtype is not None and owner not in activation_quantized:
             if value.element_size() > 1:  # fp8 codes and fp32 W8A8/FP4 scales keep their dtypes
                 value = value.to(dtype)
-        tensors[key] = value.detach().cpu().contiguous().clone()
-    for owner in quantized:
-        module = model.get_submodule(owner)
-        tensors[f"{owner}.weight_shape"] = torch.tensor([module.out_features, module.in_features])
-    return {checkpoint_name(model_type, key): value for key, value in tensors.items()}
+        yield checkpoint_name(model_type, key), value.detach().cpu().contiguous()
+    for owner, module in quantized.items():
+        shape = torch.tensor([module.out_features, module.in_features])
+        yield checkpoint_name(model_type, f"{owner}.weight_shape"), shape
 
 
-def _write_shards(tensors: dict[str, torch.Tensor], folder: Path) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, value in tensors.items():
+def _unshared(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory; copy all but the first of each such set."""
+    seen: set[int] = set()
+    result = {}
+    for key, value in shard.items():
+        pointer = value.untyped_storage().data_ptr()
+        result[key] = value.clone() if pointer in seen else value
+        seen.add(pointer)
+    return result
+
+
+def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], folder: Path) -> None:
+    """Shards of at most ``MAX_SHARD_BYTES`` (a larger tensor alone), each written as soon as it is full, so one
+    shard's tensors are alive at a time; named ``model-0000i-of-0000n`` once ``n`` is known."""
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        path = folder / f".shard-{len(written) + 1}.safetensors"
+        save_file(_unshared(shard), path, metadata={"format": "pt"})
+        written.append((path, list(shard)))
+
+    for key, value in tensors:
         nbytes = value.numel() * value.element_size()
-        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][key] = value
+        if shard and size + nbytes > MAX_SHARD_BYTES:
+            flush()
+            shard, size = {}, 0
+        shard[key] = value
         size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
+        total += nbytes
+    flush()
+    if len(written) == 1:
+        written[0][0].rename(folder / "model.safetensors")
         return
     weight_map = {}
-    for number, shard in enumerate(shards, start=1):
-        filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / filename, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, filename))
-    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    for number, (path, keys) in enumerate(written, start=1):
+        filename = f"model-{number:05d}-of-{len(written):05d}.safetensors"
+        path.rename(folder / filename)
+        weight_map.update(dict.fromkeys(keys, filename))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
@@ -255,8 +276,7 @@ def save_checkpoint(
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        tensors = _tensors(model, dtype)
-        _write_shards(tensors, staging)
+        _write_shards(_tensors(model, dtype), staging)
         config = model.config.to_dict()
         config.pop("quantization_config", None)
         if dtype is not None:

@@ -119,11 +119,14 @@ def walk_layers(
         layer = layers[index].to(device)
         stored_dtypes = upcast(layer)
         name = f"model.layers.{index}"
+        outputs = None
         for stage in stages:
             start = time.perf_counter()
-            stage.process_layer(LayerContext(index, name, layer, model.config, inputs, device, storage_dtype))
+            ctx = LayerContext(index, name, layer, model.config, inputs, device, storage_dtype)
+            stage.process_layer(ctx)
+            outputs = ctx.outputs  # a later stage that changes the layer without computing them resets them
             stage.seconds += time.perf_counter() - start
         if calibrate:
-            inputs = run_layer(layer, inputs, name)
+            inputs = outputs if outputs is not None else run_layer(layer, inputs, name)
         restore_dtypes(layer, stored_dtypes)
         layers[index] = layer.to("cpu")

@@ -24,6 +24,12 @@ class QuantizedLinear(nn.Module):
     """A linear layer whose weight is group-quantized to ``num_bits`` and stored packed (compressed-tensors
     ``pack-quantized``): ``W[o, i] = (q[o, i] - z[o, g(i)]) * s[o, g(i)]``; symmetric layers have no ``z``."""
 
+    # On CPU (no int4 kernel) the weight is dequantized for every call unless this is on: then the dense weight is
+    # kept between calls, costing its memory. The engine turns it on (decoding one token per call would otherwise
+    # run ~6x slower than the dense model); evaluation and calibration, whose calls carry thousands of tokens, keep
+    # no dense copy of every layer.
+    keep_dense_on_cpu: bool = False
+
     def __init__(
         self,
         in_features: int,
@@ -138,26 +144,27 @@ class QuantizedLinear(nn.Module):
         )
 
     def _cpu_dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantized weight, kept between calls on CPU: there is no int4 CPU kernel, and dequantizing every
-        weight on every call made CPU decoding ~6x slower than the dense model. Costs the dense weight's memory;
-        never saved; rebuilt when the buffers change."""
+        """The dequantized weight in ``dtype`` (fp32 scales, as the reference path); with ``keep_dense_on_cpu``
+        kept between calls, never saved, rebuilt when the buffers change."""
         source = (dtype, *self._buffers_key())
-        if getattr(self, "_dense_source", None) != source:
-            with torch.inference_mode(False), torch.no_grad():
-                self._dense = dequantize_packed(
-                    self.weight_packed,
-                    self.weight_scale.float(),
-                    self.weight_zero_point,
-                    self.num_bits,
-                    self.in_features,
-                    self.group_size,
-                    self.weight_g_idx,
-                ).to(dtype)
-            self._dense_source = source
-        return self._dense
+        if getattr(self, "_dense_source", None) == source:
+            return self._dense
+        with torch.inference_mode(False), torch.no_grad():  # a kept copy must outlive an inference_mode call
+            dense = dequantize_packed(
+                self.weight_packed,
+                self.weight_scale.float(),
+                self.weight_zero_point,
+                self.num_bits,
+                self.in_features,
+                self.group_size,
+                self.weight_g_idx,
+            ).to(dtype)
+        if self.keep_dense_on_cpu:
+            self._dense, self._dense_source = dense, source
+        return dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_cuda and requested_backend() != "triton":  # same numbers as the reference path, once
+        if not x.is_cuda and requested_backend() != "triton":  # same numbers as the reference path
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self._cpu_dense_weight(x.dtype), bias)
         packed, scale, zero = self._kernel_layout()

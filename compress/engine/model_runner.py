@@ -21,6 +21,7 @@ from transformers import AttentionInterface
 
 from compress.engine.config import EngineConfig
 from compress.engine.scheduler import ScheduledBatch
+from compress.qlinear import QuantizedLinear
 from kernels import kv_cache, paged_attention
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,9 @@ class ModelRunner:
         self.layers = model.model.layers
         embeddings = model.get_input_embeddings().weight
         self.device, self.dtype = embeddings.device, embeddings.dtype
+        for module in model.modules():
+            if isinstance(module, QuantizedLinear):  # decoding calls carry a few tokens: dequantize once
+                module.keep_dense_on_cpu = self.device.type == "cpu"
         self.num_kv_heads = model_config.num_key_value_heads
         self.head_dim = self.layers[0].self_attn.head_dim
         self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 8192)

@@ -36,6 +36,7 @@ class LayerContext:
     inputs: LayerInputs | None
     device: torch.device
     dtype: torch.dtype = torch.float32  # the model's storage dtype: the layer is fp32 here, scales round to this
+    outputs: LayerInputs | None = None  # set by a stage that computed the layer's outputs as it leaves them
 
 
 class Stage(ABC):

@@ -28,7 +28,14 @@ from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, quantize
 from compress.stages.base import LayerContext
 from compress.stages.fp4 import Fp4Grid
-from compress.stages.hessian import cholesky_inverse_upper, collect_hessians, input_groups, without_dead_channels
+from compress.stages.hessian import (
+    cholesky_inverse_upper,
+    collect_hessians,
+    input_groups,
+    one_thread,
+    sequential_hessians,
+    without_dead_channels,
+)
 from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, replace_module, target_linears
 from kernels.dequant import dequantize_codes
 
@@ -64,23 +71,39 @@ class GPTQResult:
 def _group_params(
     weight: torch.Tensor, hessian_block: torch.Tensor, scheme: WeightScheme, clip_search: bool, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scale (and zero point) per row for one group of columns; with ``clip_search`` the range ratio per row that
-    minimises the group's Hessian-weighted rounding error."""
-    channel = WeightScheme(scheme.bits, None, scheme.symmetric)
-    best = None
-    for ratio in CLIP_RATIOS if clip_search else (1.0,):
-        codes, scale, zero = quantize(weight, channel, ratio, scale_dtype=dtype)
-        delta = dequantize_codes(codes, scale.float(), zero, weight.shape[1]) - weight
-        error = ((delta @ hessian_block) * delta).sum(1)
-        if best is None:
-            best = [error, scale, zero]
-            continue
-        better = error < best[0]
-        best[0] = torch.where(better, error, best[0])
-        best[1] = torch.where(better[:, None], scale, best[1])
-        if zero is not None:
-            best[2] = torch.where(better[:, None], zero, best[2])
-    return best[1], best[2]
+    """Scale (and zero point) per row ``[out, 1]`` for one group of columns; with ``clip_search`` the range ratio per
+    row that minimises the group's Hessian-weighted rounding error. Every ratio is tried in one stacked quantization
+    and one matmul (a loop over the ratios took a quarter of GPTQ's time); ties keep the earlier, wider range."""
+    ratios = CLIP_RATIOS if clip_search else (1.0,)
+    rows = weight.shape[0]
+    stacked = weight.repeat(len(ratios), 1)
+    clip = torch.tensor(ratios, device=weight.device).repeat_interleave(rows)[:, None]
+    codes, scale, zero = quantize(stacked, WeightScheme(scheme.bits, None, scheme.symmetric), clip, scale_dtype=dtype)
+    delta = dequantize_codes(codes, scale.float(), zero, weight.shape[1]) - stacked
+    error = ((delta @ hessian_block) * delta).sum(1).view(len(ratios), rows)
+    best = error.argmin(0) * rows + torch.arange(rows, device=weight.device)
+    return scale[best], None if zero is None else zero[best]
+
+
+class _GroupGrid:
+    """Per group of columns: the stored scale (and zero point) and, for the column walk, the fp32 scale and the
+    code range shifted by the zero point (``round(w / s)`` clamped to ``[qmin - z, qmax - z]`` is ``q - z``)."""
+
+    def __init__(self, groups: int, out_features: int, scheme: WeightScheme, dtype: torch.dtype, device):
+        self.scheme = scheme
+        self.scales = torch.empty(groups, out_features, dtype=dtype, device=device)
+        self.zeros = None if scheme.symmetric else torch.empty(groups, out_features, dtype=torch.int8, device=device)
+        self.float_scales = torch.empty(groups, out_features, device=device)
+        self.low = torch.full((groups, out_features), float(scheme.qmin), device=device)
+        self.high = torch.full((groups, out_features), float(scheme.qmax), device=device)
+
+    def set(self, g: int, scale: torch.Tensor, zero: torch.Tensor | None) -> None:
+        self.scales[g] = scale[:, 0]
+        self.float_scales[g] = self.scales[g].float()
+        if self.zeros is not None:
+            self.zeros[g] = zero[:, 0]
+            self.low[g] -= self.zeros[g].float()
+            self.high[g] -= self.zeros[g].float()
 
 
 def gptq_quantize(
@@ -98,79 +121,70 @@ def gptq_quantize(
     grid: Fp4Grid | None = None,
 ) -> GPTQResult:
     """Quantize ``weight [out, in]`` against ``hessian [in, in]`` (E[x xᵀ] of its inputs). With an FP4 ``grid``
-    the columns are rounded onto e2m1 times each group's scale (codes 0..15, ``scale`` the fp32 effective scales)."""
+    the columns are rounded onto e2m1 times each group's scale (codes 0..15, ``scale`` the fp32 effective scales).
+
+    The column walk runs on the transposed weight, where a column is one contiguous row, in six tensor ops per
+    column (divide, round, clamp, residual, ratio, rank-1 update of the block's later columns) on one thread; the
+    columns after the block get one matrix update per block (lazy batch updates)."""
     if grid is not None and act_order:
         raise CompressError(f"{name}: act_order is not supported with FP4 formats; set act_order=false")
     dtype = torch.float32 if grid is not None else scale_dtype or weight.dtype
-    original, reference_h = weight.detach().float().clone(), hessian.detach().float()
     W, H = without_dead_channels(weight, hessian)
     out_features, columns = W.shape
     group = scheme.group_for(columns)
-    qmin, qmax = scheme.qmin, scheme.qmax
-
-    groups = columns // group
-    scales = torch.empty(out_features, groups, dtype=dtype, device=W.device)
-    zeros = None if scheme.symmetric else torch.empty(out_features, groups, dtype=torch.int8, device=W.device)
+    params = _GroupGrid(columns // group, out_features, scheme, dtype, W.device)
+    order = torch.arange(columns, device=W.device)
     if act_order:  # static groups: parameters fixed from the original weight before any compensation
-        for g in range(groups):
+        for g in range(columns // group):
             cols = slice(g * group, (g + 1) * group)
-            scale, zero = _group_params(W[:, cols], H[cols, cols], scheme, clip_search, dtype)
-            scales[:, g : g + 1] = scale
-            if zeros is not None:
-                zeros[:, g : g + 1] = zero
+            params.set(g, *_group_params(W[:, cols], H[cols, cols], scheme, clip_search, dtype))
         order = torch.argsort(H.diagonal(), descending=True)
-    else:
-        order = torch.arange(columns, device=W.device)
-    W, H = W[:, order], H[order][:, order]
-    column_order = order.tolist()  # read once: one .item() per column would sync the GPU thousands of times
+        W, H = W[:, order], H[order][:, order]
+    group_of = (order // group).tolist()  # read once: one .item() per column would sync the GPU thousands of times
     Hinv, damp, retries = cholesky_inverse_upper(H, dampening, max_damp_retries, name)
 
-    codes = torch.empty(out_features, columns, dtype=torch.int8, device=W.device)
-    for start in range(0, columns, block_size):
-        end = min(start + block_size, columns)
-        block = W[:, start:end].clone()
-        errors = torch.empty_like(block)
-        block_inv = Hinv[start:end, start:end]
-        for i in range(end - start):
-            column = column_order[start + i]
-            g = column // group
-            if not act_order and column % group == 0:  # lazy groups: from the weight as compensated so far
-                cols = slice(start + i, start + i + group)
-                pending = _pending(W, block, start, i, group)
+    Wt = W.t().contiguous()  # [in, out], compensated in place block by block
+    centered = torch.empty_like(Wt)  # q - z of every column (FP4: its e2m1 code), in visiting order
+    with one_thread():
+        for start in range(0, columns, block_size):
+            end = min(start + block_size, columns)
+            block, block_inv = Wt[start:end], Hinv[start:end, start:end]
+            errors = torch.empty_like(block)
+            pivots = block_inv.diagonal().tolist()
+            for i in range(end - start):
+                column, g = start + i, group_of[start + i]
+                if not act_order and column % group == 0:  # lazy groups: from the weight as compensated so far
+                    cols = slice(column, column + group)
+                    pending = Wt[cols].t()
+                    if grid is not None:
+                        params.set(g, grid.group_scales(pending.contiguous(), H[cols, cols]), None)
+                    else:
+                        params.set(g, *_group_params(pending, H[cols, cols], scheme, clip_search, dtype))
+                scale, w, q, error = params.float_scales[g], block[i], centered[column], errors[i]
                 if grid is not None:
-                    scale, zero = grid.group_scales(pending, H[cols, cols]), None
+                    code, value = grid.round(w, scale)
+                    q.copy_(code)
+                    torch.sub(w, value, out=error).div_(pivots[i])
                 else:
-                    scale, zero = _group_params(pending, H[cols, cols], scheme, clip_search, dtype)
-                scales[:, g : g + 1] = scale
-                if zeros is not None:
-                    zeros[:, g : g + 1] = zero
-            scale = scales[:, g].float()
-            zero = 0.0 if zeros is None else zeros[:, g].float()
-            w = block[:, i]
-            if grid is not None:
-                q, rounded = grid.round(w, scale)
-            else:
-                q = (torch.round(w / scale) + zero).clamp_(qmin, qmax)
-                rounded = (q - zero) * scale
-            codes[:, column] = q.to(torch.int8)
-            error = (w - rounded) / block_inv[i, i]
-            block[:, i:] -= error[:, None] * block_inv[i, i:][None, :]
-            errors[:, i] = error
-        W[:, end:] -= errors @ Hinv[start:end, end:]
+                    torch.div(w, scale, out=q).round_()
+                    torch.clamp(q, params.low[g], params.high[g], out=q)
+                    torch.addcmul(w, q, scale, value=-1, out=error).div_(pivots[i])
+                block[i + 1 :].addr_(block_inv[i, i + 1 :], error, alpha=-1)
+            Wt[end:].addmm_(Hinv[start:end, end:].t(), errors, alpha=-1)
 
+    if params.zeros is not None:
+        centered += params.zeros.float()[group_of]
+    codes = torch.empty(out_features, columns, dtype=torch.int8, device=W.device)
+    codes[:, order] = centered.t().to(torch.int8)
+    scales = params.scales.t().contiguous()
+    zeros = None if params.zeros is None else params.zeros.t().contiguous()
+    original, reference_h = weight.detach().float(), hessian.detach().float()
     dequantized = (
         grid.dequantize(codes, scales) if grid is not None else dequantize_codes(codes, scales.float(), zeros, group)
     )
     delta = dequantized - original
     hessian_error = ((delta @ reference_h) * delta).sum() / ((original @ reference_h) * original).sum().clamp(min=1e-30)
     return GPTQResult(codes, scales, zeros, damp, retries, float(hessian_error))
-
-
-def _pending(W: torch.Tensor, block: torch.Tensor, start: int, i: int, group: int) -> torch.Tensor:
-    """Columns ``start+i ... start+i+group`` as compensated so far: the in-block part lives in ``block``."""
-    inside = block[:, i : i + group]
-    rest = group - inside.shape[1]
-    return inside if rest == 0 else torch.cat([inside, W[:, start + block.shape[1] : start + block.shape[1] + rest]], 1)
 
 
 def quantize_rows_across_ranks(weight: torch.Tensor, hessian: torch.Tensor, *args, **kwargs) -> GPTQResult:
@@ -215,11 +229,12 @@ class GPTQStage(WeightQuantizerStage):
         if self.fp4 is not None:
             self.fp4.observe(ctx, targets)  # W4A4 input scales, from the layer before any of it is quantized
         groups = input_groups(targets)
-        if not self.config.true_sequential:  # one forward, one Hessian per shared input
-            hessians = collect_hessians(ctx, [group[0] for group in groups], stop_at=None)
+        if self.config.true_sequential:  # each group's Hessian after the groups before it are quantized
+            for group, hessian in sequential_hessians(ctx, groups):
+                self._quantize_group(ctx, group, hessian)
+            return
+        hessians = collect_hessians(ctx, [group[0] for group in groups], stop_at=None)  # one forward
         for group in groups:
-            if self.config.true_sequential:
-                hessians = collect_hessians(ctx, [group[0]], stop_at=group[0])
             self._quantize_group(ctx, group, hessians[group[0]])
 
     def _quantize_group(

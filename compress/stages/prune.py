@@ -19,7 +19,6 @@ stage kept it.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +29,14 @@ from compress.errors import CompressError
 from compress.moe import check_weights_handled
 from compress.sparsity import NMPattern, attach_mask, check_masks_held, mask_of, nm_keep_mask
 from compress.stages.base import LayerContext, Stage
-from compress.stages.hessian import cholesky_inverse_upper, collect_hessians, input_groups, without_dead_channels
+from compress.stages.hessian import (
+    cholesky_inverse_upper,
+    collect_hessians,
+    input_groups,
+    one_thread,
+    sequential_hessians,
+    without_dead_channels,
+)
 from compress.stages.weights import target_linears
 
 
@@ -66,18 +72,6 @@ class SparseGPTConfig(CalibratedPruneConfig):
             raise ValueError(f"dampening={self.dampening} must be in (0, 1]")
 
 
-@contextmanager
-def one_thread():
-    """The column loop is thousands of tiny ops; with several threads each one pays a synchronisation that costs
-    more than the op (measured 5x slower on 2 busy cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 @torch.no_grad()
 def sparsegpt_prune(
     weight: torch.Tensor,
@@ -91,34 +85,36 @@ def sparsegpt_prune(
     """``(pruned weight, keep mask)`` for ``weight [out, in]`` against ``hessian [in, in]``."""
     W, H = without_dead_channels(weight, hessian)
     Hinv, _, _ = cholesky_inverse_upper(H, dampening, retries, name)
-    keep = torch.ones_like(W, dtype=torch.bool)
+    Wt = W.t().contiguous()  # [in, out]: a column is one contiguous row
+    keep = torch.ones_like(Wt, dtype=torch.bool)
     with one_thread():
-        _sparsegpt_columns(W, Hinv, keep, pattern, block_size)
-    return (W * keep).to(weight.dtype), keep
+        _sparsegpt_columns(Wt, Hinv, keep, pattern, block_size)
+    return (Wt * keep).t().to(weight.dtype), keep.t()
 
 
 def _sparsegpt_columns(
-    W: torch.Tensor, Hinv: torch.Tensor, keep: torch.Tensor, pattern: NMPattern, block_size: int
+    Wt: torch.Tensor, Hinv: torch.Tensor, keep: torch.Tensor, pattern: NMPattern, block_size: int
 ) -> None:
-    """The column walk, in place on ``W`` and ``keep``."""
-    columns = W.shape[1]
+    """The column walk, in place on the transposed weight ``Wt [in, out]`` and its ``keep`` mask, in four tensor ops
+    per column (pruned part, ratio, rank-1 update of the block's later columns, zeroing)."""
+    columns, m = Wt.shape[0], pattern.m
     for start in range(0, columns, block_size):
         end = min(start + block_size, columns)
-        block = W[:, start:end].clone()
-        block_inv = Hinv[start:end, start:end]
-        errors = torch.zeros_like(block)
+        block, block_inv = Wt[start:end], Hinv[start:end, start:end]
+        errors = torch.empty_like(block)
+        pivots = block_inv.diagonal()
+        ratios = pivots.tolist()
         for i in range(end - start):
-            if i % pattern.m == 0:  # choose this group's survivors from the weights as compensated so far
-                saliency = block[:, i : i + pattern.m].pow(2) / block_inv.diagonal()[i : i + pattern.m].pow(2)
-                keep[:, start + i : start + i + pattern.m] = nm_keep_mask(saliency, pattern)
-            column = block[:, i]
-            pruned = column * keep[:, start + i]
-            error = (column - pruned) / block_inv[i, i]
-            block[:, i:] -= error[:, None] * block_inv[i, i:][None, :]
-            block[:, i] = pruned
-            errors[:, i] = error
-        W[:, start:end] = block
-        W[:, end:] -= errors @ Hinv[start:end, end:]
+            if i % m == 0:  # choose this group's survivors from the weights as compensated so far
+                saliency = block[i : i + m].t().pow(2) / pivots[i : i + m].pow(2)
+                keep[start + i : start + i + m] = nm_keep_mask(saliency, pattern).t()
+                kept = keep[start + i : start + i + m].float()
+                dropped = 1.0 - kept
+            w, error = block[i], errors[i]
+            torch.mul(w, dropped[i % m], out=error).div_(ratios[i])
+            block[i + 1 :].addr_(block_inv[i, i + 1 :], error, alpha=-1)
+            w.mul_(kept[i % m])
+        Wt[end:].addmm_(Hinv[start:end, end:].t(), errors, alpha=-1)
 
 
 class PruneStage(Stage):
@@ -147,21 +143,20 @@ class PruneStage(Stage):
 
     def process_layer(self, ctx: LayerContext) -> None:
         groups = input_groups(target_linears(ctx.layer, ctx.name, self.config.ignore))
-        sequential = getattr(self.config, "sequential", False)
-        statistics: dict[str, torch.Tensor] = {}
-        if self.input_statistic is not None:
-            if ctx.inputs is None:
-                raise CompressError(f"{self.name} needs calibration inputs")
-            if not sequential:  # one forward, one statistic per shared input
-                statistics = self._statistics(ctx, [group[0] for group in groups], stop_at=None)
+        if self.input_statistic is None:
+            for group in groups:
+                self._prune_group(ctx, group, None)
+            return
+        if ctx.inputs is None:
+            raise CompressError(f"{self.name} needs calibration inputs")
+        diagonal = self.input_statistic == "norm"
+        if self.config.sequential:  # each group's statistic after the groups before it are pruned
+            for group, statistic in sequential_hessians(ctx, groups, diagonal):
+                self._prune_group(ctx, group, statistic)
+            return
+        statistics = collect_hessians(ctx, [group[0] for group in groups], None, diagonal)  # one forward
         for group in groups:
-            statistic = statistics.get(group[0])
-            if self.input_statistic is not None and sequential:
-                statistic = self._statistics(ctx, [group[0]], stop_at=group[0])[group[0]]
-            self._prune_group(ctx, group, statistic)
-
-    def _statistics(self, ctx: LayerContext, names: list[str], stop_at: str | None) -> dict[str, torch.Tensor]:
-        return collect_hessians(ctx, names, stop_at, diagonal=self.input_statistic == "norm")
+            self._prune_group(ctx, group, statistics[group[0]])
 
     def _prune_group(self, ctx: LayerContext, names: list[str], statistic: torch.Tensor | None) -> None:
         linears = [ctx.layer.get_submodule(n) for n in names]

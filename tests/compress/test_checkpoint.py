@@ -102,3 +102,29 @@ def test_an_unreadable_compressed_tensors_format_is_refused(tmp_path):
     config_file.write_text(json.dumps(config))
     with pytest.raises(CompressError, match="compressed-tensors/marlin-24 is not readable here"):
         load_checkpoint(tmp_path / "ckpt")
+
+
+def test_saving_writes_the_modules_own_tensors_shard_by_shard(tmp_path, monkeypatch):
+    """No copy of the model while saving: a tensor already in its stored form goes to safetensors as it is, and
+    several shards hold exactly what one shard does."""
+    import compress.checkpoint as checkpoint
+
+    model = _quantized(symmetric=False)
+    given: list[torch.Tensor] = []
+    real_save_file = checkpoint.save_file
+
+    def recording_save_file(tensors, *args, **kwargs):
+        given.extend(tensors.values())
+        return real_save_file(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_file", recording_save_file)
+    save_checkpoint(model, None, tmp_path / "one")
+    packed = model.model.layers[0].self_attn.q_proj.weight_packed
+    assert any(t.data_ptr() == packed.data_ptr() for t in given)
+    monkeypatch.setattr(checkpoint, "MAX_SHARD_BYTES", 20_000)
+    save_checkpoint(model, None, tmp_path / "many")
+    shards = sorted((tmp_path / "many").glob("*.safetensors"))
+    assert len(shards) > 2 and not list((tmp_path / "many").glob(".shard-*"))
+    one, many = load_checkpoint(tmp_path / "one")[0], load_checkpoint(tmp_path / "many")[0]
+    for (name, a), (_, b) in zip(one.state_dict().items(), many.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

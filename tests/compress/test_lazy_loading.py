@@ -126,9 +126,13 @@ def test_walk_reads_one_layer_at_a_time_calibrates_in_fp32_and_stores_in_bf16(bf
     assert torch.equal(q_proj.weight_scale, scale) and torch.equal(q_proj.weight_packed, expected.weight_packed)
 
 
-def test_moving_a_quantized_linear_drops_its_cached_dense_weight():
-    """The CPU forward caches a dense fp32 copy; a walk that kept it would hold a dense copy of every layer."""
+def test_a_quantized_linear_keeps_a_dense_weight_only_when_asked_and_drops_it_when_moved():
+    """Outside the engine the CPU forward keeps no dense copy (calibration, evaluation: a copy of every layer);
+    the engine's opt-in copy goes when the module moves."""
     module = QuantizedLinear.from_codes(*quantize(torch.randn(8, 64), WeightScheme(4, 32, True)), 4, 32)
+    module(torch.randn(2, 64))
+    assert "_dense" not in module.__dict__
+    module.keep_dense_on_cpu = True
     module(torch.randn(2, 64))
     assert "_dense" in module.__dict__
     module.to("cpu")

@@ -134,7 +134,9 @@ def test_rtn_int4_checkpoint_matches_transformers(tmp_path, family, backend):
     checkpoint = oneshot(model, rtn, data=torch.zeros(1, 8, dtype=torch.long), output_dir=tmp_path / "w4")
     loaded, _ = load_checkpoint(checkpoint)
     assert isinstance(loaded.model.layers[0].mlp.down_proj, QuantizedLinear)
+    assert not loaded.model.layers[0].mlp.down_proj.keep_dense_on_cpu  # only the engine keeps dense copies
     assert_engine_matches_transformers(loaded, prompts([4, 13, 22], seed=3), attention_backend=backend)
+    assert loaded.model.layers[0].mlp.down_proj.keep_dense_on_cpu  # decoding on CPU: dequantized once
 
 
 def test_unsupported_family_is_refused_with_the_supported_list():

@@ -168,7 +168,7 @@ def test_family_without_scale_mappings_is_refused_naming_the_supported_ones():
         with pytest.raises(
             CompressError,
             match=rf"^{stage_name}: no scale mapping for model type 'gpt_neox'; "
-            "supported: gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3$",
+            "supported: gemma2, gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe$",
         ):
             stage.prepare(model)
 

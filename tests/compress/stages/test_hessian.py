@@ -1,17 +1,26 @@
 """GPTQ and SparseGPT solve against one Hessian, gathered and inverted by compress.stages.hessian."""
 
+import copy
+
 import pytest
 import torch
-from helpers import build_tiny_llama
+from helpers import FAMILIES, build_tiny_llama, build_tiny_model
 
-from compress.calibration import capture_first_layer_inputs, decoder_layers
+from compress.calibration import capture_first_layer_inputs, decoder_layers, run_layer
 from compress.errors import CompressError
-from compress.quant import WeightScheme
+from compress.quant import WeightScheme, fake_quantize
 from compress.sparsity import NMPattern
 from compress.stages import LayerContext
 from compress.stages.gptq import gptq_quantize
-from compress.stages.hessian import HessianAccumulator, collect_hessians, input_groups
+from compress.stages.hessian import (
+    HessianAccumulator,
+    cholesky_inverse_upper,
+    collect_hessians,
+    input_groups,
+    sequential_hessians,
+)
 from compress.stages.prune import sparsegpt_prune
+from compress.stages.weights import target_linears
 
 CPU = torch.device("cpu")
 
@@ -94,3 +103,42 @@ def test_gptq_and_sparsegpt_refuse_a_non_positive_definite_hessian_with_the_same
     assert messages[0] == messages[1]
     assert messages[0].startswith("layer.q_proj: the Hessian stayed singular after 2 dampening increases")
     assert "\n" not in messages[0]
+
+
+def _rtn_in_place(layer: torch.nn.Module, names: list[str]) -> None:
+    """A stand-in for what GPTQ/SparseGPT do to a group between two statistics: change its weights."""
+    with torch.no_grad():
+        for name in names:
+            linear = layer.get_submodule(name)
+            linear.weight.copy_(fake_quantize(linear.weight, WeightScheme(3, 16, True)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sequential_hessians_equal_one_forward_per_group_and_leave_the_layer_outputs(family):
+    """The replaying walk (scopes rerun from recorded inputs, final attention outputs rebuilt from o_proj's input)
+    must see exactly what a forward of the whole layer up to each group sees after the groups before it changed."""
+    model = build_tiny_model(family, seed=5)
+    samples = torch.randint(0, 320, (6, 16), generator=torch.Generator().manual_seed(2))
+    inputs = capture_first_layer_inputs(model, samples, 2, CPU)
+    reference_layer = decoder_layers(model)[0]
+    layer = copy.deepcopy(reference_layer)
+    groups = input_groups(target_linears(layer, "model.layers.0", []))
+    ctx = LayerContext(0, "model.layers.0", layer, model.config, inputs, CPU)
+    reference_ctx = LayerContext(0, "model.layers.0", reference_layer, model.config, inputs, CPU)
+    for group, hessian in sequential_hessians(ctx, groups):
+        expected = collect_hessians(reference_ctx, [group[0]], stop_at=group[0])[group[0]]
+        assert torch.allclose(hessian, expected, rtol=1e-5, atol=1e-7), group
+        _rtn_in_place(layer, group)
+        _rtn_in_place(reference_layer, group)
+    expected_outputs = run_layer(reference_layer, inputs, "model.layers.0")
+    for output, expected in zip(ctx.outputs.hidden, expected_outputs.hidden, strict=True):
+        assert torch.allclose(output, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_upper_inverse_factor_is_the_cholesky_factor_of_the_dampened_inverse():
+    x = torch.randn(512, 48, generator=torch.Generator().manual_seed(0)).double()
+    hessian = x.T @ x / len(x)
+    upper, damp, retries = cholesky_inverse_upper(hessian, 0.01, 0, "q_proj")
+    dampened = hessian + 0.01 * hessian.diagonal().mean() * torch.eye(48, dtype=hessian.dtype)
+    assert retries == 0 and torch.equal(upper, upper.triu()) and bool((upper.diagonal() > 0).all())
+    assert torch.allclose(upper.T @ upper, torch.linalg.inv(dampened), rtol=1e-8, atol=1e-10)

@@ -7,6 +7,7 @@ from compress.compression import compress_model
 from compress.errors import CompressError
 from compress.qlinear import QuantizedLinear
 from compress.stages import LayerContext, build_chain
+from compress.stages.mappings import layer_mappings
 
 CPU = torch.device("cpu")
 
@@ -55,7 +56,7 @@ def test_awq_scaling_alone_leaves_the_float_model_unchanged():
     inputs = capture_first_layer_inputs(model, samples, 4, CPU)
     layer = decoder_layers(model)[0]
     ctx = LayerContext(0, "model.layers.0", layer, model.config, inputs, CPU)
-    activations = stage._capture(ctx)
+    activations = stage._capture(ctx, layer_mappings(layer, stage.mappings))
     for mapping in stage.mappings:
         scale = torch.rand(layer.get_submodule(mapping.previous).weight.shape[0]) + 0.5
         stage.apply_scale(ctx, mapping, scale)
