@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +35,7 @@ from compress.api import select_device, write_checkpoint
 from compress.compression import compress_model
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
-from compress.models import load_model, resolve_model_path
+from compress.models import load, resolve_model_path
 from compress.paths import artifacts_dir
 from compress.qlinear import Fp8Linear
 from compress.quant import fake_quantize
@@ -326,7 +326,7 @@ def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchRe
         raise CompressError(f"search folder {folder} already exists; choose another output.dir")
     device = select_device(config.device)
     corpus = load_corpus(config.data)
-    model, tokenizer = load_model(config.model, layerwise=True)
+    model, tokenizer = load(config.model)
     ids = tokenize(tokenizer, corpus.calibration_text)
     samples = calibration_samples(ids, config.data.num_samples, config.data.seq_len, config.seed)
     sensitivity = SensitivityStage(SensitivityConfig([c.name for c in candidates], list(quantizer.get("ignore", []))))
@@ -391,7 +391,7 @@ def _trial(config, number: int, point: int, allocation: Allocation, stage_args: 
     """Compress a fresh copy of the model with this allocation, save it, gate it, record it."""
     from evals.gate import run_gate
 
-    model, tokenizer = load_model(config.model, layerwise=True)
+    model, tokenizer = load(config.model)
     stages = build_chain(stage_args)
     summaries = compress_model(model, stages, samples, device, config.calibration_batch_size)
     checkpoint = folder / "checkpoint"
@@ -400,7 +400,7 @@ def _trial(config, number: int, point: int, allocation: Allocation, stage_args: 
         config.output.save_dtype,
     )  # fmt: skip
     del model
-    policy = {**config.gate, "registry": {**config.gate.get("registry", {}), "register": False}}  # the best, later
+    policy = replace(config.gate, registry=replace(config.gate.registry, register=False))  # the best, later
     verdict = run_gate(
         checkpoint, resolve_model_path(config.model), policy, folder / "gate", evaluation_texts=texts,
         candidate_label=str(checkpoint),

@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
         if not recipes or recipes[-1] not in available():
             raise CompressError(f"choose a base recipe: recipe=<name>; available: {', '.join(available())}")
         spec = search_spec(search)
-        _, _, [config] = validate(recipes[-1], rest, multirun=False)
+        _, [config] = validate(recipes[-1], rest, multirun=False)
     except CompressError as error:
         print(f"error: {error}; usage: {USAGE}", file=sys.stderr)
         return 2

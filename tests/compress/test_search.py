@@ -145,7 +145,7 @@ def test_mixed_checkpoint_loads_in_transformers_and_runs_in_the_engine(tmp_path)
 def test_the_closed_loop_raises_precision_after_a_block_and_the_gate_agrees(tiny_model_dir, artifacts):
     """All-int3 moves perplexity; the gate allows none (max_ratio=1): the search must climb the frontier to a pass."""
     overrides = [f"model={tiny_model_dir}", *SMALL, *PERPLEXITY_GATE, "gate.perplexity.max_ratio=1.0"]
-    _, _, [config] = validate("rtn_int4", overrides, multirun=False)
+    _, [config] = validate("rtn_int4", overrides, multirun=False)
     spec = SearchSpec(budget_bits=32.0, candidates=["int3_g64", "int8", "bf16"], max_trials=6)
     result = run_search(config, spec)
     first, last = result.trials[0], result.trials[-1]
@@ -155,7 +155,7 @@ def test_the_closed_loop_raises_precision_after_a_block_and_the_gate_agrees(tiny
     assert result.best.bits_per_weight == min(t.bits_per_weight for t in result.trials if t.passed)
     assert result.line.startswith(f"search: PASSED — smallest passing checkpoint {result.best.checkpoint}")
     assert last.passed or any(t.passed for t in result.trials)
-    gate = ["gate", f"candidate={result.best.checkpoint}", f"baseline={tiny_model_dir}", *PERPLEXITY_GATE[:1]]
+    gate = ["gate", f"checkpoint={result.best.checkpoint}", f"baseline={tiny_model_dir}", *PERPLEXITY_GATE[:1]]
     assert (
         main([*gate, "gate.layers=[perplexity]", "gate.perplexity.max_ratio=1.0", "gate.registry.register=false"]) == 0
     )
