@@ -29,7 +29,7 @@ from compress.paths import artifacts_dir
 from compress.report import Timer, peak_rss_mb, run_metrics, write_report
 from compress.rundir import sigterm_as_interrupt, staged_run_folder
 from compress.stages import Stage, build_chain
-from compress.stages.rtn import RTNConfig, RTNStage
+from compress.stages.rtn import rtn_reference
 from compress.tracking import RunLog, check_writable, flatten, record_verdict, tracking_uri
 from evals.perplexity import PerplexityResult, perplexity
 
@@ -50,11 +50,11 @@ def run(config: RunConfig) -> RunResult | None:
     if config.eval.reference not in (None, "rtn"):
         raise CompressError(f"eval.reference={config.eval.reference!r} is unknown; use rtn or null")
     if config.eval.reference == "rtn":
-        _rtn_reference(stages)  # fail now, not after the compression, when the recipe has no integer scheme
+        rtn_reference(stages)  # fail now, not after the compression, when the recipe has no integer scheme
     device = select_device(config.device)
     check_model_source(config.model)  # a missing model fails here, before a run folder or MLflow run exists
     distributed.main_first(lambda: resolve_model_path(config.model))  # convert the default model once
-    if not distributed.is_main():
+    if not distributed.is_main():  # calibrate this rank's shard, nothing else
         torch.manual_seed(config.seed)
         model, _, _, samples = _load(config, stages, Timer())
         compress_model(model, stages, samples, device, config.calibration_batch_size)
@@ -134,7 +134,7 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
             with timer.phase("eval_reference"):
                 reference_model, _ = load(config.model)
                 # rank 0 alone, data-parallel or not: round-to-nearest needs no calibration, hence no collective
-                compress_model(reference_model, [_rtn_reference(stages)], samples, device, 1)
+                compress_model(reference_model, [rtn_reference(stages)], samples, device, 1)
                 results["rtn_reference"] = _evaluate(reference_model, eval_ids, config, "perplexity [rtn]", device)
     return {
         "recipe": config.recipe,
@@ -166,20 +166,6 @@ def _evaluate(model, eval_ids: torch.Tensor, config: RunConfig, label: str, devi
         raise CompressError(str(error)) from error
     finally:
         model.to("cpu")
-
-
-def _rtn_reference(stages: list[Stage]) -> RTNStage:
-    quantizer = next((s for s in stages if s.quantizes_weights), None)
-    if quantizer is None or not all(hasattr(quantizer.config, k) for k in ("bits", "group_size", "symmetric")):
-        raise CompressError(
-            "eval.reference=rtn needs an integer weight quantizer in the recipe (awq, gptq, rtn) to copy its scheme; "
-            "set eval.reference=null"
-        )
-    c = quantizer.config
-    fp4 = {"format": getattr(c, "format", "int"), "activations": getattr(c, "activations", "none")}  # same grid
-    return RTNStage(
-        RTNConfig(bits=c.bits, group_size=c.group_size, symmetric=c.symmetric, ignore=list(c.ignore), **fp4)
-    )
 
 
 def _gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None) -> dict:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compress.stages.base import LayerContext
+from compress.errors import CompressError
+from compress.stages.base import LayerContext, Stage
 from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, target_linears
 
 
@@ -25,3 +26,19 @@ class RTNStage(WeightQuantizerStage):
             return
         for name in target_linears(ctx.layer, ctx.name, self.config.ignore):
             self.quantize_linear(ctx.layer, name, f"{ctx.name}.{name}", scale_dtype=ctx.dtype)
+
+
+def rtn_reference(stages: list[Stage]) -> RTNStage:
+    """Round-to-nearest on the same grid as the chain's weight quantizer: the floor a calibrated method must beat
+    (the run's ``eval.reference=rtn``)."""
+    quantizer = next((s for s in stages if s.quantizes_weights), None)
+    if quantizer is None or not all(hasattr(quantizer.config, k) for k in ("bits", "group_size", "symmetric")):
+        raise CompressError(
+            "eval.reference=rtn needs an integer weight quantizer in the recipe (awq, gptq, rtn) to copy its scheme; "
+            "set eval.reference=null"
+        )
+    c = quantizer.config
+    fp4 = {"format": getattr(c, "format", "int"), "activations": getattr(c, "activations", "none")}  # same grid
+    return RTNStage(
+        RTNConfig(bits=c.bits, group_size=c.group_size, symmetric=c.symmetric, ignore=list(c.ignore), **fp4)
+    )
