@@ -2,6 +2,8 @@
 
     python benchmarks/peer_comparison.py                      # every scheme, 128 x 512 calibration tokens
     python benchmarks/peer_comparison.py --schemes gptq_w4a16 --num-samples 32
+    python benchmarks/peer_comparison.py --tag formats --num-samples 64 \
+        --schemes fp8_block nvfp4a16 nvfp4 mxfp4 spinquant_gptq_w4a16 gptq_w4a16
 
 Per scheme, each toolkit compresses the default model in its own subprocess (llm-compressor in
 ``artifacts/peer-venv``: ``python3 -m venv artifacts/peer-venv && artifacts/peer-venv/bin/pip install llmcompressor``)
@@ -40,6 +42,11 @@ SCHEMES = {
     "awq_w4a16": "awq_int4",
     "smoothquant_w8a8": "smoothquant_gptq_w8a8",
     "fp8_dynamic": "fp8_dynamic",
+    "fp8_block": "fp8_block",
+    "nvfp4a16": "nvfp4a16",
+    "nvfp4": "nvfp4",
+    "mxfp4": "mxfp4",
+    "spinquant_gptq_w4a16": "rotate_gptq_int4",
 }
 PEER_PYTHON = ROOT / "artifacts" / "peer-venv" / "bin" / "python"
 

@@ -20,6 +20,9 @@ W4A16_G64 = {
 }
 
 
+FP4_PRESETS = {"nvfp4a16": "NVFP4A16", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}
+
+
 def recipe(scheme: str, alpha: float) -> list:
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
@@ -41,6 +44,17 @@ def recipe(scheme: str, alpha: float) -> list:
         ]
     if scheme == "fp8_dynamic":
         return [QuantizationModifier(scheme="FP8_DYNAMIC", targets="Linear", ignore=["lm_head"])]
+    if scheme == "fp8_block":  # no calibration: the preset as llm-compressor's FP8_BLOCK example runs it
+        return [QuantizationModifier(scheme="FP8_BLOCK", targets="Linear", ignore=["lm_head"])]
+    if scheme in FP4_PRESETS:  # GPTQ onto the FP4 grid, as our recipes of the same names
+        return [GPTQModifier(scheme=FP4_PRESETS[scheme], targets="Linear", ignore=["lm_head"])]
+    if scheme == "spinquant_gptq_w4a16":
+        from llmcompressor.modifiers.transform import SpinQuantModifier
+
+        return [
+            SpinQuantModifier(rotations=["R1", "R2"], transform_type="hadamard"),
+            GPTQModifier(config_groups=W4A16_G64, ignore=["lm_head"]),
+        ]
     raise SystemExit(f"unknown scheme {scheme}")
 
 
