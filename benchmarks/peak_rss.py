@@ -2,6 +2,7 @@
 
     python -m benchmarks.peak_rss              # hidden 2048, 16 layers, intermediate 5632 (~1B params, ~2 GB bf16)
     python -m benchmarks.peak_rss --tiny       # a few-MB shape, to check that the script works
+    python -m benchmarks.peak_rss --shape 4b --modes lazy_source_dtype   # 3.9B params, 7.4 GiB bf16
 
 A random Llama-shaped model is written as bf16 safetensors into a temporary folder, then `python -m compress run
 recipe=rtn_int4` runs on it twice in fresh processes: (a) `model.dtype=float32 model.lazy=false` (what every run did
@@ -32,6 +33,14 @@ SHAPES = {
         intermediate_size=5632,
         num_attention_heads=16,
         num_key_value_heads=16,
+        vocab_size=32000,
+    ),
+    "4b": dict(
+        hidden_size=3072,
+        num_hidden_layers=36,
+        intermediate_size=8192,
+        num_attention_heads=24,
+        num_key_value_heads=8,
         vocab_size=32000,
     ),
     "tiny": dict(
@@ -82,7 +91,7 @@ def save_random_llama(folder: Path, shape: dict, dtype: torch.dtype, device: str
     return sum(p.numel() for p in model.parameters())
 
 
-def measure(model_dir: Path, mode: str, work: Path, extra: list[str]) -> dict:
+def measure(model_dir: Path, mode: str, work: Path, extra: list[str], recipe: str) -> dict:
     """One `compress run` in a fresh process; its own peak RSS from wait4."""
     runs = work / f"runs-{mode}"
     command = [
@@ -90,7 +99,7 @@ def measure(model_dir: Path, mode: str, work: Path, extra: list[str]) -> dict:
         "-m",
         "compress",
         "run",
-        "recipe=rtn_int4",
+        f"recipe={recipe}",
         f"model={model_dir}",
         *MODES[mode],
         "tracking.enabled=false",
@@ -125,7 +134,7 @@ def measure(model_dir: Path, mode: str, work: Path, extra: list[str]) -> dict:
 
 def markdown(result: dict) -> str:
     lines = [
-        f"# Peak RSS of `compress run recipe=rtn_int4` ({result['shape_name']} shape)",
+        f"# Peak RSS of `compress run recipe={result['recipe']}` ({result['shape_name']} shape)",
         "",
         f"Random Llama, {result['params'] / 1e9:.2f} B parameters, bf16 safetensors {result['weights_mb']:.0f} MB; "
         f"{result['machine']}. Peak RSS is the child process's `ru_maxrss` (os.wait4).",
@@ -138,17 +147,21 @@ def markdown(result: dict) -> str:
             f"| {mode} | `{' '.join(row['overrides'])}` | {row['peak_rss_mb']:.0f} | "
             f"{row['ratio_to_bf16_file']:.2f}x | {row['wall_s']:.0f} |"
         )
-    lines += ["", f"Lazy source-dtype peak is {result['lazy_vs_eager']:.2f}x the eager fp32 peak."]
+    if "lazy_vs_eager" in result:
+        lines += ["", f"Lazy source-dtype peak is {result['lazy_vs_eager']:.2f}x the eager fp32 peak."]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a few-MB model: checks the script, measures nothing")
+    parser.add_argument("--shape", choices=[name for name in SHAPES if name != "tiny"], default="1b")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--recipe", default="rtn_int4")
     parser.add_argument("--layers", type=int, help="override the number of decoder layers")
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; none for --tiny)")
     args = parser.parse_args(argv)
-    shape_name = "tiny" if args.tiny else "1b"
+    shape_name = "tiny" if args.tiny else args.shape
     shape = dict(SHAPES[shape_name])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
@@ -159,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         params = save_random_llama(model_dir, shape, torch.bfloat16)
         weights_mb = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
         extra = ["stages.0.group_size=32"] if args.tiny else []
-        modes = {mode: measure(model_dir, mode, work, extra) for mode in MODES}
+        modes = {mode: measure(model_dir, mode, work, extra, args.recipe) for mode in args.modes}
     for row in modes.values():
         row["ratio_to_bf16_file"] = row["peak_rss_mb"] / weights_mb
     result = {
@@ -168,14 +181,17 @@ def main(argv: list[str] | None = None) -> int:
         "params": params,
         "weights_mb": weights_mb,
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}",
+        "recipe": args.recipe,
         "modes": modes,
-        "lazy_vs_eager": modes["lazy_source_dtype"]["peak_rss_mb"] / modes["eager_fp32"]["peak_rss_mb"],
     }
+    if len(modes) == len(MODES):
+        result["lazy_vs_eager"] = modes["lazy_source_dtype"]["peak_rss_mb"] / modes["eager_fp32"]["peak_rss_mb"]
     print(markdown(result))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "peak-rss.json").write_text(json.dumps(result, indent=2))
-        (out / "peak-rss.md").write_text(markdown(result))
+        name = "peak-rss" if shape_name == "1b" else f"peak-rss-{shape_name}"
+        (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+        (out / f"{name}.md").write_text(markdown(result))
     return 0
 
 
