@@ -2,6 +2,7 @@
 
     python benchmarks/search_budgets.py                                   # budgets 4.25 4.5 5 6, gate=quick @ 1.10
     python benchmarks/search_budgets.py --budgets 4.5 --max-trials 2 --overrides data.num_samples=32
+    python benchmarks/search_budgets.py --max-trials 1 --start-at-budget   # one gated allocation per budget
 
 Every checkpoint (each search trial and the two uniform ones) is judged by the same release gate policy against the
 same baseline, so the perplexity ratios are the gate's own (``gate=quick``: 8 windows of 128 tokens). After the
@@ -94,6 +95,9 @@ def main() -> None:
     parser.add_argument("--recipe", default="gptq_int4")
     parser.add_argument("--budgets", nargs="+", type=float, default=[4.25, 4.5, 5.0, 6.0])
     parser.add_argument("--max-trials", type=int, default=3)
+    parser.add_argument(
+        "--start-at-budget", action="store_true", help="first trial: the best allocation within the budget"
+    )
     parser.add_argument("--candidates", nargs="+", default=["int3_g64", "int4_g64", "int8", "bf16"])
     parser.add_argument("--overrides", nargs="*", default=[])
     parser.add_argument("--work", type=Path, default=ROOT / "artifacts" / "search-bench")
@@ -122,7 +126,8 @@ def main() -> None:
         save()
     _, [config] = validate(args.recipe, overrides, multirun=False)
     for budget in args.budgets:
-        spec = SearchSpec(budget_bits=budget, candidates=args.candidates, max_trials=args.max_trials)
+        start = budget if args.start_at_budget else None
+        spec = SearchSpec(budget_bits=budget, candidates=args.candidates, max_trials=args.max_trials, start_bits=start)
         result = run_search(config, spec, work / f"search-{budget:g}")
         trials = [{**vars(t), "checkpoint": str(t.checkpoint)} for t in result.trials]
         report["searches"][f"{budget:g}"] = {"line": result.line, "trials": trials}
