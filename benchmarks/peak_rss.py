@@ -7,7 +7,7 @@
 A random Llama-shaped model is written as bf16 safetensors into a temporary folder, then `python -m compress run
 recipe=rtn_int4` runs on it twice in fresh processes: (a) `model.dtype=float32 model.lazy=false` (what every run did
 before source-dtype loading) and (b) the defaults (`model.dtype=auto model.lazy=true`). Each child's peak RSS comes
-from ``os.wait4`` (that child alone) and is divided by the bf16 weight file size. Results go to
+from GNU time (that child alone) and is divided by the bf16 weight file size. Results go to
 ``benchmarks/results/peak-rss.{json,md}`` (``--tiny`` writes nothing unless ``--out`` is given).
 """
 
@@ -17,15 +17,17 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.peer_comparison import measured_run  # noqa: E402
+
 SHAPES = {
     "1b": dict(
         hidden_size=2048,
@@ -92,7 +94,7 @@ def save_random_llama(folder: Path, shape: dict, dtype: torch.dtype, device: str
 
 
 def measure(model_dir: Path, mode: str, work: Path, extra: list[str], recipe: str) -> dict:
-    """One `compress run` in a fresh process; its own peak RSS from wait4."""
+    """One `compress run` in a fresh process; its own peak RSS from GNU time."""
     runs = work / f"runs-{mode}"
     command = [
         sys.executable,
@@ -111,22 +113,19 @@ def measure(model_dir: Path, mode: str, work: Path, extra: list[str], recipe: st
         f"output.dir={runs}",
         *extra,
     ]
-    env = {**os.environ, "COMPRESS_ARTIFACTS": str(work / "artifacts"), "PYTHONPATH": str(REPO)}
-    start = time.perf_counter()
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    output = process.stdout.read().decode(errors="replace")
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - start
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0:
-        raise SystemExit(f"{mode}: compress run failed with exit {code}:\n{output[-3000:]}")
+    os.environ["COMPRESS_ARTIFACTS"] = str(work / "artifacts")
+    # GNU time measures the child from a fresh process: this one still holds the random model it wrote, and a
+    # child's rusage would start from that high-water mark (the old results of this script were inflated by it)
+    result = measured_run(command, work / f"{mode}.log", timeout=24 * 3600, tree=REPO)
+    if not result["ok"]:
+        raise SystemExit(f"{mode}: compress run failed: {result['error']}")
     [report_file] = runs.glob("*/report.json")
     report = json.loads(report_file.read_text())
     return {
         "overrides": MODES[mode],
-        "peak_rss_mb": usage.ru_maxrss / 1024,
+        "peak_rss_mb": result["peak_rss_mb"],
         "report_peak_rss_mb": report["peak_rss_mb"],
-        "wall_s": seconds,
+        "wall_s": result["wall_s"],
         "timings_s": report["timings_s"],
         "checkpoint_mb": report["checkpoint"]["size_mb"],
     }
@@ -137,7 +136,7 @@ def markdown(result: dict) -> str:
         f"# Peak RSS of `compress run recipe={result['recipe']}` ({result['shape_name']} shape)",
         "",
         f"Random Llama, {result['params'] / 1e9:.2f} B parameters, bf16 safetensors {result['weights_mb']:.0f} MB; "
-        f"{result['machine']}. Peak RSS is the child process's `ru_maxrss` (os.wait4).",
+        f"{result['machine']}. Peak RSS is the `compress run` process's, by GNU time (`%M`).",
         "",
         "| load path | overrides | peak RSS MB | peak RSS / bf16 file | wall s |",
         "|---|---|---|---|---|",
