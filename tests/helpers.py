@@ -291,3 +291,8 @@ def build_tiny_moe(family: str, vocab_size: int = 320, seed: int = 0) -> torch.n
             elif name.endswith("mlp.gate.weight"):
                 parameter.normal_(0, 0.5)
     return model
+
+
+def relative_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    """‖logits − reference‖ / ‖reference‖: how far a compressed model's outputs moved."""
+    return ((logits - reference).norm() / reference.norm()).item()

@@ -7,7 +7,7 @@ weights, so a folding rule that is right only for Llama changes the model and sh
 
 import pytest
 import torch
-from helpers import FAMILIES, build_tiny_model
+from helpers import FAMILIES, build_tiny_model, relative_error
 from transformers import AutoModelForCausalLM
 
 from compress.calibration import decoder_layers
@@ -16,6 +16,7 @@ from compress.compression import compress_model
 from compress.errors import CompressError
 from compress.qlinear import QuantizedLinear
 from compress.stages import LayerContext, build_chain
+from compress.stages.hessian import one_thread as single_thread
 from compress.stages.lora import read_adapter, save_adapter
 from compress.stages.mappings import previous_width
 from tests.compress.stages.test_lora import _merge, _random_factors, _unmerged_logits
@@ -49,19 +50,13 @@ CHAINS = {
 def one_thread():
     """Tiny models: a second thread's synchronisation costs more than each op (GPTQ's column loop: 25x slower with two
     threads on a busy 2-core box), and the matrix must stay within a minute on one core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield
 
 
 def _logits(model, tokens=TOKENS) -> torch.Tensor:
     with torch.no_grad():
         return model(tokens).logits
-
-
-def _relative_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((logits - reference).norm() / reference.norm()).item()
 
 
 def _compress(family: str, chain: list[dict]):
@@ -78,7 +73,7 @@ def test_stage_runs_stays_close_and_checkpoint_reloads_identically(tmp_path, fam
     reference = _logits(build_tiny_model(family, VOCAB))
     model, stages = _compress(family, chain)
     compressed = _logits(model)
-    error = _relative_error(compressed, reference)
+    error = relative_error(compressed, reference)
     assert 0 < error < bound, f"{family}/{recipe}: relative logit error {error:.4f}"
     kv_scheme = next((s.kv_cache_scheme for s in stages if s.quantizes_kv_cache), None)
     save_checkpoint(model, None, tmp_path / "ckpt", kv_cache_scheme=kv_scheme)
@@ -115,7 +110,7 @@ def test_awq_scale_folding_leaves_the_float_model_unchanged(family):
             width = previous_width(layer, mapping, model.config)
             stage.apply_scale(ctx, mapping, torch.rand(width, generator=generator) * 3 + 0.25)
     assert len(stage.mappings) == 4
-    assert _relative_error(_logits(model), reference) < 1e-5
+    assert relative_error(_logits(model), reference) < 1e-5
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -126,7 +121,7 @@ def test_smoothquant_alone_leaves_the_float_model_unchanged(family):
     _, [stage] = _run_on(model, [{"type": "smoothquant", "alpha": 0.8}])
     moved = max((p - norms_before[n]).abs().max().item() for n, p in model.named_parameters() if "norm" in n)
     assert stage.finalize(model)["smoothed_norms"] == 4 and moved > 0.1  # the scales really did something
-    assert _relative_error(_logits(model), reference) < 1e-5
+    assert relative_error(_logits(model), reference) < 1e-5
 
 
 def _run_on(model, chain):
@@ -155,7 +150,7 @@ def test_lora_merge_on_every_linear(tmp_path, family):
     targets = tuple(_linear_names(base))
     adapter = save_adapter(tmp_path / "adapter", _random_factors(base, rank=4, seed=1, targets=targets), 4, 8)
     expected = _unmerged_logits(base, [(read_adapter(adapter), 1.0)], TOKENS)
-    assert _relative_error(expected, _logits(base)) > 1e-2  # the adapter really changes the model
+    assert relative_error(expected, _logits(base)) > 1e-2  # the adapter really changes the model
     _merge(base, [str(adapter)])
     assert torch.allclose(_logits(base), expected, atol=1e-5)
 

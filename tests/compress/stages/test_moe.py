@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import MOE_FAMILIES, build_tiny_deepseek_v3, build_tiny_moe
+from helpers import MOE_FAMILIES, build_tiny_deepseek_v3, build_tiny_moe, relative_error
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
 
@@ -17,6 +17,7 @@ from compress.moe import UnfusedExperts, unfuse_experts
 from compress.qlinear import Fp8Linear, Int8Linear, QuantizedLinear
 from compress.sparsity import mask_of
 from compress.stages import LayerContext, build_chain
+from compress.stages.hessian import one_thread as single_thread
 from compress.stages.mappings import layer_mappings, previous_width
 
 CPU = torch.device("cpu")
@@ -39,19 +40,13 @@ CHAINS = {
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield
 
 
 def _logits(model, tokens=TOKENS) -> torch.Tensor:
     with torch.no_grad():
         return model(tokens).logits
-
-
-def _relative_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((logits - reference).norm() / reference.norm()).item()
 
 
 def _expert_linears(model) -> dict[str, torch.nn.Module]:
@@ -76,7 +71,7 @@ def test_every_stage_compresses_every_expert_and_the_checkpoint_reloads(tmp_path
     reference = _logits(build_tiny_moe(family, VOCAB))
     model, stages, summaries = _compress(family, chain)
     compressed = _logits(model)
-    error = _relative_error(compressed, reference)
+    error = relative_error(compressed, reference)
     assert 0 < error < bound, f"{family}/{recipe}: relative logit error {error:.4f}"
     experts = _expert_linears(model)
     assert len(experts) == LAYERS * EXPERTS * 3
@@ -133,7 +128,7 @@ def test_deepseek_v3_experts_and_mla_linears_compress_and_reload_in_both_loaders
     reference = _logits(model)
     compress_model(model, chain, SAMPLES, CPU, batch_size=4)
     compressed = _logits(model)
-    assert 0 < _relative_error(compressed, reference) < bound
+    assert 0 < relative_error(compressed, reference) < bound
     experts = _expert_linears(model)
     assert len(experts) == LAYERS * EXPERTS * 3 and all(type(m) is expert_type for m in experts.values())
     save_checkpoint(model, None, tmp_path / "ckpt")
@@ -179,7 +174,7 @@ def test_awq_scale_folding_through_experts_and_router_leaves_the_float_model_unc
         for mapping in mappings:
             width = previous_width(layer, mapping, model.config)
             stage.apply_scale(ctx, mapping, torch.rand(width, generator=generator) * 3 + 0.25)
-    assert _relative_error(_logits(model), reference) < 1e-5
+    assert relative_error(_logits(model), reference) < 1e-5
 
 
 def _never_route_to(router, expert: int) -> None:
