@@ -7,7 +7,6 @@ directly. It knows nothing of recipes, run folders, evaluation or tracking.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import time
 from collections.abc import Sequence
 
@@ -135,12 +134,7 @@ def walk_layers(
         release_freed_memory()
 
 
-def _libc_malloc_trim():
-    library = ctypes.util.find_library("c")
-    return getattr(ctypes.CDLL(library), "malloc_trim", None) if library else None
-
-
-_MALLOC_TRIM = _libc_malloc_trim()
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the running process's own C library (glibc only)
 
 
 def release_freed_memory() -> None:
