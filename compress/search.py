@@ -1,8 +1,12 @@
 """``compress search``: the smallest mixed-precision checkpoint that passes the release gate.
 
-1. Sensitivity (one layer walk over the unquantized model): for every linear and every candidate scheme, the output
-   error it would make on the calibration activations, tr(ΔW H ΔWᵀ) with H = E[x xᵀ] of its input (round-to-nearest
-   ΔW: a cheap proxy; GPTQ lowers every scheme's error, roughly in proportion).
+1. Sensitivity: for every linear and every candidate scheme, the loss it would add, ½ Σ_o f_o · ΔW_o H ΔW_oᵀ, with
+   H = E[x xᵀ] of its input (one layer walk over the unquantized model), ΔW the round-to-nearest error (a cheap
+   proxy; GPTQ lowers every scheme's error, roughly in proportion) and f_o the mean squared gradient of the
+   next-token loss with respect to output o (the diagonal Fisher, from one backward pass over the calibration
+   samples). Unweighted output errors are not comparable across layers: a late layer's large activations make its
+   errors look large while the loss barely moves, so int3 lands where it hurts most. ``search.weighting=none``
+   drops f (no backward pass: for a model whose activations' gradients do not fit in memory).
 2. Allocation: linears that must share a scheme (q/k/v, gate/up: one stacked kernel) form a unit; a multiple-choice
    knapsack gives, for every total size up to the budget, the scheme per unit with the least summed error. It is
    solved exactly as a Pareto frontier (size ascending, error descending), so any size target reads off one point.
@@ -48,6 +52,7 @@ from compress.stages.weights import target_linears
 log = logging.getLogger(__name__)
 
 DEFAULT_CANDIDATES = ["int3_g64", "int4_g64", "int8", "fp8", "bf16"]
+WEIGHTINGS = ("fisher", "none")
 SEARCHABLE = ("rtn", "gptq")  # base-recipe weight quantizers whose rounding the mixed stage can apply per scheme
 
 
@@ -61,6 +66,7 @@ class SearchSpec:
     start_bits: float | None = None  # the first trial's size; null: the smallest allocation
     tolerance_bits: float = 0.05  # stop bisecting once the largest block and the smallest pass are this close
     margin: float = 0.9  # aim the predicted log-ppl ratio at this fraction of the gate's limit
+    weighting: str = "fisher"  # fisher: weigh output errors by the loss's gradient; none: plain output error
 
     def check(self) -> list[Candidate]:
         if self.max_trials < 1:
@@ -69,6 +75,8 @@ class SearchSpec:
             raise CompressError("search.candidates is empty; give schemes, e.g. [int3_g64,int4_g64,int8,bf16]")
         if not 0 < self.margin <= 1:
             raise CompressError(f"search.margin={self.margin} must be in (0, 1]")
+        if self.weighting not in WEIGHTINGS:
+            raise CompressError(f"search.weighting={self.weighting!r} is not one of {', '.join(WEIGHTINGS)}")
         return [candidate(name) for name in self.candidates]
 
 
@@ -99,6 +107,49 @@ def fits(chosen: Candidate, in_features: int) -> bool:
     return chosen.kind != "int" or chosen.group_size is None or in_features % chosen.group_size == 0
 
 
+@torch.enable_grad()
+def output_fisher(
+    model: nn.Module, samples: torch.Tensor, device: torch.device, batch_size: int
+) -> dict[str, torch.Tensor]:
+    """Per linear (full name): the mean over calibration tokens of the squared gradient of the summed next-token
+    loss with respect to each of its outputs, [out_features] fp32 on the CPU. Weights get no gradient; the model
+    goes to ``device`` for the pass and comes back."""
+    linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    totals: dict[str, torch.Tensor] = {}
+
+    def keep_gradient(name: str):
+        def hook(module, args, output):
+            def accumulate(gradient: torch.Tensor) -> None:
+                squares = gradient.detach().float().pow(2).flatten(0, -2).sum(0).cpu()
+                totals[name] = totals[name] + squares if name in totals else squares
+
+            output.register_hook(accumulate)
+
+        return hook
+
+    handles = [module.register_forward_hook(keep_gradient(name)) for name, module in linears.items()]
+    flags = [parameter.requires_grad for parameter in model.parameters()]
+    home = next(model.parameters()).device
+    model.requires_grad_(False).to(device)
+    embed = model.get_input_embeddings()
+    tokens = 0
+    try:
+        for start in range(0, len(samples), batch_size):
+            ids = samples[start : start + batch_size].to(device)
+            embeddings = embed(ids).detach().requires_grad_()  # the graph starts here; weights stay leaves
+            logits = model(inputs_embeds=embeddings, use_cache=False).logits[:, :-1]
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+            loss.backward()
+            tokens += ids.numel()
+    finally:
+        for handle in handles:
+            handle.remove()
+        for parameter, flag in zip(model.parameters(), flags, strict=True):
+            parameter.requires_grad_(flag)
+        model.to(home)
+    return {name: total / tokens for name, total in totals.items()}
+
+
 @dataclass
 class SensitivityConfig:
     candidates: list[str] = field(default_factory=lambda: list(DEFAULT_CANDIDATES))
@@ -112,6 +163,21 @@ class SensitivityStage(Stage):
     name = "sensitivity"
     Config = SensitivityConfig
 
+    def __init__(self, config: SensitivityConfig, fisher: dict[str, torch.Tensor] | None = None):
+        super().__init__(config)
+        self.fisher = fisher  # from output_fisher; None: every output counts alike
+
+    def _output_weight(self, name: str, siblings: list[str], out_features: int) -> torch.Tensor:
+        """What one unit of squared error on each output of linear ``name`` costs: ½ f (the loss, to second order),
+        or 1 without Fisher weights (the plain output error). A linear no gradient reached (an expert the router
+        never picked) gets the mean f of its layer's others, so an idle expert is neither free to crush nor precious."""
+        if self.fisher is None:
+            return torch.ones(out_features)
+        if name in self.fisher:
+            return 0.5 * self.fisher[name]
+        reached = [self.fisher[other].mean() for other in siblings if other in self.fisher]
+        return torch.full((out_features,), 0.5 * float(torch.stack(reached).mean()) if reached else 0.0)
+
     def prepare(self, model: nn.Module) -> None:
         self.candidates = [candidate(name) for name in self.config.candidates]
         self.units: list[Unit] = []
@@ -124,9 +190,14 @@ class SensitivityStage(Stage):
         groups = input_groups(targets)
         hessians = collect_hessians(ctx, [group[0] for group in groups], stop_at=None)
         dtype_bits = torch.finfo(ctx.dtype).bits
+        siblings = [f"{ctx.name}.{name}" for name in targets]
         for group in groups:
             linears = [targets[name] for name in group]
             hessian = hessians[group[0]]
+            weights = [
+                self._output_weight(f"{ctx.name}.{name}", siblings, linear.out_features)
+                for name, linear in zip(group, linears, strict=True)
+            ]
             options = [c for c in self.candidates if all(fits(c, linear.in_features) for linear in linears)]
             if not options:
                 raise CompressError(
@@ -136,7 +207,12 @@ class SensitivityStage(Stage):
             cost, bits = {}, {}
             for chosen in options:
                 deltas = [quantization_delta(linear, chosen) for linear in linears]
-                cost[chosen.name] = float(sum(((delta @ hessian) * delta).sum() for delta in deltas))
+                cost[chosen.name] = float(
+                    sum(
+                        ((delta @ hessian) * delta).sum(1) @ weight
+                        for delta, weight in zip(deltas, weights, strict=True)
+                    )
+                )
                 bits[chosen.name] = sum(chosen.stored_bits(*linear.weight.shape, dtype_bits) for linear in linears)
             params = sum(linear.weight.numel() for linear in linears)
             self.units.append(Unit([f"{ctx.name}.{name}" for name in group], params, bits, cost))
@@ -329,7 +405,11 @@ def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchRe
     model, tokenizer = load(config.model)
     ids = tokenize(tokenizer, corpus.calibration_text)
     samples = calibration_samples(ids, config.data.num_samples, config.data.seq_len, config.seed)
-    sensitivity = SensitivityStage(SensitivityConfig([c.name for c in candidates], list(quantizer.get("ignore", []))))
+    fisher = (
+        output_fisher(model, samples, device, config.calibration_batch_size) if spec.weighting == "fisher" else None
+    )
+    ignore = list(quantizer.get("ignore", []))
+    sensitivity = SensitivityStage(SensitivityConfig([c.name for c in candidates], ignore), fisher)
     compress_model(model, [sensitivity], samples, device, config.calibration_batch_size)
     del model
     units = sensitivity.units

@@ -28,8 +28,11 @@ from compress.search import (
     Unit,
     allocate,
     next_point,
+    output_fisher,
+    quantization_delta,
     run_search,
 )
+from compress.stages.mixed import candidate
 
 PERPLEXITY_GATE = ["gate=quick", "gate.layers=[perplexity]"]
 SMALL = ["data.num_samples=4", "data.seq_len=64"]
@@ -92,6 +95,62 @@ def test_allocation_keeps_tied_linears_together_and_its_bits_are_what_the_checkp
     compress_model(model, [{"type": "mixed", "method": "rtn", "schemes": schemes}], torch.zeros(1, 8, dtype=torch.long))
     summary = save_checkpoint(model, None, tmp_path / "ckpt")
     assert summary.linear_bits_per_weight == pytest.approx(allocation.bits_per_weight, rel=1e-12)
+
+
+def test_output_fisher_is_the_mean_squared_loss_gradient_of_each_output():
+    """Checked against the gradient of a zero perturbation added to one linear's output (no hooks on gradients), and
+    independent of the batch size; the weights get no gradient and keep their flags."""
+    model = build_tiny_llama(seed=1)
+    samples = torch.randint(0, 320, (4, 16), generator=torch.Generator().manual_seed(0))
+    fisher = output_fisher(model, samples, torch.device("cpu"), batch_size=3)
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())
+    assert output_fisher(model, samples, torch.device("cpu"), batch_size=4).keys() == fisher.keys()
+    name = "model.layers.1.mlp.gate_proj"
+    module = dict(model.named_modules())[name]
+    perturbation = torch.zeros(4, 16, module.out_features, requires_grad=True)
+    handle = module.register_forward_hook(lambda m, args, output: output + perturbation)
+    logits = model(samples).logits[:, :-1]
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), samples[:, 1:].flatten(), reduction="sum").backward()
+    handle.remove()
+    expected = perturbation.grad.pow(2).sum((0, 1)) / samples.numel()
+    torch.testing.assert_close(fisher[name], expected, rtol=1e-4, atol=1e-12)
+    batched = output_fisher(model, samples, torch.device("cpu"), batch_size=4)
+    assert all(torch.allclose(fisher[key], batched[key], rtol=1e-4, atol=1e-12) for key in fisher)
+
+
+def test_fisher_weights_each_output_error_and_a_linear_without_gradient_gets_its_layers_mean():
+    model = build_tiny_llama(seed=3)
+    samples = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(0))
+    fisher = output_fisher(model, samples, torch.device("cpu"), 4)
+    down = "model.layers.0.mlp.down_proj"
+    idle = dict(fisher)
+    del idle[down]  # as if the router never sent a token to this linear
+    plain, weighted, fallback = (
+        SensitivityStage(SensitivityConfig(["int3_g32", "bf16"]), f) for f in (None, fisher, idle)
+    )
+    for stage in (plain, weighted, fallback):
+        compress_model(model, [stage], samples)
+    linear = dict(model.named_modules())[down]
+    delta = quantization_delta(linear, candidate("int3_g32"))
+    [plain_unit, weighted_unit, fallback_unit] = (
+        next(u for u in stage.units if u.names == [down]) for stage in (plain, weighted, fallback)
+    )
+    output_error = (delta @ _input_hessian(model, samples, down) * delta).sum(1)
+    assert plain_unit.cost["int3_g32"] == pytest.approx(float(output_error.sum()), rel=1e-4)
+    assert weighted_unit.cost["int3_g32"] == pytest.approx(float(0.5 * output_error @ fisher[down]), rel=1e-4)
+    layer = [fisher[name].mean() for name in fisher if name.startswith("model.layers.0.") and name != down]
+    mean = float(torch.stack(layer).mean())
+    assert fallback_unit.cost["int3_g32"] == pytest.approx(0.5 * mean * float(output_error.sum()), rel=1e-4)
+
+
+def _input_hessian(model, samples, name: str) -> torch.Tensor:
+    inputs = []
+    handle = dict(model.named_modules())[name].register_forward_hook(lambda m, args, out: inputs.append(args[0]))
+    with torch.no_grad():
+        model(samples)
+    handle.remove()
+    x = torch.cat(inputs).flatten(0, 1).double()
+    return (x.T @ x / len(x)).float()
 
 
 def test_mixed_checkpoint_loads_in_transformers_and_runs_in_the_engine(tmp_path):
