@@ -72,12 +72,13 @@ def run(config: RunConfig) -> RunResult | None:
             if uri is not None:
                 run_log = _open_run_log(config, uri, run_id, stages)
             report = _execute(config, stages, device, staging, timer)
-            report.update(run_id=run_id, wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb())
+            report.update(run_id=run_id)
             report["checkpoint"]["path"] = str(final / "checkpoint")
             if config.gate.enabled:
                 with timer.phase("gate"):
                     report["gate"] = _gate(config, staging, final, run_log)
-            report["timings_s"] = timer.seconds
+            report.update(wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb())
+            report.update(timings_s=timer.seconds, peak_rss_rise_mb=timer.peak_rise_mb)
             write_report(report, staging)
             if run_log is not None:
                 run_log.metrics(run_metrics(report))

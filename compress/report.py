@@ -19,18 +19,23 @@ def peak_rss_mb() -> float:
 
 
 class Timer:
-    """Wall time per named phase (load_model, compress, save, ...), summed over repeated phases."""
+    """Wall time per named phase (load_model, compress, save, ...), summed over repeated phases, and the phases
+    that raised the process's peak RSS (by how much): which step to shrink when a run does not fit."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.peak_rise_mb: dict[str, float] = {}
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
+        start, peak = time.perf_counter(), peak_rss_mb()
         try:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            rise = peak_rss_mb() - peak
+            if rise > 0:
+                self.peak_rise_mb[name] = self.peak_rise_mb.get(name, 0.0) + rise
 
 
 def run_metrics(report: dict) -> dict[str, float]:
@@ -77,6 +82,8 @@ def summary_lines(report: dict) -> list[str]:
         f"{ckpt['bits_per_weight']:.2f} stored bits/weight",
         f"wall time {report['wall_time_s']:.1f} s, peak RSS {report['peak_rss_mb']:.0f} MB; phases: "
         + ", ".join(f"{k} {v:.1f} s" for k, v in report["timings_s"].items()),
+        "peak RSS raised by: "
+        + (", ".join(f"{k} +{v:.0f} MB" for k, v in report.get("peak_rss_rise_mb", {}).items()) or "nothing measured"),
     ]
     return lines
 
