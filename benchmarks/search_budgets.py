@@ -71,8 +71,9 @@ def markdown(report: dict) -> str:
     ]
     for row in report["uniform"]:
         verdict = "pass" if row["passed"] else "BLOCK: " + "; ".join(row["reasons"])
+        copied = f" (from {row['copied_from']})" if "copied_from" in row else ""
         lines.append(
-            f"| uniform `{row['recipe']}` | {row['bits_per_weight']:.3f} | {row['size_mb']:.1f} | "
+            f"| uniform `{row['recipe']}`{copied} | {row['bits_per_weight']:.3f} | {row['size_mb']:.1f} | "
             f"{row['ppl_ratio']:.4f} | {verdict} |"
         )
     for budget, search in report["searches"].items():
@@ -100,6 +101,9 @@ def main() -> None:
     )
     parser.add_argument("--candidates", nargs="+", default=["int3_g64", "int4_g64", "int8", "bf16"])
     parser.add_argument("--overrides", nargs="*", default=[])
+    parser.add_argument(
+        "--uniform-from", type=Path, help="copy the uniform rows from this earlier search-budgets.json (same overrides)"
+    )
     parser.add_argument("--work", type=Path, default=ROOT / "artifacts" / "search-bench")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
@@ -120,7 +124,14 @@ def main() -> None:
         (args.results / "search-budgets.json").write_text(json.dumps(report, indent=2, default=str))
         (args.results / "search-budgets.md").write_text(markdown(report))
 
-    for recipe in ("gptq_int4", "awq_int4"):
+    if args.uniform_from:
+        earlier = json.loads(args.uniform_from.read_text())
+        if earlier["overrides"] != overrides:
+            raise SystemExit(f"{args.uniform_from} was measured with {earlier['overrides']}, not {overrides}")
+        report["uniform"] = [
+            {**row, "copied_from": f"{args.uniform_from.name} ({earlier['date']})"} for row in earlier["uniform"]
+        ]
+    for recipe in () if args.uniform_from else ("gptq_int4", "awq_int4"):
         report["uniform"].append(uniform_row(recipe, overrides, work / recipe))
         print(json.dumps(report["uniform"][-1]), flush=True)
         save()

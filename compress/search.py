@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -39,7 +40,8 @@ from compress.api import select_device, write_checkpoint
 from compress.compression import compress_model
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
-from compress.models import load, resolve_model_path
+from compress.models import load, materialize_all, resolve_model_path
+from compress.moe import unfuse_experts
 from compress.paths import artifacts_dir
 from compress.qlinear import Fp8Linear
 from compress.quant import fake_quantize
@@ -127,6 +129,7 @@ def output_fisher(
 
         return hook
 
+    materialize_all(model)  # a lazily loaded model's layers come off the meta device before it moves
     handles = [module.register_forward_hook(keep_gradient(name)) for name, module in linears.items()]
     flags = [parameter.requires_grad for parameter in model.parameters()]
     home = next(model.parameters()).device
@@ -188,9 +191,10 @@ class SensitivityStage(Stage):
             raise CompressError("sensitivity needs calibration inputs")
         targets = target_linears(ctx.layer, ctx.name, self.config.ignore)
         groups = input_groups(targets)
-        hessians = collect_hessians(ctx, [group[0] for group in groups], stop_at=None)
+        hessians = collect_hessians(ctx, [group[0] for group in groups], stop_at=None)  # experts: from all tokens
         dtype_bits = torch.finfo(ctx.dtype).bits
         siblings = [f"{ctx.name}.{name}" for name in targets]
+        units: dict[str, Unit] = {}  # one per input group, but one for all of a layer's experts (see _merged)
         for group in groups:
             linears = [targets[name] for name in group]
             hessian = hessians[group[0]]
@@ -215,7 +219,44 @@ class SensitivityStage(Stage):
                 )
                 bits[chosen.name] = sum(chosen.stored_bits(*linear.weight.shape, dtype_bits) for linear in linears)
             params = sum(linear.weight.numel() for linear in linears)
-            self.units.append(Unit([f"{ctx.name}.{name}" for name in group], params, bits, cost))
+            unit = Unit([f"{ctx.name}.{name}" for name in group], params, bits, cost)
+            key = EXPERTS.sub(".experts", group[0])
+            units[key] = _merged(units[key], unit) if key in units else unit
+        self.units.extend(units.values())
+
+
+EXPERTS = re.compile(r"\.experts\.\d+\..*$")
+
+
+def _merged(first: Unit, second: Unit) -> Unit:
+    """One unit of both: a layer's experts (gate, up and down of every expert) take one scheme, because transformers
+    and vLLM load them as one fused MoE module with one quantization scheme (a checkpoint whose experts' gate/up
+    and down differ loaded in transformers with logits 8% off ours)."""
+    schemes = [name for name in first.bits if name in second.bits]
+    return Unit(
+        first.names + second.names,
+        first.params + second.params,
+        {name: first.bits[name] + second.bits[name] for name in schemes},
+        {name: first.cost[name] + second.cost[name] for name in schemes},
+    )
+
+
+def measure_sensitivity(
+    model: nn.Module,
+    samples: torch.Tensor,
+    candidates: list[str],
+    ignore: list[str],
+    weighting: str,
+    device: torch.device,
+    batch_size: int,
+) -> list[Unit]:
+    """Every unit's predicted loss and stored bits under each candidate (the model's weights are left as they are;
+    MoE experts are unfused first, so each expert's own gradient and error count in its layer's expert units)."""
+    unfuse_experts(model)
+    fisher = output_fisher(model, samples, device, batch_size) if weighting == "fisher" else None
+    stage = SensitivityStage(SensitivityConfig(candidates, ignore), fisher)
+    compress_model(model, [stage], samples, device, batch_size)
+    return stage.units
 
 
 # --- allocation ----------------------------------------------------------------------------------------------------
@@ -405,14 +446,11 @@ def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchRe
     model, tokenizer = load(config.model)
     ids = tokenize(tokenizer, corpus.calibration_text)
     samples = calibration_samples(ids, config.data.num_samples, config.data.seq_len, config.seed)
-    fisher = (
-        output_fisher(model, samples, device, config.calibration_batch_size) if spec.weighting == "fisher" else None
-    )
-    ignore = list(quantizer.get("ignore", []))
-    sensitivity = SensitivityStage(SensitivityConfig([c.name for c in candidates], ignore), fisher)
-    compress_model(model, [sensitivity], samples, device, config.calibration_batch_size)
+    units = measure_sensitivity(
+        model, samples, [c.name for c in candidates], list(quantizer.get("ignore", [])), spec.weighting, device,
+        config.calibration_batch_size,
+    )  # fmt: skip
     del model
-    units = sensitivity.units
     frontier = Frontier(units, spec.budget_bits * sum(unit.params for unit in units))
     if not len(frontier):
         raise CompressError(budget_error(units, spec.budget_bits))

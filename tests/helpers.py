@@ -296,3 +296,15 @@ def build_tiny_moe(family: str, vocab_size: int = 320, seed: int = 0) -> torch.n
 def relative_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
     """‖logits − reference‖ / ‖reference‖: how far a compressed model's outputs moved."""
     return ((logits - reference).norm() / reference.norm()).item()
+
+
+def never_route_to(router, expert: int) -> None:
+    """Qwen3-MoE's routing with ``expert``'s logit at -inf: the router never picks it."""
+
+    def forward(hidden_states):
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, router.hidden_dim), router.weight)
+        logits[:, expert] = float("-inf")
+        top, indices = torch.topk(logits.softmax(-1), router.top_k, dim=-1)
+        return logits, top / top.sum(-1, keepdim=True), indices
+
+    router.forward = forward

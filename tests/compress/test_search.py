@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from helpers import build_tiny_llama, wide_init_model
+from helpers import build_tiny_llama, build_tiny_moe, never_route_to, wide_init_model
 from transformers import AutoModelForCausalLM
 
 from compress.__main__ import main
@@ -27,6 +27,7 @@ from compress.search import (
     SensitivityStage,
     Unit,
     allocate,
+    measure_sensitivity,
     next_point,
     output_fisher,
     quantization_delta,
@@ -141,6 +142,42 @@ def test_fisher_weights_each_output_error_and_a_linear_without_gradient_gets_its
     layer = [fisher[name].mean() for name in fisher if name.startswith("model.layers.0.") and name != down]
     mean = float(torch.stack(layer).mean())
     assert fallback_unit.cost["int3_g32"] == pytest.approx(0.5 * mean * float(output_error.sum()), rel=1e-4)
+
+
+def test_a_layers_experts_share_one_scheme_priced_by_each_experts_own_gradient(tmp_path):
+    """Qwen3-MoE as transformers builds it (fused 3-D experts). transformers and vLLM load a layer's experts as one
+    fused module with one scheme, so the allocation gives all of a layer's expert linears one scheme (a per-expert
+    or per-projection mix loaded in transformers with wrong logits). Each expert's error is weighted by its own
+    gradient; expert 3, which the router never picks, by its layer's mean."""
+    model = build_tiny_moe("qwen3_moe")
+    for layer in model.model.layers:
+        never_route_to(layer.mlp.gate, 3)
+    samples = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(0))
+    candidates = ["int4_g32", "int8", "bf16"]
+    units = measure_sensitivity(model, samples, candidates, [], "fisher", torch.device("cpu"), 4)
+    experts = model.config.num_experts
+    for index in range(model.config.num_hidden_layers):
+        prefix = f"model.layers.{index}.mlp.experts"
+        [names] = [unit.names for unit in units if unit.names[0].startswith(prefix)]
+        gate_up = [f"{prefix}.{e}.{p}_proj" for e in range(experts) for p in ("gate", "up")]
+        assert names == gate_up + [f"{prefix}.{e}.down_proj" for e in range(experts)]
+    fisher = output_fisher(model, samples, torch.device("cpu"), 4)
+    assert "model.layers.0.mlp.experts.2.down_proj" in fisher and "model.layers.0.mlp.experts.3.down_proj" not in fisher
+    layer_mean_only = SensitivityStage(
+        SensitivityConfig(candidates), {name: f for name, f in fisher.items() if ".experts." not in name}
+    )
+    compress_model(model, [layer_mean_only], samples)
+    expert_cost = [unit.cost["int4_g32"] for unit in units if ".experts." in unit.names[0]]
+    fallback_cost = [unit.cost["int4_g32"] for unit in layer_mean_only.units if ".experts." in unit.names[0]]
+    assert all(abs(a - b) > 1e-3 * b for a, b in zip(expert_cost, fallback_cost, strict=True))
+    allocation = allocate(units, 6.0)
+    compress_model(model, [{"type": "mixed", "method": "gptq", "schemes": allocation.per_module(units)}], samples)
+    save_checkpoint(model, None, tmp_path / "ckpt")
+    with torch.no_grad():  # both loaders route to expert 3 again (the patch was ours)
+        ours = load_checkpoint(tmp_path / "ckpt")[0](samples).logits
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")(samples).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+    assert len(allocation.counts()) == 2
 
 
 def _input_hessian(model, samples, name: str) -> torch.Tensor:

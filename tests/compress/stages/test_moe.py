@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import MOE_FAMILIES, build_tiny_deepseek_v3, build_tiny_moe, relative_error
+from helpers import MOE_FAMILIES, build_tiny_deepseek_v3, build_tiny_moe, never_route_to, relative_error
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
 
@@ -177,24 +177,12 @@ def test_awq_scale_folding_through_experts_and_router_leaves_the_float_model_unc
     assert relative_error(_logits(model), reference) < 1e-5
 
 
-def _never_route_to(router, expert: int) -> None:
-    """Qwen3-MoE's routing with ``expert``'s logit at -inf: the router never picks it."""
-
-    def forward(hidden_states):
-        logits = torch.nn.functional.linear(hidden_states.reshape(-1, router.hidden_dim), router.weight)
-        logits[:, expert] = float("-inf")
-        top, indices = torch.topk(logits.softmax(-1), router.top_k, dim=-1)
-        return logits, top / top.sum(-1, keepdim=True), indices
-
-    router.forward = forward
-
-
 def test_every_expert_is_calibrated_and_the_report_names_the_ones_never_routed():
     """The router never picks expert 3: its statistics still cover every calibration token (GPTQ quantizes it from
     a real Hessian, not from nothing), and the summary names it as never routed."""
     model = build_tiny_moe("qwen3_moe", VOCAB)
     for layer in model.model.layers:
-        _never_route_to(layer.mlp.gate, 3)
+        never_route_to(layer.mlp.gate, 3)
     [summary] = compress_model(model, [{"type": "gptq", "group_size": 32}], SAMPLES, CPU, batch_size=4)
     tokens = SAMPLES.numel()
     for index in range(LAYERS):
