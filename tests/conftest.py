@@ -29,6 +29,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def empty_mlflow_db(tmp_path_factory) -> Path:
+    """An MLflow sqlite store with its tables made, to copy where a test needs a store but not its creation: MLflow
+    runs its schema migrations (seconds) for every new store. Never written to: copy it."""
+    from mlflow import MlflowClient
+
+    database = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{database}").search_experiments()
+    return database
+
+
 @pytest.fixture
 def artifacts(tmp_path, monkeypatch) -> Path:
     """Isolated artifacts dir and MLflow store for one test."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,8 @@ def checkpoints(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(autouse=True)
-def isolated_store(tmp_path, monkeypatch):
+def isolated_store(tmp_path, monkeypatch, empty_mlflow_db):
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
     monkeypatch.setenv("COMPRESS_ARTIFACTS", str(tmp_path / "artifacts"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
 
