@@ -1,6 +1,7 @@
 """Shared test setup. TRITON_INTERPRET must be set before any kernel module is imported."""
 
 import os
+import shutil
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -46,3 +47,12 @@ def artifacts(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("COMPRESS_ARTIFACTS", str(tmp_path / "artifacts"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return tmp_path / "artifacts"
+
+
+@pytest.fixture
+def default_mlflow_store(artifacts, empty_mlflow_db) -> Path:
+    """``artifacts`` with its default MLflow store made already, as runs after a machine's first find it (test_cli's
+    first run makes one)."""
+    artifacts.mkdir(parents=True)
+    shutil.copy(empty_mlflow_db, artifacts / "mlflow.db")
+    return artifacts / "mlflow.db"

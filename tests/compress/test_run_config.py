@@ -6,6 +6,7 @@ own would cost more than each check; test_lifecycle runs ``python -m compress ru
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -256,11 +257,13 @@ def test_generate_bad_arguments_are_one_line(tiny_model_dir, tmp_path, arguments
 
 
 def test_blocked_gate_ends_green_unless_enforced_and_the_gate_command_still_fails(
-    tiny_model_dir, tmp_path, compress_cli
+    tiny_model_dir, tmp_path, compress_cli, empty_mlflow_db
 ):
     """`make run`'s first command must end green: the block is reported, the exit code is 0; the `gate` command
     (what CI calls) exits 1 on the same block."""
     artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    shutil.copy(empty_mlflow_db, artifacts / "mlflow.db")  # the gate command's default store (making one: test_cli)
     result = compress_cli(
         "run", "recipe=rtn_int4", f"model={tiny_model_dir}", *TINY_RUN, *BLOCKING_GATE, artifacts=artifacts
     )

@@ -265,6 +265,7 @@ def test_weights_no_stage_knows_are_refused_in_one_line_before_any_work(build, m
     assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
 
 
+@pytest.mark.usefixtures("default_mlflow_store")
 def test_run_rtn_int4_on_qwen3_moe_quantizes_every_expert_and_writes_vllm_names(tmp_path, artifacts):
     """The issue's command, end to end through the CLI: on main it exited 0 with 8 quantized linears."""
     from helpers import build_tiny_tokenizer
