@@ -1,4 +1,5 @@
-"""Shared test setup. TRITON_INTERPRET must be set before any kernel module is imported."""
+"""Shared test setup. TRITON_INTERPRET must be set before any kernel module is imported, OMP_NUM_THREADS before
+torch is."""
 
 import os
 import shutil
@@ -6,6 +7,10 @@ import shutil
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread, here and in the commands the tests start: the tiny models make thousands of tiny ops, where a
+# second thread's synchronisation costs more than the op (a tiny GPTQ + AWQ run: 22 s with two threads on a busy
+# 2-core box, 0.8 s with one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pathlib import Path  # noqa: E402
 

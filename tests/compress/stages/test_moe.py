@@ -17,7 +17,6 @@ from compress.moe import UnfusedExperts, unfuse_experts
 from compress.qlinear import Fp8Linear, Int8Linear, QuantizedLinear
 from compress.sparsity import mask_of
 from compress.stages import LayerContext, build_chain
-from compress.stages.hessian import one_thread as single_thread
 from compress.stages.mappings import layer_mappings, previous_width
 
 CPU = torch.device("cpu")
@@ -36,12 +35,6 @@ CHAINS = {
     "sparsegpt": ([{"type": "sparsegpt"}], 0.8, torch.nn.Linear),
     "wanda": ([{"type": "wanda"}], 0.8, torch.nn.Linear),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    with single_thread():
-        yield
 
 
 def _logits(model, tokens=TOKENS) -> torch.Tensor:
