@@ -42,7 +42,7 @@ def label_staging(folder: Path, pid: int, host: str | None = None) -> Path:
 
 
 def run_statuses(database: Path) -> list[str]:
-    """Read straight from sqlite: the run under test owns the store and may be migrating it."""
+    """Read straight from sqlite: the run under test owns the store."""
     try:
         connection = sqlite3.connect(database, timeout=1)
         try:
