@@ -1,10 +1,16 @@
-"""Shared test setup. TRITON_INTERPRET must be set before any kernel module is imported."""
+"""Shared test setup. TRITON_INTERPRET must be set before any kernel module is imported, OMP_NUM_THREADS before
+torch is."""
 
 import os
+import shutil
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread, here and in the commands the tests start: the tiny models make thousands of tiny ops, where a
+# second thread's synchronisation costs more than the op (a tiny GPTQ + AWQ run: 22 s with two threads on a busy
+# 2-core box, 0.8 s with one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pathlib import Path  # noqa: E402
 
@@ -29,9 +35,29 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def empty_mlflow_db(tmp_path_factory) -> Path:
+    """An MLflow sqlite store with its tables made, to copy where a test needs a store but not its creation: MLflow
+    runs its schema migrations (seconds) for every new store. Never written to: copy it."""
+    from mlflow import MlflowClient
+
+    database = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{database}").search_experiments()
+    return database
+
+
 @pytest.fixture
 def artifacts(tmp_path, monkeypatch) -> Path:
     """Isolated artifacts dir and MLflow store for one test."""
     monkeypatch.setenv("COMPRESS_ARTIFACTS", str(tmp_path / "artifacts"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return tmp_path / "artifacts"
+
+
+@pytest.fixture
+def default_mlflow_store(artifacts, empty_mlflow_db) -> Path:
+    """``artifacts`` with its default MLflow store made already, as runs after a machine's first find it (test_cli's
+    first run makes one)."""
+    artifacts.mkdir(parents=True)
+    shutil.copy(empty_mlflow_db, artifacts / "mlflow.db")
+    return artifacts / "mlflow.db"

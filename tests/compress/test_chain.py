@@ -29,6 +29,7 @@ def _two_of_four(weight: torch.Tensor) -> bool:
     return bool(((weight.reshape(weight.shape[0], -1, 4) != 0).sum(-1) <= 2).all())
 
 
+@pytest.mark.usefixtures("default_mlflow_store")
 def test_full_chain_is_one_command(tiny_model_dir, artifacts, tmp_path):
     adapter = _random_adapter(tmp_path / "adapter", tiny_model_dir)
     args = [

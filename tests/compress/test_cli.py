@@ -83,6 +83,7 @@ def test_bad_input_gives_one_clear_error_and_no_output(args, message, artifacts,
     assert not (artifacts / "runs").exists() or not any((artifacts / "runs").iterdir())
 
 
+@pytest.mark.usefixtures("default_mlflow_store")
 def test_empty_calibration_text_fails_cleanly(tiny_model_dir, artifacts, tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
@@ -91,12 +92,14 @@ def test_empty_calibration_text_fails_cleanly(tiny_model_dir, artifacts, tmp_pat
     assert [p for p in (artifacts / "runs").iterdir()] == []  # the staging folder is gone too
 
 
+@pytest.mark.usefixtures("default_mlflow_store")
 def test_unknown_dataset_fails_before_the_model_loads(artifacts, capsys):
     assert main(["run", "recipe=rtn_int4", "data=no-such-dataset", *FAST]) == 1
     assert "cannot load dataset 'no-such-dataset'" in capsys.readouterr().err
     assert not (artifacts / "models").exists()  # the default model was never converted for a doomed run
 
 
+@pytest.mark.usefixtures("default_mlflow_store")
 def test_corrupt_model_weights_fail_cleanly(tiny_model_dir, artifacts, tmp_path, capsys):
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -108,6 +111,7 @@ def test_corrupt_model_weights_fail_cleanly(tiny_model_dir, artifacts, tmp_path,
     assert [p for p in (artifacts / "runs").iterdir()] == []
 
 
+@pytest.mark.usefixtures("default_mlflow_store")
 @pytest.mark.parametrize(("max_ratio", "enforce", "code"), [(100.0, True, 0), (0.5, False, 0), (0.5, True, 1)])
 def test_run_ends_with_the_release_gate(tiny_model_dir, artifacts, max_ratio, enforce, code):
     """A block fails the command only with gate.enforce=true; the report records the verdict either way."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from compress.commands import compare
@@ -9,7 +11,8 @@ from compress.tracking import RunLog, experiment_id, tracking_uri
 
 
 @pytest.fixture
-def store(tmp_path, monkeypatch):
+def store(tmp_path, monkeypatch, empty_mlflow_db):
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
     monkeypatch.setenv("COMPRESS_ARTIFACTS", str(tmp_path / "artifacts"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     gate = RunLog(tracking_uri(), "compress", None, tags={"compress.kind": "gate"})

@@ -42,7 +42,7 @@ def label_staging(folder: Path, pid: int, host: str | None = None) -> Path:
 
 
 def run_statuses(database: Path) -> list[str]:
-    """Read straight from sqlite: the run under test owns the store and may be migrating it."""
+    """Read straight from sqlite: the run under test owns the store."""
     try:
         connection = sqlite3.connect(database, timeout=1)
         try:
@@ -59,8 +59,10 @@ def cli_env(artifacts: Path) -> dict[str, str]:
     return env
 
 
-def test_sigterm_removes_the_staging_folder_and_marks_the_run_killed(tiny_model_dir, tmp_path):
+def test_sigterm_removes_the_staging_folder_and_marks_the_run_killed(tiny_model_dir, tmp_path, empty_mlflow_db):
     artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    shutil.copy(empty_mlflow_db, artifacts / "mlflow.db")
     command = [
         sys.executable,
         "-m",
@@ -103,8 +105,9 @@ def test_stale_staging_folders_of_dead_processes_are_swept(tmp_path):
     assert sorted(runs.iterdir()) == sorted([live, elsewhere, unlabelled, finished])
 
 
-def test_running_mlflow_runs_of_dead_processes_are_marked_killed(tmp_path, monkeypatch):
+def test_running_mlflow_runs_of_dead_processes_are_marked_killed(tmp_path, monkeypatch, empty_mlflow_db):
     monkeypatch.setenv("COMPRESS_ARTIFACTS", str(tmp_path / "artifacts"))
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     first = RunLog(uri, "compress", "alive", tags={})  # this process: alive
     host = socket.gethostname()
@@ -117,12 +120,13 @@ def test_running_mlflow_runs_of_dead_processes_are_marked_killed(tmp_path, monke
     assert "killed" in first.client.get_run(orphan).data.tags["compress.error"]
 
 
-def test_the_gate_logs_and_registers_into_the_runs_own_store(tiny_model_dir, artifacts, tmp_path):
+def test_the_gate_logs_and_registers_into_the_runs_own_store(tiny_model_dir, artifacts, tmp_path, empty_mlflow_db):
     """tracking.uri is honoured by the gate too (it used to log to the default store: "Run ... not found"), the
     registry version is the logged checkpoint (runs:/<run>/checkpoint), and a run sweeps what SIGKILL left."""
     import mlflow
     from mlflow import MlflowClient
 
+    shutil.copy(empty_mlflow_db, tmp_path / "custom.db")
     store = f"sqlite:///{tmp_path / 'custom.db'}"
     runs = tmp_path / "runs"
     stale = label_staging(runs / ".20260101-000000-rtn_int4-eeeeee-x4", dead_pid())
@@ -188,11 +192,9 @@ def test_a_blocked_run_states_the_reason_in_one_line(tiny_model_dir, artifacts, 
 
 STORAGE_DRIVER = """
 import contextlib, io, json, logging, os, subprocess, sys, time
-from mlflow import MlflowClient
 
 ro, full, work = sys.argv[1:4]
-MlflowClient(tracking_uri=f"sqlite:///{work}/store/mlflow.db").search_experiments()  # a real MLflow store ...
-subprocess.run(["mount", "--bind", f"{work}/store", ro], check=True)
+subprocess.run(["mount", "--bind", f"{work}/store", ro], check=True)  # a real MLflow store ...
 subprocess.run(["mount", "-o", "remount,bind,ro", ro], check=True)  # ... seen through a read-only mount
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", full], check=True)  # room for less than the model
 logging.basicConfig(stream=sys.__stderr__)
@@ -218,12 +220,14 @@ print("RESULTS" + json.dumps(results))
 """
 
 
-def test_unwritable_storage_fails_fast_in_one_line_without_leftovers(tiny_model_dir, tmp_path):
+def test_unwritable_storage_fails_fast_in_one_line_without_leftovers(tiny_model_dir, tmp_path, empty_mlflow_db):
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
         pytest.skip("needs a user and mount namespace (unshare -rm) for real read-only and full file systems")
     ro, full, work = tmp_path / "ro", tmp_path / "full", tmp_path / "work"
-    for folder in (ro, full, work / "store"):
+    for folder in (ro, full, work / "store", tmp_path / "artifacts"):
         folder.mkdir(parents=True)
+    shutil.copy(empty_mlflow_db, work / "store" / "mlflow.db")  # the store the read-only mount shows
+    shutil.copy(empty_mlflow_db, tmp_path / "artifacts" / "mlflow.db")  # the default store of the disk_full run
     arguments = json.dumps([f"model={tiny_model_dir}", *SMALL, "gate=none", "eval.perplexity=false"])
     completed = subprocess.run(
         ["unshare", "-rm", sys.executable, "-c", STORAGE_DRIVER, str(ro), str(full), str(work), arguments],

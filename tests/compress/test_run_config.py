@@ -1,14 +1,20 @@
 """The `run` command's configuration through the real CLI: one schema checked before any work, one error line,
-no traceback, nothing left behind; the release gate's exit code; sweeps that run every job."""
+no traceback, nothing left behind; the release gate's exit code; sweeps that run every job.
+
+The commands run in this process (``compress.__main__.main``, what ``python -m compress`` calls): a process of its
+own would cost more than each check; test_lifecycle runs ``python -m compress run`` as a real process."""
 
 import json
-import os
+import logging
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from compress.__main__ import main
 from compress.config import build_run_config, check_evaluation_length
 from compress.errors import CompressError
 
@@ -31,12 +37,26 @@ BLOCKING_GATE = [
 ]
 
 
-def compress_cli(*args: str, artifacts: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COMPRESS_ARTIFACTS": str(artifacts), "HF_HUB_OFFLINE": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.run(
-        [sys.executable, "-m", "compress", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
+@pytest.fixture
+def compress_cli(monkeypatch, capfd) -> Callable[..., subprocess.CompletedProcess]:
+    """``python -m compress <args>`` with ``$COMPRESS_ARTIFACTS=artifacts``: its exit code and what it wrote to
+    stdout and stderr (log records included, as the command's own ``basicConfig`` handler would write them)."""
+
+    def run(*args: str, artifacts: Path) -> subprocess.CompletedProcess:
+        monkeypatch.setenv("COMPRESS_ARTIFACTS", str(artifacts))
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        monkeypatch.chdir(REPO)
+        capfd.readouterr()
+        handler = logging.StreamHandler(sys.stderr)  # pytest's handlers on the root logger make basicConfig a no-op
+        logging.getLogger().addHandler(handler)
+        try:
+            code = main(list(args))
+        finally:
+            logging.getLogger().removeHandler(handler)
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out, err)
+
+    return run
 
 
 def assert_one_error_line(result: subprocess.CompletedProcess, message: str) -> None:
@@ -110,7 +130,7 @@ def tiny_config(tiny_model_dir: Path, **sections) -> dict:
         (["device=gpu"], "device='gpu' is unknown; use auto, cpu, cuda or cuda:N"),
     ],
 )
-def test_bad_configuration_fails_in_the_first_check(tiny_model_dir, tmp_path, overrides, message):
+def test_bad_configuration_fails_in_the_first_check(tiny_model_dir, tmp_path, overrides, message, compress_cli):
     artifacts = tmp_path / "artifacts"
     result = compress_cli(
         "run", "recipe=rtn_int4", f"model={tiny_model_dir}", *TINY_RUN, *overrides, artifacts=artifacts
@@ -156,7 +176,7 @@ def test_a_valid_configuration_passes(tiny_model_dir):
     assert config.output.save_dtype == "bfloat16" and config.stages[0]["bits"] == 4
 
 
-def test_unwritable_output_dir_fails_before_work(tiny_model_dir, tmp_path):
+def test_unwritable_output_dir_fails_before_work(tiny_model_dir, tmp_path, compress_cli):
     not_a_folder = tmp_path / "a-file"
     not_a_folder.write_text("")
     result = compress_cli(
@@ -171,7 +191,7 @@ def test_unwritable_output_dir_fails_before_work(tiny_model_dir, tmp_path):
     assert not (tmp_path / "artifacts").exists()
 
 
-def test_every_job_of_a_sweep_is_checked_before_the_first_starts(tiny_model_dir, tmp_path):
+def test_every_job_of_a_sweep_is_checked_before_the_first_starts(tiny_model_dir, tmp_path, compress_cli):
     artifacts = tmp_path / "artifacts"
     result = compress_cli(
         "run",
@@ -187,7 +207,7 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_starts(tiny_model_dir,
     assert not artifacts.exists()  # job 0 was valid, yet it did not run
 
 
-def test_non_utf8_data_file_is_one_line(tiny_model_dir, bad_utf8_file, tmp_path):
+def test_non_utf8_data_file_is_one_line(tiny_model_dir, bad_utf8_file, tmp_path, compress_cli):
     artifacts = tmp_path / "artifacts"
     result = compress_cli(
         "run",
@@ -203,7 +223,7 @@ def test_non_utf8_data_file_is_one_line(tiny_model_dir, bad_utf8_file, tmp_path)
     assert leftovers(artifacts) == []
 
 
-def test_model_with_its_own_code_names_our_key(remote_code_model, tmp_path):
+def test_model_with_its_own_code_names_our_key(remote_code_model, tmp_path, compress_cli):
     artifacts = tmp_path / "artifacts"
     result = compress_cli(
         "run", "recipe=rtn_int4", f"model={remote_code_model}", *TINY_RUN, "gate=none", artifacts=artifacts
@@ -226,7 +246,7 @@ def test_model_with_its_own_code_names_our_key(remote_code_model, tmp_path):
         (["prompt=hi", "max_tokens=5000"], "exceeds max_model_len=512", 1),
     ],
 )
-def test_generate_bad_arguments_are_one_line(tiny_model_dir, tmp_path, arguments, message, code):
+def test_generate_bad_arguments_are_one_line(tiny_model_dir, tmp_path, arguments, message, code, compress_cli):
     if not any(argument.startswith("checkpoint=") for argument in arguments) and "missing" not in message:
         arguments = [*arguments, f"checkpoint={tiny_model_dir}"]
     result = compress_cli("generate", *arguments, artifacts=tmp_path / "artifacts")
@@ -236,10 +256,14 @@ def test_generate_bad_arguments_are_one_line(tiny_model_dir, tmp_path, arguments
     assert "Traceback" not in result.stderr
 
 
-def test_blocked_gate_ends_green_unless_enforced_and_the_gate_command_still_fails(tiny_model_dir, tmp_path):
+def test_blocked_gate_ends_green_unless_enforced_and_the_gate_command_still_fails(
+    tiny_model_dir, tmp_path, compress_cli, empty_mlflow_db
+):
     """`make run`'s first command must end green: the block is reported, the exit code is 0; the `gate` command
     (what CI calls) exits 1 on the same block."""
     artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    shutil.copy(empty_mlflow_db, artifacts / "mlflow.db")  # the gate command's default store (making one: test_cli)
     result = compress_cli(
         "run", "recipe=rtn_int4", f"model={tiny_model_dir}", *TINY_RUN, *BLOCKING_GATE, artifacts=artifacts
     )
@@ -263,7 +287,7 @@ def test_blocked_gate_ends_green_unless_enforced_and_the_gate_command_still_fail
     assert "gate BLOCKED" in gate.stdout
 
 
-def test_sweep_runs_every_job_and_fails_at_the_end_when_an_enforced_gate_blocks(tiny_model_dir, tmp_path):
+def test_sweep_runs_every_job_and_fails_at_the_end_when_an_enforced_gate_blocks(tiny_model_dir, tmp_path, compress_cli):
     artifacts = tmp_path / "artifacts"
     result = compress_cli(
         "run",

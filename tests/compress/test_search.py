@@ -238,6 +238,7 @@ def test_mixed_checkpoint_loads_in_transformers_and_runs_in_the_engine(tmp_path)
         assert output.token_ids == expected[0, len(prompt) :].tolist()
 
 
+@pytest.mark.usefixtures("default_mlflow_store")
 def test_the_closed_loop_raises_precision_after_a_block_and_the_gate_agrees(tiny_model_dir, artifacts):
     """All-int3 moves perplexity; the gate allows none (max_ratio=1): the search must climb the frontier to a pass."""
     overrides = [f"model={tiny_model_dir}", *SMALL, *PERPLEXITY_GATE, "gate.perplexity.max_ratio=1.0"]
@@ -257,6 +258,7 @@ def test_the_closed_loop_raises_precision_after_a_block_and_the_gate_agrees(tiny
     )
 
 
+@pytest.mark.usefixtures("default_mlflow_store")
 def test_an_impossible_budget_stops_in_one_line_with_exit_1_and_every_trial_recorded(tiny_model_dir, artifacts, capsys):
     from mlflow import MlflowClient
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,12 @@ def checkpoints(tmp_path_factory, tokenizer):
         "base": save(tiny_model_for(tokenizer), tokenizer, root / "base"),
         "broken": save(scale_by_noise(tiny_model_for(tokenizer)), tokenizer, root / "broken"),
     }
+
+
+@pytest.fixture
+def made_store(tmp_path, empty_mlflow_db):
+    """The test's store made already: the first test's gate makes its own, the others need not pay MLflow for it."""
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
 
 
 @pytest.fixture(autouse=True)
@@ -88,6 +95,7 @@ def test_unchanged_model_passes_against_itself_and_is_registered(checkpoints, tm
     )
 
 
+@pytest.mark.usefixtures("made_store")
 def test_broken_checkpoint_is_blocked_by_the_perplexity_layer(checkpoints, tmp_path):
     out = tmp_path / "gate"
     code = gate_command.main(
@@ -143,6 +151,7 @@ def test_unknown_policy_key_is_a_usage_error(checkpoints, capsys):
     assert "max_ratoi" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("made_store")
 def test_disabled_gate_checks_nothing(checkpoints, tmp_path):
     code = gate_command.main(
         [f"checkpoint={checkpoints['base']}", f"baseline={checkpoints['base']}", "gate=none", f"out={tmp_path}"]
@@ -152,6 +161,7 @@ def test_disabled_gate_checks_nothing(checkpoints, tmp_path):
     assert client().search_registered_models() == []  # "nothing is checked and nothing is registered"
 
 
+@pytest.mark.usefixtures("made_store")
 @pytest.mark.parametrize(
     "layers",
     [["gate.layers=[]"], ["gate.layers=[perplexity,json]", "gate.perplexity.enabled=false", "gate.json.enabled=false"]],
@@ -172,6 +182,7 @@ def test_a_gate_that_ran_no_check_blocks(checkpoints, tmp_path, layers):
     assert client().search_registered_models() == []
 
 
+@pytest.mark.usefixtures("made_store")
 def test_a_gate_whose_limits_are_all_null_blocks(checkpoints, tmp_path):
     code = gate_command.main(
         [

@@ -16,7 +16,6 @@ from compress.compression import compress_model
 from compress.errors import CompressError
 from compress.qlinear import QuantizedLinear
 from compress.stages import LayerContext, build_chain
-from compress.stages.hessian import one_thread as single_thread
 from compress.stages.lora import read_adapter, save_adapter
 from compress.stages.mappings import previous_width
 from tests.compress.stages.test_lora import _merge, _random_factors, _unmerged_logits
@@ -44,14 +43,6 @@ CHAINS = {
     "magnitude": ([{"type": "magnitude_prune"}], PRUNED),
     "distill": ([{"type": "magnitude_prune"}, {"type": "distill", "steps": 2, "seq_len": 16, "held_out": 1}], PRUNED),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: a second thread's synchronisation costs more than each op (GPTQ's column loop: 25x slower with two
-    threads on a busy 2-core box), and the matrix must stay within a minute on one core."""
-    with single_thread():
-        yield
 
 
 def _logits(model, tokens=TOKENS) -> torch.Tensor:

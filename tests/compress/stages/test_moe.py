@@ -17,7 +17,6 @@ from compress.moe import UnfusedExperts, unfuse_experts
 from compress.qlinear import Fp8Linear, Int8Linear, QuantizedLinear
 from compress.sparsity import mask_of
 from compress.stages import LayerContext, build_chain
-from compress.stages.hessian import one_thread as single_thread
 from compress.stages.mappings import layer_mappings, previous_width
 
 CPU = torch.device("cpu")
@@ -36,12 +35,6 @@ CHAINS = {
     "sparsegpt": ([{"type": "sparsegpt"}], 0.8, torch.nn.Linear),
     "wanda": ([{"type": "wanda"}], 0.8, torch.nn.Linear),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    with single_thread():
-        yield
 
 
 def _logits(model, tokens=TOKENS) -> torch.Tensor:
@@ -253,6 +246,7 @@ def test_weights_no_stage_knows_are_refused_in_one_line_before_any_work(build, m
     assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
 
 
+@pytest.mark.usefixtures("default_mlflow_store")
 def test_run_rtn_int4_on_qwen3_moe_quantizes_every_expert_and_writes_vllm_names(tmp_path, artifacts):
     """The issue's command, end to end through the CLI: on main it exited 0 with 8 quantized linears."""
     from helpers import build_tiny_tokenizer
