@@ -14,8 +14,9 @@
    measured failure: log(ppl ratio) is taken as proportional to the predicted error, so the next point is the
    smallest whose predicted error meets ``margin`` × the gate's limit (halfway to the budget when the failure is not
    perplexity). Moving along the frontier raises precision where it removes the most error per extra bit. After a
-   pass, points between the largest block and the smallest pass are bisected while trials remain. Every trial is an
-   MLflow child run; the result names the smallest passing checkpoint, or the limit that stopped the search.
+   pass, points between the largest block (or the frontier's start) and the smallest pass are bisected while trials
+   remain. Every trial is an MLflow child run; the result names the smallest passing checkpoint, or the limit that
+   stopped the search.
 
 Bits are counted as the checkpoint stores them (packed codes + scales in the model's dtype; unquantized linears at
 the dtype's width) over every linear but the output head: the same number as ``size.json``'s
@@ -371,13 +372,11 @@ def next_point(frontier: Frontier, trials: list[Trial], spec: SearchSpec, max_ra
     if passed:
         best = min(passed, key=lambda t: t.point)
         below = [t.point for t in blocked if t.point < best.point]
-        if not below:
-            return "passed"
-        low = max(below)
-        gap = frontier.bits_per_weight(best.point) - frontier.bits_per_weight(low)
+        low = max(below) if below else -1  # no block below: the frontier's smallest point is still untried
+        gap = frontier.bits_per_weight(best.point) - frontier.bits_per_weight(max(low, 0))
         if best.point - low < 2 or gap <= spec.tolerance_bits:
             return "passed"
-        middle = (frontier.bits[low] + frontier.bits[best.point]) / 2
+        middle = (frontier.bits[max(low, 0)] + frontier.bits[best.point]) / 2
         return int(min(max(np.searchsorted(frontier.bits, middle), low + 1), best.point - 1))
     worst = max(blocked, key=lambda t: t.point)
     if worst.point >= last:

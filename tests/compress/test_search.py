@@ -311,3 +311,6 @@ def test_next_point_follows_the_measured_failure():
     assert next_point(frontier, [trial(len(frontier) - 1, False, 1.2)], spec, 1.1) == "budget"
     middle = next_point(frontier, [trial(0, False, 1.2), trial(len(frontier) - 1, True, 1.0)], spec, 1.1)
     assert 0 < middle < len(frontier) - 1  # bisect between the largest block and the smallest pass
+    first_pass = next_point(frontier, [trial(len(frontier) - 1, True, 1.0)], spec, 1.1)
+    assert 0 <= first_pass < len(frontier) - 1  # a first trial that passes: look smaller, no block needed below
+    assert next_point(frontier, [trial(0, True, 1.0)], spec, 1.1) == "passed"
