@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from compress.errors import CompressError
+from compress.errors import CompressError, interruption
 from compress.tracking import process_alive
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,9 @@ def sigterm_as_interrupt() -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
-    except Terminated:
+    except BaseException as error:
+        if not isinstance(interruption(error), Terminated):
+            raise
         signal.signal(signal.SIGTERM, previous)
         if previous == signal.SIG_DFL:  # nobody else wants it: exit as killed by SIGTERM, without a traceback
             os.kill(os.getpid(), signal.SIGTERM)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from compress.errors import CompressError
+from compress.errors import CompressError, interruption
 from compress.paths import artifacts_dir
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class RunLog:
         """Record why the run ended (KILLED for Ctrl-C and SIGTERM); never hide ``error`` behind a tracking failure."""
         try:
             self.tag("compress.error", (str(error) or type(error).__name__)[:4000])
-            self.finish("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+            self.finish("KILLED" if interruption(error) else "FAILED")
         except Exception as tracking_error:
             log.warning("could not mark MLflow run %s as failed: %s", self.run_id, tracking_error)
 
