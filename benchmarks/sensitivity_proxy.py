@@ -32,15 +32,7 @@ from compress.data import DataSpec, calibration_samples, load_corpus, tokenize  
 from compress.models import ModelSpec, load, materialize_all  # noqa: E402
 from compress.search import SensitivityConfig, SensitivityStage, output_fisher, quantization_delta  # noqa: E402
 from compress.stages.mixed import candidate  # noqa: E402
-
-
-@torch.no_grad()
-def mean_loss(model: torch.nn.Module, windows: torch.Tensor) -> float:
-    total = 0.0
-    for window in windows.split(4):
-        logits = model(window, use_cache=False).logits[:, :-1].float()
-        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten(), reduction="sum")
-    return float(total) / (windows.shape[0] * (windows.shape[1] - 1))
+from evals.perplexity import perplexity  # noqa: E402
 
 
 def main() -> None:
@@ -65,7 +57,11 @@ def main() -> None:
         stage = SensitivityStage(SensitivityConfig([args.scheme, "bf16"]), weights)
         compress_model(copy.deepcopy(model), [stage], calibration)
         proxies[label] = stage.units
-    base = mean_loss(model, held_out)
+
+    def mean_loss() -> float:  # the perplexity protocol's mean NLL on exactly these windows
+        return perplexity(model, held_out.flatten(), args.seq_len, progress=False).mean_nll
+
+    base = mean_loss()
     chosen = candidate(args.scheme)
     modules = dict(model.named_modules())
     picked = [
@@ -79,7 +75,7 @@ def main() -> None:
         originals = [modules[name].weight.detach().clone() for name in unit.names]
         for name in unit.names:
             modules[name].weight.data += quantization_delta(modules[name], chosen)
-        measured.append(mean_loss(model, held_out) - base)
+        measured.append(mean_loss() - base)
         for name, original in zip(unit.names, originals, strict=True):
             modules[name].weight.data.copy_(original)
         print(f"{number + 1}/{len(proxies['plain'])} {unit.names[0]}: Δloss {measured[-1]:+.5f}", flush=True)

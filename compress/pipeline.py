@@ -77,8 +77,10 @@ def run(config: RunConfig) -> RunResult | None:
             if config.gate.enabled:
                 with timer.phase("gate"):
                     report["gate"] = _gate(config, staging, final, run_log)
-            report.update(wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb())
-            report.update(timings_s=timer.seconds, peak_rss_rise_mb=timer.peak_rise_mb)
+            report.update(
+                wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb(), timings_s=timer.seconds,
+                peak_rss_rise_mb=timer.peak_rise_mb,
+            )  # fmt: skip
             write_report(report, staging)
             if run_log is not None:
                 run_log.metrics(run_metrics(report))

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CANDIDATES = ["int3_g64", "int4_g64", "int8", "fp8", "bf16"]
 WEIGHTINGS = ("fisher", "none")
+EXPERTS = re.compile(r"\.experts\.\d+\..*$")  # a linear of one expert: its layer's experts form one unit
 SEARCHABLE = ("rtn", "gptq")  # base-recipe weight quantizers whose rounding the mixed stage can apply per scheme
 
 
@@ -224,9 +225,6 @@ class SensitivityStage(Stage):
             key = EXPERTS.sub(".experts", group[0])
             units[key] = _merged(units[key], unit) if key in units else unit
         self.units.extend(units.values())
-
-
-EXPERTS = re.compile(r"\.experts\.\d+\..*$")
 
 
 def _merged(first: Unit, second: Unit) -> Unit:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compress.commands.args import parse_options, usage, wants_help
-from compress.errors import CompressError
+from compress.errors import CompressError, interruption
 from compress.paths import artifacts_dir, recipes_dir
 
 SYNOPSIS = __doc__.split(":", 1)[0].strip("`").replace("\n", " ")
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
             checkpoint = Path(candidate).expanduser()
             record_verdict(run, result, result.files, checkpoint if checkpoint.is_dir() else None, own_run=True)
         except BaseException as error:
-            run.finish("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+            run.finish("KILLED" if interruption(error) else "FAILED")
             raise
         run.finish()
     except CompressError as error:
