@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ import yaml
 from torch import nn
 
 from compress import distributed
-from compress.checkpoint import CheckpointSummary, save_checkpoint
+from compress.checkpoint import CheckpointSummary, CheckpointWriter
 from compress.compression import compress_model
 from compress.config import RunConfig
 from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
@@ -56,6 +57,9 @@ def oneshot(
     - ``output_dir``: where the checkpoint goes (must not exist); default ``<artifacts>/oneshot/<recipe>-<time>``.
     - ``device``: where each layer is calibrated (default: the recipe's ``device``, ``auto`` = CUDA when visible).
 
+    A model loaded here is written to the checkpoint layer by layer during the compression (host memory never holds
+    the whole compressed model); an ``nn.Module`` passed in is compressed in place and stays usable.
+
     Under ``torchrun --nproc-per-node N`` every rank calls ``oneshot`` alike: each calibrates on its shard of the
     samples, rank 0 writes the checkpoint, and every rank returns its path once it is complete.
     """
@@ -73,10 +77,14 @@ def oneshot(
     loaded, tokenizer = (model, tokenizer) if source is None else load(config.model)
     samples = calibration_ids(data, config.data, tokenizer, config.seed)
     compute = select_device(device or config.device)
-    summaries = compress_model(loaded, stages, samples, compute, config.calibration_batch_size)
-    if distributed.is_main():
-        save_dtype = config.output.save_dtype
-        write_checkpoint(loaded, tokenizer, stages, summaries, target, config.recipe, config.stages, save_dtype)
+    save_dtype = config.output.save_dtype
+    writer = checkpoint_writer(target, save_dtype) if distributed.is_main() else None
+    with writer or nullcontext():
+        # a model we loaded is written layer by layer as the walk finishes each; a module you pass stays whole
+        sink = writer.layer_sink(loaded) if writer is not None and source is not None else None
+        summaries = compress_model(loaded, stages, samples, compute, config.calibration_batch_size, sink)
+        if writer is not None:
+            write_checkpoint(writer, loaded, tokenizer, stages, summaries, config.recipe, config.stages)
     distributed.barrier()
     return target
 
@@ -142,34 +150,36 @@ def calibration_ids(data: DataLike, spec: DataSpec, tokenizer, seed: int) -> tor
     return calibration_samples(tokenize(tokenizer, text), spec.num_samples, spec.seq_len, seed)
 
 
+def checkpoint_writer(target: Path, save_dtype: str | None) -> CheckpointWriter:
+    """The writer a compression streams its finished layers into (``output.save_dtype``: their stored dtype)."""
+    return CheckpointWriter(target, getattr(torch, save_dtype) if save_dtype else None)
+
+
 def write_checkpoint(
+    writer: CheckpointWriter,
     model: nn.Module,
     tokenizer,
     stages: list[Stage],
     summaries: list[dict],
-    target: Path,
     recipe: str,
     stage_args: list[dict],
-    save_dtype: str | None,
     extra_files: dict[str, str] | None = None,
 ) -> CheckpointSummary:
-    """The compressed-tensors folder with its recipe, what each stage did (``stages.json``), the KV scheme and the
-    size summary, written whole or not at all."""
+    """Complete the compressed-tensors folder ``writer`` holds (layers it already has stay as written) with its
+    recipe, what each stage did (``stages.json``), the KV scheme and the size summary, written whole or not at all."""
     recipe_yaml = yaml.safe_dump({"recipe": recipe, "stages": stage_args}, sort_keys=False)
     kv_cache_scheme = next((s.kv_cache_scheme for s in stages if s.quantizes_kv_cache), None)
-    summary = save_checkpoint(
+    summary = writer.finish(
         model,
         tokenizer,
-        target,
-        dtype=getattr(torch, save_dtype) if save_dtype else None,
-        kv_cache_scheme=kv_cache_scheme,
         extra_files={
             "recipe.yaml": recipe_yaml,
             "stages.json": json.dumps(named_summaries(stages, summaries), indent=2),
             **(extra_files or {}),
         },
+        kv_cache_scheme=kv_cache_scheme,
     )
-    (target / "size.json").write_text(json.dumps(summary.to_dict(), indent=2))
+    (writer.target / "size.json").write_text(json.dumps(summary.to_dict(), indent=2))
     return summary
 
 

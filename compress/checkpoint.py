@@ -23,14 +23,13 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from compress.errors import CompressError
@@ -193,17 +192,21 @@ def _float_weight_groups(model: nn.Module) -> list[dict]:
     return groups
 
 
-def _tensors(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor the checkpoint stores, under its stored name and in its stored form, made one at a time as the
-    shards are written: a tensor already in that form is the module's own, so no copy of the model is ever held."""
-    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}  # in module order
+def _tensors(
+    model: nn.Module, dtype: torch.dtype | None, prefix: str = "", skip: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor the checkpoint stores whose module name starts with ``prefix`` (the model's own names, minus
+    ``skip``), under its stored name and in its stored form, made one at a time as the shards are written."""
+    quantized = {
+        name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear) and name.startswith(prefix)
+    }  # in module order
     activation_quantized = {
         name for name, m in model.named_modules() if isinstance(m, (*ACTIVATION_QUANTIZED, Fp4Linear))
     }
     tied = getattr(model.config, "tie_word_embeddings", False)
     model_type = getattr(model.config, "model_type", None)
     for key, value in model.state_dict().items():
-        if tied and key == "lm_head.weight":
+        if (tied and key == "lm_head.weight") or not key.startswith(prefix) or key in skip:
             continue
         owner, _, leaf = key.rpartition(".")
         if owner in quantized and leaf == "weight_zero_point":
@@ -213,74 +216,136 @@ def _tensors(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str,
                 value = value.to(dtype)
         yield checkpoint_name(model_type, key), value.detach().cpu().contiguous()
     for owner, module in quantized.items():
-        shape = torch.tensor([module.out_features, module.in_features])
-        yield checkpoint_name(model_type, f"{owner}.weight_shape"), shape
+        if f"{owner}.weight_shape" not in skip:
+            shape = torch.tensor([module.out_features, module.in_features])
+            yield checkpoint_name(model_type, f"{owner}.weight_shape"), shape
 
 
-def _unshared(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory; copy all but the first of each such set."""
-    seen: set[int] = set()
-    result = {}
-    for key, value in shard.items():
-        pointer = value.untyped_storage().data_ptr()
-        result[key] = value.clone() if pointer in seen else value
-        seen.add(pointer)
-    return result
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
+    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
 
 
-def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], folder: Path) -> None:
-    """Shards of at most ``MAX_SHARD_BYTES`` (a larger tensor alone), each written as soon as it is full, so one
-    shard's tensors are alive at a time; named ``model-0000i-of-0000n`` once ``n`` is known."""
-    written: list[tuple[Path, list[str]]] = []
-    shard: dict[str, torch.Tensor] = {}
-    size = total = 0
+class ShardWriter:
+    """safetensors shards of at most ``MAX_SHARD_BYTES`` (a larger tensor alone), written tensor by tensor: each
+    tensor's bytes go straight to a data file and only its name, dtype and shape stay in memory, so saving holds
+    no shard (and no copy of the model). A shard becomes a safetensors file (header, then the data) when it is
+    full; ``close`` names them ``model-0000i-of-0000n`` once ``n`` is known, with the index."""
 
-    def flush() -> None:
-        path = folder / f".shard-{len(written) + 1}.safetensors"
-        save_file(_unshared(shard), path, metadata={"format": "pt"})
-        written.append((path, list(shard)))
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.closed: list[tuple[Path, list[str]]] = []
+        self.header: dict[str, dict] = {}
+        self.data = None
+        self.size = self.total = 0
 
-    for key, value in tensors:
-        nbytes = value.numel() * value.element_size()
-        if shard and size + nbytes > MAX_SHARD_BYTES:
-            flush()
-            shard, size = {}, 0
-        shard[key] = value
-        size += nbytes
-        total += nbytes
-    flush()
-    if len(written) == 1:
-        written[0][0].rename(folder / "model.safetensors")
-        return
-    weight_map = {}
-    for number, (path, keys) in enumerate(written, start=1):
-        filename = f"model-{number:05d}-of-{len(written):05d}.safetensors"
-        path.rename(folder / filename)
-        weight_map.update(dict.fromkeys(keys, filename))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.header and self.size + nbytes > MAX_SHARD_BYTES:
+            self._close_shard()
+        if self.data is None:
+            self.data = open(self.folder / f".shard-{len(self.closed) + 1}.data", "wb")  # noqa: SIM115 - spans calls
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise CompressError(f"{key}: cannot store {tensor.dtype} in safetensors")
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        self.data.write(flat.view(torch.uint8).numpy().data if nbytes else b"")
+        shape = list(tensor.shape)
+        self.header[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": shape}
+        self.header[key]["data_offsets"] = [self.size, self.size + nbytes]
+        self.size += nbytes
+        self.total += nbytes
+
+    def _close_shard(self) -> None:
+        """Header (JSON, padded to 8 bytes) + the data file's bytes → ``.shard-i.safetensors``."""
+        assert self.data is not None
+        self.data.close()
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)
+        data_path = Path(self.data.name)
+        path = self.folder / f".shard-{len(self.closed) + 1}.safetensors"
+        with open(path, "wb") as shard, open(data_path, "rb") as data:
+            shard.write(len(header).to_bytes(8, "little") + header)
+            shutil.copyfileobj(data, shard, 16 * 1024**2)
+        data_path.unlink()
+        self.closed.append((path, list(self.header)))
+        self.header, self.data, self.size = {}, None, 0
+
+    def close(self) -> None:
+        if self.data is not None or not self.closed:
+            if self.data is None:  # a model with no tensors still gets its (empty) file
+                self.data = open(self.folder / ".shard-1.data", "wb")  # noqa: SIM115
+            self._close_shard()
+        if len(self.closed) == 1:
+            self.closed[0][0].rename(self.folder / "model.safetensors")
+            return
+        weight_map = {}
+        for number, (path, keys) in enumerate(self.closed, start=1):
+            filename = f"model-{number:05d}-of-{len(self.closed):05d}.safetensors"
+            path.rename(self.folder / filename)
+            weight_map.update(dict.fromkeys(keys, filename))
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def save_checkpoint(
-    model: nn.Module,
-    tokenizer,
-    target: Path,
-    extra_files: dict[str, str] | None = None,
-    dtype: torch.dtype | None = None,
-    kv_cache_scheme: dict | None = None,
-) -> CheckpointSummary:
-    """Write into a temporary sibling folder, then rename: an interrupted save leaves nothing at ``target``."""
-    target = Path(target)
-    if target.exists():
-        raise CompressError(f"checkpoint folder {target} already exists; choose another output or remove it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        _write_shards(_tensors(model, dtype), staging)
+class CheckpointWriter:
+    """A checkpoint written while the model is compressed: :meth:`write_layer` stores a finished decoder layer
+    and drops it to the meta device (so host memory never holds the whole compressed model), :meth:`finish` the
+    rest, the config and the tokenizer. Everything goes to a temporary sibling folder renamed to ``target`` at the
+    end; leaving the ``with`` block by an error removes it, so an interrupted save leaves nothing at ``target``."""
+
+    def __init__(self, target: Path, dtype: torch.dtype | None = None):
+        self.target, self.dtype = Path(target), dtype
+        if self.target.exists():
+            raise CompressError(f"checkpoint folder {self.target} already exists; choose another output or remove it")
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self.staging = Path(tempfile.mkdtemp(prefix=f".{self.target.name}-", dir=self.target.parent))
+        self.shards = ShardWriter(self.staging)
+        self.written: set[str] = set()  # the model's own tensor names already in the shards
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is not None:
+            if self.shards.data is not None:
+                self.shards.data.close()
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+    def layer_sink(self, model: nn.Module) -> Callable[[str], None]:
+        """``compress_model``'s ``layer_done``: each finished layer of ``model`` goes to the shards."""
+        return lambda name: self.write_layer(model, name)
+
+    def write_layer(self, model: nn.Module, name: str) -> None:
+        """Store the module ``name`` (a finished decoder layer) and move it to the meta device."""
+        prefix = f"{name}."
+        keys = [key for key in model.state_dict() if key.startswith(prefix)]
+        for key, value in _tensors(model, self.dtype, prefix):
+            self.shards.add(key, value)
+        self.written.update(keys)
+        self.written.update(
+            f"{owner}.weight_shape"
+            for owner, m in model.get_submodule(name).named_modules(prefix=name)
+            if isinstance(m, QuantizedLinear)
+        )
+        model.get_submodule(name).to("meta")
+
+    def finish(
+        self,
+        model: nn.Module,
+        tokenizer,
+        extra_files: dict[str, str] | None = None,
+        kv_cache_scheme: dict | None = None,
+    ) -> CheckpointSummary:
+        for key, value in _tensors(model, self.dtype, skip=frozenset(self.written)):
+            self.shards.add(key, value)
+        self.shards.close()
+        staging = self.staging
         config = model.config.to_dict()
         config.pop("quantization_config", None)
-        if dtype is not None:
-            config["dtype"] = str(dtype).removeprefix("torch.")
+        if self.dtype is not None:
+            config["dtype"] = str(self.dtype).removeprefix("torch.")
         qconfig = quantization_config(model, kv_cache_scheme)
         sparsity = sparsity_config(model)
         if sparsity is not None:  # compressed-tensors records sparsity inside quantization_config
@@ -302,11 +367,21 @@ def save_checkpoint(
             tokenizer.save_pretrained(staging)
         for name, text in (extra_files or {}).items():
             (staging / name).write_text(text)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return summarize(model, target)
+        os.replace(staging, self.target)
+        return summarize(model, self.target)
+
+
+def save_checkpoint(
+    model: nn.Module,
+    tokenizer,
+    target: Path,
+    extra_files: dict[str, str] | None = None,
+    dtype: torch.dtype | None = None,
+    kv_cache_scheme: dict | None = None,
+) -> CheckpointSummary:
+    """Write into a temporary sibling folder, then rename: an interrupted save leaves nothing at ``target``."""
+    with CheckpointWriter(target, dtype) as writer:
+        return writer.finish(model, tokenizer, extra_files, kv_cache_scheme)
 
 
 def summarize(model: nn.Module, folder: Path) -> CheckpointSummary:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -27,12 +27,18 @@ def compress_model(
     samples: torch.Tensor,
     device: torch.device | str = "cpu",
     batch_size: int = 8,
+    layer_done: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """Apply ``stages`` (Stage objects, or recipe-style ``{"type": ..., ...}`` mappings checked as a chain) to
     ``model`` in place, calibrating on the token ids ``samples`` ([n, seq_len]); returns each stage's summary, in
     order, with its own wall time under ``seconds``. Every stage's ``prepare`` runs before any work, so a model a
     stage cannot handle fails before anything is changed. Under torchrun each rank calibrates on its own shard of
-    ``samples`` (``compress.distributed``) and every rank ends with the same compressed model."""
+    ``samples`` (``compress.distributed``) and every rank ends with the same compressed model.
+
+    ``layer_done(name)`` hears each decoder layer's module name as soon as nothing will change or read its weights
+    again, so the caller can write the layer out and drop it (``CheckpointWriter.write_layer``): the chain ends in
+    a layer walk and no stage reads every weight back in ``finalize`` (a pruner checks its masks there). For any
+    other chain it is never called and the model stays whole."""
     if all(isinstance(s, dict) for s in stages):
         chain = build_chain([dict(s) for s in stages])
     else:
@@ -45,7 +51,8 @@ def compress_model(
         samples = distributed.shard(samples, batch_size)
     for stage in chain:
         stage.prepare(model)
-    apply_stages(model, chain, samples, device, batch_size)
+    streamable = chain[-1].layerwise and not any(stage.prunes_weights for stage in chain)
+    apply_stages(model, chain, samples, device, batch_size, layer_done if streamable else None)
     distributed.barrier()  # every rank holds the same compressed model
     summaries = [{**stage.finalize(model), "seconds": stage.seconds} for stage in chain]
     experts = expert_token_report(model)
@@ -70,11 +77,17 @@ def _check_data_parallel(model: torch.nn.Module, chain: list[Stage]) -> None:
 
 
 def apply_stages(
-    model: torch.nn.Module, stages: list[Stage], samples: torch.Tensor, device: torch.device, batch_size: int
+    model: torch.nn.Module,
+    stages: list[Stage],
+    samples: torch.Tensor,
+    device: torch.device,
+    batch_size: int,
+    layer_done: Callable[[str], None] | None = None,
 ) -> None:
     """Run the chain in order: whole-model stages one by one, each run of consecutive layerwise stages in one walk.
     Every stage hears ``before_stage`` for each position as its turn comes (all of a walk's stages before it starts).
     A whole-model stage (or a teacher copy) needs every layer, so a lazily loaded model is read in full first.
+    ``layer_done`` is handed to the last walk, when the chain ends in one.
     """
     if not all(stage.layerwise for stage in stages):
         materialize_all(model)
@@ -85,7 +98,8 @@ def apply_stages(
             continue
         if run:
             _announce(stages, model, run)
-            walk_layers(model, [stages[p] for p in run], samples, device, batch_size)
+            last = stage is None
+            walk_layers(model, [stages[p] for p in run], samples, device, batch_size, layer_done if last else None)
             run = []
         if stage is not None:
             _announce(stages, model, [position])
@@ -101,15 +115,22 @@ def _announce(stages: list[Stage], model: torch.nn.Module, positions: list[int])
 
 
 def walk_layers(
-    model: torch.nn.Module, stages: list[Stage], samples: torch.Tensor, device: torch.device, batch_size: int
+    model: torch.nn.Module,
+    stages: list[Stage],
+    samples: torch.Tensor,
+    device: torch.device,
+    batch_size: int,
+    layer_done: Callable[[str], None] | None = None,
 ) -> None:
     """One walk over the decoder layers. Each layer is read from disk if it was loaded lazily, goes to ``device``,
     is widened to fp32 there, gets every stage, computes the next layer's fp32 inputs, and goes back to the model's
-    dtype and to the CPU: only one layer and its activations are ever on the device or in fp32."""
+    dtype and to the CPU: only one layer and its activations are ever on the device or in fp32. ``layer_done``
+    then hears the finished layer's name."""
     calibrate = any(stage.needs_calibration for stage in stages)
     inputs = capture_first_layer_inputs(model, samples, batch_size, device) if calibrate else None
     layers = decoder_layers(model)
     storage_dtype = getattr(model, "dtype", torch.float32)  # what quantization scales are rounded to
+    layers_name = next(module_name for module_name, module in model.named_modules() if module is layers)
     for index in tqdm(
         range(len(layers)),
         desc=f"compress [{'+'.join(s.name for s in stages)}]",
@@ -131,6 +152,8 @@ def walk_layers(
             inputs = outputs if outputs is not None else run_layer(layer, inputs, name)
         restore_dtypes(layer, stored_dtypes)
         layers[index] = layer.to("cpu")
+        if layer_done is not None:
+            layer_done(f"{layers_name}.{index}")
         release_freed_memory()
 
 

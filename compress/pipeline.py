@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from compress import distributed
-from compress.api import named_summaries, select_device, write_checkpoint
+from compress.api import checkpoint_writer, named_summaries, select_device, write_checkpoint
 from compress.calibration import fp32_compute
 from compress.checkpoint import load_checkpoint
 from compress.compression import compress_model
@@ -119,14 +119,17 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
     if config.eval.perplexity:
         with timer.phase("eval_baseline"):
             results["baseline"] = _evaluate(model, eval_ids, config, "perplexity [baseline]", device)
-    with timer.phase("compress"):
-        summaries = compress_model(model, stages, samples, device, config.calibration_batch_size)
-    with timer.phase("save"):
-        config_yaml = yaml.safe_dump(config.raw, sort_keys=False)
-        summary = write_checkpoint(
-            model, tokenizer, stages, summaries, staging / "checkpoint", config.recipe, config.stages,
-            config.output.save_dtype, extra_files={"config.yaml": config_yaml},
-        )  # fmt: skip
+    with checkpoint_writer(staging / "checkpoint", config.output.save_dtype) as writer:
+        with timer.phase("compress"):  # finished layers are written to the checkpoint as the walk goes
+            summaries = compress_model(
+                model, stages, samples, device, config.calibration_batch_size, writer.layer_sink(model)
+            )
+        with timer.phase("save"):
+            config_yaml = yaml.safe_dump(config.raw, sort_keys=False)
+            summary = write_checkpoint(
+                writer, model, tokenizer, stages, summaries, config.recipe, config.stages,
+                extra_files={"config.yaml": config_yaml},
+            )  # fmt: skip
     del model
     if config.eval.perplexity:
         with timer.phase("eval_candidate"):

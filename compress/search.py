@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compress.api import select_device, write_checkpoint
+from compress.api import checkpoint_writer, select_device, write_checkpoint
 from compress.compression import compress_model
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
@@ -508,12 +508,12 @@ def _trial(config, number: int, point: int, allocation: Allocation, stage_args: 
 
     model, tokenizer = load(config.model)
     stages = build_chain(stage_args)
-    summaries = compress_model(model, stages, samples, device, config.calibration_batch_size)
     checkpoint = folder / "checkpoint"
-    summary = write_checkpoint(
-        model, tokenizer, stages, summaries, checkpoint, f"{config.recipe}-search", stage_args,
-        config.output.save_dtype,
-    )  # fmt: skip
+    with checkpoint_writer(checkpoint, config.output.save_dtype) as writer:
+        summaries = compress_model(
+            model, stages, samples, device, config.calibration_batch_size, writer.layer_sink(model)
+        )
+        summary = write_checkpoint(writer, model, tokenizer, stages, summaries, f"{config.recipe}-search", stage_args)
     del model
     policy = replace(config.gate, registry=replace(config.gate.registry, register=False))  # the best, later
     verdict = run_gate(

@@ -33,11 +33,13 @@ def _logits(model) -> torch.Tensor:
 
 @pytest.mark.parametrize("chain", FAMILIES.values(), ids=FAMILIES.keys())
 def test_oneshot_checkpoint_equals_compress_model_then_save(chain, tmp_path):
-    checkpoint = oneshot(build_tiny_llama(seed=3), chain, data=SAMPLES, output_dir=tmp_path / "ckpt")
+    given = build_tiny_llama(seed=3)
+    checkpoint = oneshot(given, chain, data=SAMPLES, output_dir=tmp_path / "ckpt")
     expected = build_tiny_llama(seed=3)
     compress_model(expected, chain, SAMPLES, batch_size=8)
     loaded, _ = load_checkpoint(checkpoint)
     assert torch.allclose(_logits(loaded), _logits(expected), atol=1e-4)
+    assert torch.allclose(_logits(given), _logits(expected), atol=1e-4)  # a module passed in stays whole and usable
     assert yaml.safe_load((checkpoint / "recipe.yaml").read_text())["stages"] == chain
 
 
