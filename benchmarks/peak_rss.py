@@ -3,6 +3,7 @@
     python -m benchmarks.peak_rss              # hidden 2048, 16 layers, intermediate 5632 (~1B params, ~2 GB bf16)
     python -m benchmarks.peak_rss --tiny       # a few-MB shape, to check that the script works
     python -m benchmarks.peak_rss --shape 4b --modes lazy_source_dtype   # 3.9B params, 7.4 GiB bf16
+    python -m benchmarks.peak_rss --shape 4b --modes lazy_source_dtype --recipe gptq_int4   # → peak-rss-4b-gptq_int4
 
 A random Llama-shaped model is written as bf16 safetensors into a temporary folder, then `python -m compress run
 recipe=rtn_int4` runs on it twice in fresh processes: (a) `model.dtype=float32 model.lazy=false` (what every run did
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         name = "peak-rss" if shape_name == "1b" else f"peak-rss-{shape_name}"
+        name += "" if args.recipe == "rtn_int4" else f"-{args.recipe}"
         (out / f"{name}.json").write_text(json.dumps(result, indent=2))
         (out / f"{name}.md").write_text(markdown(result))
     return 0
