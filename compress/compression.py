@@ -6,7 +6,6 @@ directly. It knows nothing of recipes, run folders, evaluation or tracking.
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Callable, Sequence
 
@@ -16,6 +15,7 @@ from tqdm.auto import tqdm
 from compress import distributed
 from compress.calibration import capture_first_layer_inputs, decoder_layers, restore_dtypes, run_layer, upcast
 from compress.errors import CompressError
+from compress.memory import release_freed_memory
 from compress.models import materialize_all, materialize_layer
 from compress.moe import expert_token_report, moe_family, unfuse_experts
 from compress.stages import LayerContext, Stage, build_chain, check_chain
@@ -155,16 +155,3 @@ def walk_layers(
         if layer_done is not None:
             layer_done(f"{layers_name}.{index}")
         release_freed_memory()
-
-
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the running process's own C library (glibc only)
-
-
-def release_freed_memory() -> None:
-    """Hand the heap pages a finished layer freed back to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
-
-    Without it glibc keeps them: each layer's dense weights and fp32 copies leave its arenas fragmented, and host
-    memory grew by ~1.4x every layer's bf16 size, so a lazily read 3.8B model still peaked at 1.06x its weight file
-    (``benchmarks/results/peak-rss-4b.md``) instead of at what the compressed layers keep."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)

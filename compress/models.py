@@ -8,6 +8,7 @@ against the GGUF original, so every later step loads an ordinary transformers ch
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import logging
@@ -30,6 +31,7 @@ from compress.checkpoint import (
     torch_dtype,
 )
 from compress.errors import CompressError
+from compress.memory import release_freed_memory
 from compress.paths import artifacts_dir
 
 log = logging.getLogger(__name__)
@@ -93,7 +95,13 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
         source_model.save_pretrained(staging, safe_serialization=True)
         source_tokenizer.save_pretrained(staging)
         _force_fast_tokenizer(staging)
-        _verify_conversion(source_model, source_tokenizer, staging)
+        expected_ids = source_tokenizer(VERIFY_TEXT)["input_ids"]
+        with torch.no_grad():
+            expected = source_model(torch.tensor([expected_ids])).logits
+        del source_model  # the check reloads the folder: two fp32 copies at once made the conversion the run's peak
+        gc.collect()
+        release_freed_memory()
+        _verify_conversion(expected_ids, expected, staging)
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
@@ -110,19 +118,16 @@ def _force_fast_tokenizer(folder: Path) -> None:
     config_file.write_text(json.dumps(config, indent=2))
 
 
-def _verify_conversion(source_model, source_tokenizer, folder: Path) -> None:
+def _verify_conversion(expected_ids: list[int], expected: torch.Tensor, folder: Path) -> None:
+    """The converted folder tokenizes ``VERIFY_TEXT`` as the GGUF did and gives its logits ``expected``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    expected_ids = source_tokenizer(VERIFY_TEXT)["input_ids"]
-    got_ids = tokenizer(VERIFY_TEXT)["input_ids"]
+    got_ids = AutoTokenizer.from_pretrained(folder)(VERIFY_TEXT)["input_ids"]
     if got_ids != expected_ids:
         raise CompressError(f"converted tokenizer disagrees with the GGUF one: {got_ids[:8]} vs {expected_ids[:8]}")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    ids = torch.tensor([expected_ids])
     with torch.no_grad():
-        expected = source_model(ids).logits
-        got = model(ids).logits
+        got = model(torch.tensor([expected_ids])).logits
     if not torch.allclose(got, expected, atol=1e-4, rtol=1e-4):
         diff = (got - expected).abs().max().item()
         raise CompressError(f"converted model's logits differ from the GGUF original by {diff:.3g}")

@@ -10,6 +10,7 @@ from compress.compression import compress_model
 from compress.errors import CompressError
 from compress.kv_quant import calibrated_kv_cache_dtype
 from compress.models import (
+    VERIFY_TEXT,
     ModelSpec,
     _verify_conversion,
     convert_gguf,
@@ -101,5 +102,10 @@ def test_conversion_check_catches_a_different_model(tiny_model_dir, tmp_path):
     model, tokenizer = load(tiny_model_dir, lazy=False)
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+    ids = tokenizer(VERIFY_TEXT)["input_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
     with pytest.raises(CompressError, match="logits differ from the GGUF original"):
-        _verify_conversion(model, tokenizer, tiny_model_dir)
+        _verify_conversion(ids, logits, tiny_model_dir)
+    with pytest.raises(CompressError, match="tokenizer disagrees"):
+        _verify_conversion(ids[1:], logits, tiny_model_dir)
