@@ -48,12 +48,16 @@ def test_ignore_patterns():
     assert not matches("model.layers.3.mlp.up_proj", ["proj"])
 
 
+@pytest.mark.parametrize("error_rows", [1024, 10], ids=["whole", "rows-in-chunks"])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_one_dequantization_reference_for_codes_packed_layers_and_gptq(symmetric):
+def test_one_dequantization_reference_for_codes_packed_layers_and_gptq(symmetric, error_rows, monkeypatch):
     """kernels.dequant.dequantize_codes is the only codes → float arithmetic: the packed layer, fake quantization,
-    a g_idx naming the plain groups, and GPTQ's own error report all agree with it exactly."""
+    a g_idx naming the plain groups, and GPTQ's own error report (whole or a few rows at a time) agree with it."""
     from compress.qlinear import QuantizedLinear
+    from compress.stages import gptq
     from compress.stages.gptq import gptq_quantize
+
+    monkeypatch.setattr(gptq, "ERROR_ROWS", error_rows)
 
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(48, 128, generator=generator)
