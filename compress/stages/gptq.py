@@ -25,6 +25,7 @@ from torch import nn
 
 from compress import distributed
 from compress.errors import CompressError
+from compress.memory import release_freed_memory
 from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, quantize
 from compress.stages.base import LayerContext
@@ -265,6 +266,7 @@ class GPTQStage(WeightQuantizerStage):
         self, ctx: LayerContext, names: list[str], hessian: torch.Tensor, scheme: WeightScheme | None = None
     ) -> None:
         """GPTQ on the stacked weights of ``names`` (one shared input) with ``scheme`` (default the stage's)."""
+        release_freed_memory()
         scheme = scheme or self.config.scheme
         linears = [ctx.layer.get_submodule(n) for n in names]
         full = f"{ctx.name}.{'+'.join(n.rpartition('.')[2] for n in names)}"

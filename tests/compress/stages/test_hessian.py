@@ -18,6 +18,7 @@ from compress.stages.hessian import (
     collect_hessians,
     input_groups,
     sequential_hessians,
+    without_dead_channels,
 )
 from compress.stages.prune import sparsegpt_prune
 from compress.stages.weights import target_linears
@@ -138,7 +139,20 @@ def test_sequential_hessians_equal_one_forward_per_group_and_leave_the_layer_out
 def test_upper_inverse_factor_is_the_cholesky_factor_of_the_dampened_inverse():
     x = torch.randn(512, 48, generator=torch.Generator().manual_seed(0)).double()
     hessian = x.T @ x / len(x)
+    given = hessian.clone()
     upper, damp, retries = cholesky_inverse_upper(hessian, 0.01, 0, "q_proj")
+    assert torch.equal(hessian, given)  # damped on a copy, never in place
     dampened = hessian + 0.01 * hessian.diagonal().mean() * torch.eye(48, dtype=hessian.dtype)
     assert retries == 0 and torch.equal(upper, upper.triu()) and bool((upper.diagonal() > 0).all())
     assert torch.allclose(upper.T @ upper, torch.linalg.inv(dampened), rtol=1e-8, atol=1e-10)
+
+
+def test_dead_inputs_are_fixed_on_copies_and_live_ones_are_not_copied():
+    """A 4B model's down_proj Hessian is 268 MB: copy it only when a dead input must be changed."""
+    weight, hessian = torch.randn(4, 3), torch.eye(3)
+    W, H = without_dead_channels(weight, hessian)
+    assert W.data_ptr() == weight.data_ptr() and H.data_ptr() == hessian.data_ptr()
+    hessian[1, 1] = 0.0
+    W, H = without_dead_channels(weight, hessian)
+    assert torch.equal(H, torch.eye(3)) and bool((W[:, 1] == 0).all()) and bool((weight[:, 1] != 0).all())
+    assert hessian[1, 1] == 0
