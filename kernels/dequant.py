@@ -22,7 +22,13 @@ def dequantize_codes(
     g_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(q - z) * s`` per group. ``codes`` int8 ``[out, in]``; ``scale``/``zero_point`` ``[out, groups]``."""
-    groups = group_index(codes.shape[1], group_size, g_idx, codes.device)
+    out_features, in_features = codes.shape
+    if g_idx is None and in_features % group_size == 0:  # plain groups: broadcast, no [out, in] gather of scales
+        values = codes.to(scale.dtype).view(out_features, -1, group_size)
+        if zero_point is not None:
+            values = values - zero_point.to(scale.dtype).unsqueeze(-1)
+        return (values * scale.unsqueeze(-1)).view(out_features, in_features)
+    groups = group_index(in_features, group_size, g_idx, codes.device)
     values = codes.to(scale.dtype)
     if zero_point is not None:
         values = values - zero_point.to(scale.dtype)[:, groups]

@@ -62,12 +62,13 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, length: int, dim: int = 1)
             f"{rows.shape[1]} packed words cannot hold {length} codes of {num_bits} bits "
             f"(expected {packed_width(length, num_bits)})"
         )
-    words = rows.to(torch.int64) & 0xFFFFFFFF
     if 32 % num_bits == 0 and length % (32 // num_bits) == 0:
-        shifts = torch.arange(32 // num_bits, device=packed.device) * num_bits
-        unsigned = ((words.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)).reshape(rows.shape[0], length)
-        codes = (unsigned - (1 << (num_bits - 1))).to(torch.int8)
+        # int32 all the way: an arithmetic shift drags the sign bit in from the left, and the mask drops it
+        shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=packed.device)
+        unsigned = ((rows.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)).to(torch.int8)
+        codes = unsigned.reshape(rows.shape[0], length).sub_(1 << (num_bits - 1))
         return codes.transpose(0, 1).contiguous() if dim == 0 else codes
+    words = rows.to(torch.int64) & 0xFFFFFFFF
     bits = (words.unsqueeze(-1) >> torch.arange(32, device=packed.device)) & 1
     stream = bits.reshape(rows.shape[0], -1)[:, : length * num_bits]
     place = torch.ones(num_bits, dtype=torch.int64, device=packed.device) << torch.arange(
