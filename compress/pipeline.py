@@ -23,6 +23,7 @@ from compress.compression import compress_model
 from compress.config import RunConfig, check_evaluation_length
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
+from compress.memory import release_freed_memory
 from compress.models import check_model_source, load, materialize_all, resolve_model_path
 from compress.moe import unfuse_experts
 from compress.paths import artifacts_dir
@@ -76,6 +77,7 @@ def run(config: RunConfig) -> RunResult | None:
             report["checkpoint"]["path"] = str(final / "checkpoint")
             if config.gate.enabled:
                 with timer.phase("gate"):
+                    release_freed_memory()  # what the evaluations freed, before the gate loads two models
                     report["gate"] = _gate(config, staging, final, run_log)
             report.update(
                 wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb(), timings_s=timer.seconds,
