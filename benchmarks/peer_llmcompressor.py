@@ -51,8 +51,8 @@ def recipe(scheme: str, alpha: float) -> list:
     if scheme == "spinquant_gptq_w4a16":
         from llmcompressor.modifiers.transform import SpinQuantModifier
 
-        return [
-            SpinQuantModifier(rotations=["R1", "R2"], transform_type="hadamard"),
+        return [  # random-hadamard (random signs, as ours): "hadamard" is 2^n only and refuses a 576-wide stream
+            SpinQuantModifier(rotations=["R1", "R2"], transform_type="random-hadamard"),
             GPTQModifier(config_groups=W4A16_G64, ignore=["lm_head"]),
         ]
     raise SystemExit(f"unknown scheme {scheme}")
