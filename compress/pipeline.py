@@ -123,15 +123,11 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
             results["baseline"] = _evaluate(model, eval_ids, config, "perplexity [baseline]", device)
     with checkpoint_writer(staging / "checkpoint", config.output.save_dtype) as writer:
         with timer.phase("compress"):  # finished layers are written to the checkpoint as the walk goes
-            summaries = compress_model(
-                model, stages, samples, device, config.calibration_batch_size, writer.layer_sink(model)
-            )
+            sink, batch = writer.layer_sink(model), config.calibration_batch_size
+            summaries = compress_model(model, stages, samples, device, batch, sink)
         with timer.phase("save"):
-            config_yaml = yaml.safe_dump(config.raw, sort_keys=False)
-            summary = write_checkpoint(
-                writer, model, tokenizer, stages, summaries, config.recipe, config.stages,
-                extra_files={"config.yaml": config_yaml},
-            )  # fmt: skip
+            extra = {"config.yaml": yaml.safe_dump(config.raw, sort_keys=False)}
+            summary = write_checkpoint(writer, model, tokenizer, stages, summaries, config.recipe, config.stages, extra)
     del model
     if config.eval.perplexity:
         with timer.phase("eval_candidate"):
