@@ -193,20 +193,20 @@ def _float_weight_groups(model: nn.Module) -> list[dict]:
 
 
 def _tensors(
-    model: nn.Module, dtype: torch.dtype | None, prefix: str = "", skip: frozenset[str] = frozenset()
+    model: nn.Module, dtype: torch.dtype | None, root: str = "", skip: tuple[str, ...] = ()
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor the checkpoint stores whose module name starts with ``prefix`` (the model's own names, minus
-    ``skip``), under its stored name and in its stored form, made one at a time as the shards are written."""
-    quantized = {
-        name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear) and name.startswith(prefix)
-    }  # in module order
-    activation_quantized = {
-        name for name, m in model.named_modules() if isinstance(m, (*ACTIVATION_QUANTIZED, Fp4Linear))
-    }
+    """Every tensor the checkpoint stores of the module ``root`` (default the whole model) but those of the modules
+    named in ``skip``, under its stored name and in its stored form, made one at a time as the shards are written."""
+    module = model.get_submodule(root) if root else model
+    prefix = f"{root}." if root else ""
+    skipped = tuple(f"{name}." for name in skip)
+    modules = [(name, m) for name, m in module.named_modules(prefix=root) if not f"{name}.".startswith(skipped)]
+    quantized = {name: m for name, m in modules if isinstance(m, QuantizedLinear)}  # in module order
+    activation_quantized = {name for name, m in modules if isinstance(m, (*ACTIVATION_QUANTIZED, Fp4Linear))}
     tied = getattr(model.config, "tie_word_embeddings", False)
     model_type = getattr(model.config, "model_type", None)
-    for key, value in model.state_dict().items():
-        if (tied and key == "lm_head.weight") or not key.startswith(prefix) or key in skip:
+    for key, value in module.state_dict(prefix=prefix).items():
+        if (tied and key == "lm_head.weight") or key.startswith(skipped):
             continue
         owner, _, leaf = key.rpartition(".")
         if owner in quantized and leaf == "weight_zero_point":
@@ -215,10 +215,9 @@ def _tensors(
             if value.element_size() > 1:  # fp8 codes and fp32 W8A8/FP4 scales keep their dtypes
                 value = value.to(dtype)
         yield checkpoint_name(model_type, key), value.detach().cpu().contiguous()
-    for owner, module in quantized.items():
-        if f"{owner}.weight_shape" not in skip:
-            shape = torch.tensor([module.out_features, module.in_features])
-            yield checkpoint_name(model_type, f"{owner}.weight_shape"), shape
+    for owner, linear in quantized.items():
+        shape = torch.tensor([linear.out_features, linear.in_features])
+        yield checkpoint_name(model_type, f"{owner}.weight_shape"), shape
 
 
 _SAFETENSORS_DTYPES = {
@@ -272,6 +271,11 @@ class ShardWriter:
         self.closed.append((path, list(self.header)))
         self.header, self.data, self.size = {}, None, 0
 
+    def abandon(self) -> None:
+        """Close the open data file without making a shard of it (the caller removes the folder)."""
+        if self.data is not None:
+            self.data.close()
+
     def close(self) -> None:
         if self.data is not None or not self.closed:
             if self.data is None:  # a model with no tensors still gets its (empty) file
@@ -302,15 +306,14 @@ class CheckpointWriter:
         self.target.parent.mkdir(parents=True, exist_ok=True)
         self.staging = Path(tempfile.mkdtemp(prefix=f".{self.target.name}-", dir=self.target.parent))
         self.shards = ShardWriter(self.staging)
-        self.written: set[str] = set()  # the model's own tensor names already in the shards
+        self.written: list[str] = []  # the modules whose tensors are already in the shards
 
     def __enter__(self) -> CheckpointWriter:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
         if kind is not None:
-            if self.shards.data is not None:
-                self.shards.data.close()
+            self.shards.abandon()
             shutil.rmtree(self.staging, ignore_errors=True)
 
     def layer_sink(self, model: nn.Module) -> Callable[[str], None]:
@@ -319,16 +322,9 @@ class CheckpointWriter:
 
     def write_layer(self, model: nn.Module, name: str) -> None:
         """Store the module ``name`` (a finished decoder layer) and move it to the meta device."""
-        prefix = f"{name}."
-        keys = [key for key in model.state_dict() if key.startswith(prefix)]
-        for key, value in _tensors(model, self.dtype, prefix):
+        for key, value in _tensors(model, self.dtype, root=name):
             self.shards.add(key, value)
-        self.written.update(keys)
-        self.written.update(
-            f"{owner}.weight_shape"
-            for owner, m in model.get_submodule(name).named_modules(prefix=name)
-            if isinstance(m, QuantizedLinear)
-        )
+        self.written.append(name)
         model.get_submodule(name).to("meta")
 
     def finish(
@@ -338,7 +334,7 @@ class CheckpointWriter:
         extra_files: dict[str, str] | None = None,
         kv_cache_scheme: dict | None = None,
     ) -> CheckpointSummary:
-        for key, value in _tensors(model, self.dtype, skip=frozenset(self.written)):
+        for key, value in _tensors(model, self.dtype, skip=tuple(self.written)):
             self.shards.add(key, value)
         self.shards.close()
         staging = self.staging
