@@ -640,6 +640,25 @@ def load_checkpoint(
     return model.to(device).eval(), load_tokenizer(source, trust_remote_code)
 
 
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside hold their parameters on the meta device (no memory, no random initialization) and their
+    buffers for real: the file fills every parameter, but non-persistent buffers (rotary frequencies) exist only as
+    the model computes them when built."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def _load_compressed(folder: Path, qconfig: dict, dtype: str) -> nn.Module:
     """A compressed-tensors checkpoint with our quantized modules in place, in the dtype it was saved in."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -658,7 +677,8 @@ def _load_compressed(folder: Path, qconfig: dict, dtype: str) -> nn.Module:
         )
     model_type = getattr(config, "model_type", None)
     tensors = {model_name(model_type, key): value for key, value in _read_tensors(folder).items()}
-    model = AutoModelForCausalLM.from_config(config, dtype=saved)
+    with parameters_on_meta():  # the quantized modules replace most of them: never allocate the dense weights
+        model = AutoModelForCausalLM.from_config(config, dtype=saved)
     unfuse_experts(model)  # the checkpoint stores one linear per expert
     for name, module in list(model.named_modules()):
         if type(module) is nn.Linear and _is_float_weight(name, qconfig, tensors):
@@ -672,7 +692,9 @@ def _load_compressed(folder: Path, qconfig: dict, dtype: str) -> nn.Module:
         elif type(module) is nn.Linear and f"{name}.weight_scale" in tensors:
             _replace_activation_quantized(model, name, module, tensors)
     _attach_kv_scales(model, qconfig.get("kv_cache_scheme"), tensors, folder)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    expected = model.state_dict()  # the file's tensors take the modules' dtypes, as a copy into them would
+    tensors = {key: value.to(expected[key].dtype) if key in expected else value for key, value in tensors.items()}
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     allowed_missing = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     # QuantizedLinear buffers were filled directly above; everything else must come from the file.
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
