@@ -23,6 +23,7 @@ import torch
 
 from compress.data import tokenize
 from compress.errors import CompressError
+from compress.memory import release_freed_memory
 from evals import generation, latency, loading, needle
 from evals.json_validity import evaluate_json
 from evals.perplexity import perplexity
@@ -110,6 +111,7 @@ class GatePolicy:
     engine: dict[str, Any] = field(default_factory=dict)  # compress.engine.EngineConfig options
     kv_cache_dtype: str | None = None  # null: the candidate's kv_cache_scheme, else the model dtype
     seed: int = 0
+    models_in_memory: int = 1  # 1: baseline measured and freed before the candidate loads; 2: both, latency interleaved
     experiment: str = "compress"  # MLflow experiment of gate-only runs (read by compress.commands.gate)
     perplexity: PerplexityPolicy = field(default_factory=PerplexityPolicy)
     lm_eval: LmEvalPolicy = field(default_factory=LmEvalPolicy)
@@ -129,6 +131,8 @@ def resolve_policy(policy: dict | None) -> GatePolicy:
         resolved = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise CompressError(f"bad gate policy: {error}".splitlines()[0] + " (see recipes/gate/default.yaml)") from error
+    if resolved.models_in_memory not in (1, 2):
+        raise CompressError(f"gate.models_in_memory={resolved.models_in_memory}; use 1 (one model at a time) or 2")
     unknown = [layer for layer in resolved.layers if layer not in LAYER_ORDER]
     if unknown:
         raise CompressError(f"gate.layers has unknown layers {unknown}; choose from {LAYER_ORDER}")
@@ -213,34 +217,50 @@ class GateResult:
 
 @dataclass
 class Subject:
-    """One side of the comparison: a loaded model, its tokenizer, where it came from, and how it generates."""
+    """One side of the comparison: where it comes from (a path, a model name or a model in memory), its tokenizer,
+    and, while it is loaded, the model and how it generates."""
 
     label: str
-    model: Any
+    source: Any
     tokenizer: Any
     path: Path | None
+    kv_cache_dtype: str | None
+    model: Any = None
     generator: generation.Generator | None = None
+
+    def load(self, backend: str, engine_options: dict) -> Subject:
+        in_memory = not isinstance(self.source, str | Path)
+        self.model = self.source.eval() if in_memory else loading.load_for_eval(self.source)[0]
+        self.generator = generation.make_generator(
+            backend, self.model, self.tokenizer, self.kv_cache_dtype, engine_options
+        )
+        return self
+
+    def unload(self) -> None:
+        """Drop this side's model, generator and KV pool, and hand the freed heap back before the other side loads."""
+        self.model = self.generator = None
+        release_freed_memory()
 
 
 @dataclass
 class GateContext:
+    """What every layer reads, the same for both sides."""
+
     policy: GatePolicy
-    candidate: Subject
-    baseline: Subject
     evaluation_texts: list[str]
     evaluation_ids: torch.Tensor
+    max_context: int  # the shorter of the two models' contexts: the needle lengths must fit both
     out_dir: Path
     files: list[Path] = field(default_factory=list)
 
 
-# --- layers: each returns (metrics per model, checks) ---
+# --- layers: each measures the loaded models it is given, then judges both sides' metrics ---
 
 
-def perplexity_layer(context: GateContext):
+def measure_perplexity(context: GateContext, subjects: list[Subject]) -> dict:
     policy = context.policy.perplexity
-    metrics = {}
-    for subject in (context.candidate, context.baseline):
-        result = perplexity(
+    return {
+        subject.label: perplexity(
             subject.model,
             context.evaluation_ids,
             policy.seq_len,
@@ -248,8 +268,13 @@ def perplexity_layer(context: GateContext):
             policy.max_windows,
             label=f"perplexity ({subject.label})",
             progress=False,
-        )
-        metrics[subject.label] = result.to_dict()
+        ).to_dict()
+        for subject in subjects
+    }
+
+
+def judge_perplexity(context: GateContext, metrics: dict):
+    policy = context.policy.perplexity
     candidate, baseline = metrics["candidate"]["perplexity"], metrics["baseline"]["perplexity"]
     metrics["ppl_ratio"] = candidate / baseline
     checks = []
@@ -260,7 +285,7 @@ def perplexity_layer(context: GateContext):
     return metrics, checks
 
 
-def lm_eval_layer(context: GateContext):
+def measure_lm_eval(context: GateContext, subjects: list[Subject]) -> dict:
     from evals.lm_eval_tasks import LOCAL_TASK, run_lm_eval, write_local_task
 
     policy = context.policy.lm_eval
@@ -272,12 +297,16 @@ def lm_eval_layer(context: GateContext):
         include_paths.append(Path(policy.include_path).expanduser())
     if not tasks:
         raise CompressError("the lm_eval layer has no tasks: set gate.lm_eval.local_task=true or gate.lm_eval.tasks")
-    metrics = {
+    return {
         subject.label: run_lm_eval(
             subject.model, subject.tokenizer, tasks, include_paths, policy.limit, policy.batch_size, policy.max_length
         )
-        for subject in (context.candidate, context.baseline)
+        for subject in subjects
     }
+
+
+def judge_lm_eval(context: GateContext, metrics: dict):
+    policy = context.policy.lm_eval
     checks = []
     for task, result in metrics["candidate"].items():
         for name, value in result["metrics"].items():
@@ -291,10 +320,10 @@ def lm_eval_layer(context: GateContext):
     return metrics, checks
 
 
-def json_layer(context: GateContext):
+def measure_json(context: GateContext, subjects: list[Subject]) -> dict:
     policy = context.policy.json
     metrics = {}
-    for subject in (context.candidate, context.baseline):
+    for subject in subjects:
         # Constrained decoding needs per-step logits: always the transformers loop, whatever the backend.
         generator = (
             generation.TransformersGenerator(subject.model, subject.tokenizer)
@@ -309,6 +338,11 @@ def json_layer(context: GateContext):
             policy.num_prompts,
             policy.constrained,
         )
+    return metrics
+
+
+def judge_json(context: GateContext, metrics: dict):
+    policy = context.policy.json
     checks = []
     for name, max_drop in (
         ("json_validity", policy.max_validity_drop_points),
@@ -323,17 +357,13 @@ def json_layer(context: GateContext):
     return metrics, checks
 
 
-def needle_layer(context: GateContext):
+def measure_needle(context: GateContext, subjects: list[Subject]) -> dict:
     policy = context.policy.needle
-    max_context = min(
-        getattr(subject.model.config, "max_position_embeddings", 2048)
-        for subject in (context.candidate, context.baseline)
-    )
-    lengths = needle.context_lengths(list(policy.context_lengths), max_context)
+    lengths = needle.context_lengths(list(policy.context_lengths), context.max_context)
     if not lengths:
-        raise CompressError(f"no gate.needle.context_lengths fit the model's context of {max_context} tokens")
+        raise CompressError(f"no gate.needle.context_lengths fit the model's context of {context.max_context} tokens")
     filler = context.evaluation_ids.tolist()
-    metrics = {
+    return {
         subject.label: needle.evaluate_needle(
             subject.generator,
             subject.tokenizer,
@@ -343,8 +373,12 @@ def needle_layer(context: GateContext):
             policy.trials,
             context.policy.seed,
         )
-        for subject in (context.candidate, context.baseline)
+        for subject in subjects
     }
+
+
+def judge_needle(context: GateContext, metrics: dict):
+    policy = context.policy.needle
     heatmap = needle.plot_heatmaps(metrics, context.out_dir / "needle_heatmap.png")
     context.files.append(heatmap)
     candidate, baseline = metrics["candidate"]["needle_accuracy"], metrics["baseline"]["needle_accuracy"]
@@ -356,60 +390,77 @@ def needle_layer(context: GateContext):
     return metrics, checks
 
 
-def latency_layer(context: GateContext):
+def _latency_prompt(context: GateContext) -> list[int]:
+    return context.evaluation_ids[: context.policy.latency.prompt_tokens].tolist()
+
+
+def measure_latency(context: GateContext, subjects: list[Subject]) -> dict:
     policy = context.policy.latency
-    prompt = context.evaluation_ids[: policy.prompt_tokens].tolist()
-    result = latency.measure_latency(
-        context.candidate.generator,
-        context.baseline.generator,
-        prompt,
-        policy.new_tokens,
-        policy.repeats,
-        policy.warmup,
+    generators = {subject.label: subject.generator for subject in subjects}
+    prompt = _latency_prompt(context)
+    return latency.measure_latency(generators, prompt, policy.new_tokens, policy.repeats, policy.warmup)
+
+
+def judge_latency(context: GateContext, metrics: dict):
+    policy = context.policy.latency
+    for name in ("ttft", "tpot"):
+        metrics[f"{name}_ratio"] = metrics["candidate"][f"{name}_p50_ms"] / metrics["baseline"][f"{name}_p50_ms"]
+    metrics.update(
+        prompt_tokens=len(_latency_prompt(context)),
+        new_tokens=policy.new_tokens,
+        repeats=policy.repeats,
+        interleaved=context.policy.models_in_memory == 2,
     )
     checks = []
     for name, max_ratio in (("ttft", policy.max_ttft_ratio), ("tpot", policy.max_tpot_ratio)):
         if max_ratio is not None:
-            candidate = result["candidate"][f"{name}_p50_ms"]
-            baseline = result["baseline"][f"{name}_p50_ms"]
+            candidate = metrics["candidate"][f"{name}_p50_ms"]
+            baseline = metrics["baseline"][f"{name}_p50_ms"]
             checks.append(ratio_check("latency", f"{name}_p50_ms", candidate, baseline, max_ratio))
-    return result, checks
+    return metrics, checks
 
 
-LAYERS = {
-    "perplexity": perplexity_layer,
-    "lm_eval": lm_eval_layer,
-    "json": json_layer,
-    "needle": needle_layer,
-    "latency": latency_layer,
+LAYERS = {  # name → (measure the loaded models, judge candidate against baseline)
+    "perplexity": (measure_perplexity, judge_perplexity),
+    "lm_eval": (measure_lm_eval, judge_lm_eval),
+    "json": (measure_json, judge_json),
+    "needle": (measure_needle, judge_needle),
+    "latency": (measure_latency, judge_latency),
 }
 
 
-def run_layer(name: str, context: GateContext) -> LayerResult:
-    """Run one layer; an exception is an ``error`` (which blocks), never a silent pass."""
-    policy = getattr(context.policy, name)
-    start = time.perf_counter()
-    try:
-        metrics, checks = LAYERS[name](context)
-    except Exception as error:  # fail closed: whatever went wrong, the checkpoint does not ship
-        log.error("gate layer %s raised:\n%s", name, traceback.format_exc())
-        return LayerResult(name, "error", time.perf_counter() - start, error=f"{type(error).__name__}: {error}")
-    failed = not all(check.passed for check in checks)
-    status = ("fail" if policy.blocking else "warn") if failed else "pass"
-    return LayerResult(name, status, time.perf_counter() - start, metrics, checks)
+@dataclass
+class LayerRun:
+    """One layer's measurements as they come in, one side or both at a time; an exception is kept, never skipped."""
 
+    name: str
+    metrics: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    error: str | None = None
 
-# --- loading ---
+    def measure(self, context: GateContext, subjects: list[Subject]) -> None:
+        self._timed(lambda: self.metrics.update(LAYERS[self.name][0](context, subjects)))
 
+    def judge(self, context: GateContext) -> LayerResult:
+        verdict: list = []
+        self._timed(lambda: verdict.extend(LAYERS[self.name][1](context, self.metrics)))
+        if self.error is not None:
+            return LayerResult(self.name, "error", self.seconds, error=self.error)
+        metrics, checks = verdict
+        failed = not all(check.passed for check in checks)
+        status = ("fail" if getattr(context.policy, self.name).blocking else "warn") if failed else "pass"
+        return LayerResult(self.name, status, self.seconds, metrics, checks)
 
-def _subject(label: str, source, tokenizer) -> Subject:
-    if isinstance(source, str | Path):
-        model, loaded_tokenizer = loading.load_for_eval(source)
-        path = Path(source).expanduser()
-        return Subject(label, model, tokenizer or loaded_tokenizer, path if path.is_dir() else None)
-    if tokenizer is None:
-        raise CompressError(f"the {label} was passed as a model in memory; pass its tokenizer too")
-    return Subject(label, source.eval(), tokenizer, None)
+    def _timed(self, work) -> None:
+        if self.error is not None:
+            return
+        start = time.perf_counter()
+        try:
+            work()
+        except Exception as error:  # fail closed: whatever went wrong, the checkpoint does not ship
+            log.error("gate layer %s raised:\n%s", self.name, traceback.format_exc())
+            self.error = f"{type(error).__name__}: {error}"
+        self.seconds += time.perf_counter() - start
 
 
 # --- the gate ---
@@ -429,7 +480,11 @@ def run_gate(
 ) -> GateResult:
     """Judge ``candidate`` against ``baseline`` (paths, model names or loaded models) on ``evaluation_texts`` (text
     held out from calibration) and write ``gate.json``/``gate.md`` to ``out_dir``. ``candidate_path`` names the
-    checkpoint of an in-memory candidate; ``candidate_label`` is how reports name the candidate (default: its path)."""
+    checkpoint of an in-memory candidate; ``candidate_label`` is how reports name the candidate (default: its path).
+
+    With ``models_in_memory: 1`` (the default) the baseline is loaded, measured on every layer and freed before the
+    candidate loads, so the gate never holds both models, their KV pools and the candidate's dense CPU weights at
+    once; the candidate then stops at the first blocking failure."""
     resolved = resolve_policy(policy)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -459,40 +514,66 @@ def run_gate(
         )
         result.files = write_report(result, out_dir)
         return result
-    context = _prepare(
-        result,
-        resolved,
-        candidate,
-        baseline,
-        candidate_tokenizer,
-        baseline_tokenizer,
-        candidate_path,
-        evaluation_texts,
-        out_dir,
-    )
-    if context is not None:
-        for name in selected:
-            if result.reasons:  # a blocking failure already decided the verdict: skip the costlier layers
-                result.layers.append(LayerResult(name, "skipped"))
-                continue
-            log.info("gate: %s", name)
-            layer = run_layer(name, context)
-            result.layers.append(layer)
-            if layer.status == "error":
-                result.reasons.append(f"{name}: evaluator error (fail closed): {layer.error}")
-            elif layer.status == "fail":
-                result.reasons += [check.describe() for check in layer.checks if not check.passed]
+    sides = (candidate, baseline, candidate_tokenizer, baseline_tokenizer, candidate_path)
+    prepared = _prepare(result, resolved, *sides, evaluation_texts, out_dir)
+    if prepared is not None:
+        context, subjects = prepared
+        _run_layers(result, context, subjects, selected)
         if not result.reasons and not any(layer.checks for layer in result.layers):
             result.reasons.append(f"no check ran: layers {selected} ran with every limit set to null; set a limit")
         result.passed = not result.reasons
-    result.files = [*write_report(result, out_dir), *(context.files if context else [])]
+    result.files = [*write_report(result, out_dir), *(prepared[0].files if prepared else [])]
     return result
+
+
+def _run_layers(result: GateResult, context: GateContext, subjects: dict[str, Subject], selected: list[str]) -> None:
+    """Measure and judge each selected layer in order; the first blocking failure skips the layers after it."""
+    runs = [LayerRun(name) for name in selected]
+    backend, engine_options = result.backend, dict(context.policy.engine)
+    candidate, baseline = subjects["candidate"], subjects["baseline"]
+    if context.policy.models_in_memory == 1:
+        if _loading(result, baseline, backend, engine_options):
+            for run in runs:
+                log.info("gate: %s (baseline)", run.name)
+                run.measure(context, [baseline])
+            baseline.unload()
+        together = [candidate]
+    else:
+        together = [candidate, baseline]
+    for side in together:
+        if not result.reasons:
+            _loading(result, side, backend, engine_options)
+    for run in runs:
+        if result.reasons:  # a blocking failure already decided the verdict: skip the costlier layers
+            result.layers.append(LayerResult(run.name, "skipped"))
+            continue
+        log.info("gate: %s", run.name)
+        run.measure(context, together)
+        layer = run.judge(context)
+        result.layers.append(layer)
+        if layer.status == "error":
+            result.reasons.append(f"{run.name}: evaluator error (fail closed): {layer.error}")
+        elif layer.status == "fail":
+            result.reasons += [check.describe() for check in layer.checks if not check.passed]
+    for subject in together:
+        subject.unload()
 
 
 def _policy_dict(policy: GatePolicy) -> dict:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.structured(policy))
+
+
+def _loading(result: GateResult, subject: Subject, backend: str, engine_options: dict) -> bool:
+    """Load one side and its generator; a failure blocks like any evaluator error."""
+    try:
+        subject.load(backend, engine_options)
+    except Exception as error:  # fail closed
+        log.error("gate could not load the %s:\n%s", subject.label, traceback.format_exc())
+        result.reasons.append(f"setup: evaluator error (fail closed): {type(error).__name__}: {error}")
+        return False
+    return True
 
 
 def _prepare(
@@ -505,27 +586,36 @@ def _prepare(
     candidate_path,
     evaluation_texts,
     out_dir,
-):
-    """Load both sides and their generators; a failure here blocks like any evaluator error."""
+) -> tuple[GateContext, dict[str, Subject]] | None:
+    """Both sides described (tokenizer, config, KV dtype) without loading either model, and the evaluation ids; a
+    failure here blocks like any evaluator error."""
     try:
-        candidate_subject = _subject("candidate", candidate, candidate_tokenizer)
-        candidate_subject.path = candidate_subject.path or (Path(candidate_path) if candidate_path else None)
-        baseline_subject = _subject("baseline", baseline, baseline_tokenizer or candidate_subject.tokenizer)
-        kv_cache_dtype = policy.kv_cache_dtype or loading.kv_cache_dtype_of(candidate_subject.path)
-        backend = generation.choose_backend(policy.backend)
-        result.backend, result.kv_cache_dtype = backend, kv_cache_dtype
-        for subject in (candidate_subject, baseline_subject):
+        candidate_tokenizer, candidate_config, candidate_dir = loading.describe(
+            "candidate", candidate, candidate_tokenizer
+        )
+        baseline_tokenizer, baseline_config, baseline_dir = loading.describe(
+            "baseline", baseline, baseline_tokenizer or candidate_tokenizer
+        )
+        candidate_dir = candidate_dir or (Path(candidate_path) if candidate_path else None)
+        kv_cache_dtype = policy.kv_cache_dtype or loading.kv_cache_dtype_of(candidate_dir)
+        result.backend = generation.choose_backend(policy.backend)
+        result.kv_cache_dtype = kv_cache_dtype
+        subjects = {
+            "candidate": Subject("candidate", candidate, candidate_tokenizer, candidate_dir, kv_cache_dtype),
             # The baseline keeps its own cache dtype: it is the reference the candidate's KV quantization is judged by.
-            subject_kv = kv_cache_dtype if subject is candidate_subject else loading.kv_cache_dtype_of(subject.path)
-            subject.generator = generation.make_generator(
-                backend, subject.model, subject.tokenizer, subject_kv, dict(policy.engine)
-            )
-        ids = tokenize(candidate_subject.tokenizer, "\n\n".join(evaluation_texts))
+            "baseline": Subject(
+                "baseline", baseline, baseline_tokenizer, baseline_dir, loading.kv_cache_dtype_of(baseline_dir)
+            ),
+        }
+        ids = tokenize(candidate_tokenizer, "\n\n".join(evaluation_texts))
+        max_context = min(
+            getattr(config, "max_position_embeddings", 2048) for config in (candidate_config, baseline_config)
+        )
     except Exception as error:  # fail closed
         log.error("gate could not prepare its inputs:\n%s", traceback.format_exc())
         result.reasons.append(f"setup: evaluator error (fail closed): {type(error).__name__}: {error}")
         return None
-    return GateContext(policy, candidate_subject, baseline_subject, list(evaluation_texts), ids, out_dir)
+    return GateContext(policy, list(evaluation_texts), ids, max_context, out_dir), subjects
 
 
 GATE_METRICS = {

@@ -1,8 +1,9 @@
 """Latency layer: time to first token (TTFT) and time per output token (TPOT) of candidate and baseline.
 
-Both models run in the same process on the same prompt, in alternating order (candidate first, then baseline
-first, ...) so drift in the machine's speed hits both alike. The gate judges only the ratios candidate / baseline:
-absolute times on shared machines say more about the machine than about the checkpoint.
+Given both models at once (``gate.models_in_memory: 2``) they run in alternating order on the same prompt (candidate
+first, then baseline first, ...) so drift in the machine's speed hits both alike; given one at a time, each is timed
+in its own phase of the gate. The gate judges only the ratios candidate / baseline: absolute times on shared machines
+say more about the machine than about the checkpoint.
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ def _summary(samples: list[tuple[float, float]]) -> dict:
 
 
 def measure_latency(
-    candidate: Generator, baseline: Generator, prompt_ids: list[int], new_tokens: int, repeats: int, warmup: int
-) -> dict:
-    """Per-model p50/p95 of TTFT and TPOT and the candidate/baseline ratios of the p50s."""
-    generators = {"candidate": candidate, "baseline": baseline}
+    generators: dict[str, Generator], prompt_ids: list[int], new_tokens: int, repeats: int, warmup: int
+) -> dict[str, dict]:
+    """p50/p95 of TTFT and TPOT per generator, the generators taking turns in alternating order each round."""
     samples: dict[str, list[tuple[float, float]]] = {label: [] for label in generators}
     for round_index in range(warmup + repeats):
         order = list(generators) if round_index % 2 == 0 else list(reversed(generators))
@@ -35,8 +35,4 @@ def measure_latency(
             timing = generators[label].time_generation(prompt_ids, new_tokens)
             if round_index >= warmup:
                 samples[label].append(timing)
-    result = {label: _summary(label_samples) for label, label_samples in samples.items()}
-    result["ttft_ratio"] = result["candidate"]["ttft_p50_ms"] / result["baseline"]["ttft_p50_ms"]
-    result["tpot_ratio"] = result["candidate"]["tpot_p50_ms"] / result["baseline"]["tpot_p50_ms"]
-    result.update(prompt_tokens=len(prompt_ids), new_tokens=new_tokens, repeats=repeats)
-    return result
+    return {label: _summary(label_samples) for label, label_samples in samples.items()}

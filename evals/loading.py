@@ -1,20 +1,37 @@
 """What the gate judges, loaded by ``compress.models.load`` (compressed-tensors checkpoints, plain HF folders, model
-names), and the KV-cache dtype a checkpoint asks for."""
+names), described without loading its weights, and the KV-cache dtype a checkpoint asks for."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from compress.checkpoint import read_quantization_config
+from compress.checkpoint import load_tokenizer, loading_errors, read_quantization_config
 from compress.errors import CompressError
 from compress.kv_quant import KVCacheScheme
-from compress.models import load
+from compress.models import ModelSpec, load, resolve_model_path
 
 
 def load_for_eval(source: str | Path):
     """``(model, tokenizer)`` with every layer in memory: the gate moves models between devices and runs them
     whole."""
     return load(source, lazy=False)
+
+
+def describe(label: str, source, tokenizer=None) -> tuple[Any, Any, Path | None]:
+    """``(tokenizer, config, local folder or None)`` of one side of the gate, its weights left on disk: the gate reads
+    both sides' contexts and tokenizer before it loads either model."""
+    if not isinstance(source, str | Path):
+        if tokenizer is None:
+            raise CompressError(f"the {label} was passed as a model in memory; pass its tokenizer too")
+        return tokenizer, source.config, None
+    from transformers import AutoConfig
+
+    path = resolve_model_path(ModelSpec(str(source)))
+    with loading_errors(path):
+        config = AutoConfig.from_pretrained(path)
+    folder = Path(path)
+    return tokenizer or load_tokenizer(path), config, folder if folder.is_dir() else None
 
 
 def kv_cache_dtype_of(path: Path | None) -> str | None:

@@ -9,7 +9,8 @@ The rules:
   ``compress.qlinear``, ``compress.quant``, ``compress.fp4`` and ``compress.kv_quant`` (the quantized layers and KV
   scheme a checkpoint loads into); never Hydra, MLflow, lm-eval, the pipeline or the gate.
 * ``evals/`` may add the gate's own libraries (lm-eval, matplotlib, jsonschema, omegaconf for its policy schema,
-  tqdm) and the runtime side of ``compress`` (engine, checkpoint, models, errors, data, qlinear, quant), but never
+  tqdm) and the runtime side of ``compress`` (engine, checkpoint, models, errors, data, qlinear, quant, and the
+  layer-walk and memory helpers ``compress.models`` itself uses: calibration, memory), but never
   ``compress.pipeline``, ``compress.commands``, ``compress.tracking``, ``compress.config``, nor MLflow: the app layer
   records the gate's verdict.
 """
@@ -38,6 +39,8 @@ RUNTIME_ALLOWED = RUNTIME_THIRD_PARTY | RUNTIME_COMPRESS | {"kernels"}
 EVALS_ALLOWED = RUNTIME_ALLOWED | {
     "evals",
     "compress.models",
+    "compress.calibration",
+    "compress.memory",
     "compress.data",
     "lm_eval",
     "matplotlib",

@@ -14,6 +14,7 @@ from helpers import pydoc_tokenizer, save, scale_by_noise, tiny_model_for
 
 from compress.commands import gate as gate_command
 from compress.data import DataSpec, load_corpus
+from compress.errors import CompressError
 from compress.tracking import tracking_uri
 from evals.gate import run_gate
 
@@ -196,3 +197,47 @@ def test_a_gate_whose_limits_are_all_null_blocks(checkpoints, tmp_path):
     )
     assert code == 1
     assert "every limit set to null" in json.loads((tmp_path / "gate.json").read_text())["reasons"][0]
+
+
+@pytest.mark.parametrize("models_in_memory", [1, 2])
+def test_the_gate_holds_as_many_models_as_its_policy_allows(checkpoints, tmp_path, monkeypatch, models_in_memory):
+    """With one model in memory the baseline is measured on every layer and freed before the candidate loads; with two
+    both stay loaded and latency is timed interleaved. Both judge the same metrics."""
+    import gc
+    import weakref
+
+    from evals import loading
+
+    alive, most_alive = [], [0]
+    real_load = loading.load_for_eval
+
+    def counting_load(source):
+        gc.collect()
+        model, tokenizer = real_load(source)
+        alive.append(weakref.ref(model))
+        most_alive[0] = max(most_alive[0], sum(ref() is not None for ref in alive))
+        return model, tokenizer
+
+    monkeypatch.setattr(loading, "load_for_eval", counting_load)
+    policy = {
+        "models_in_memory": models_in_memory,
+        "backend": "transformers",
+        "layers": ["perplexity", "needle", "latency"],
+        "perplexity": {"seq_len": 64, "max_windows": 2},
+        "needle": {"context_lengths": [160], "depths": [0.5], "trials": 1},
+        "latency": {"prompt_tokens": 16, "new_tokens": 2, "repeats": 1, "warmup": 0, "blocking": False},
+    }
+    texts = load_corpus(DataSpec()).evaluation
+    result = run_gate(checkpoints["base"], checkpoints["base"], policy, tmp_path, evaluation_texts=texts)
+    assert most_alive[0] == models_in_memory
+    assert len(alive) == 2  # each side loaded once
+    assert [layer.status for layer in result.layers][:2] == ["pass", "pass"]
+    assert result.metric("perplexity", "perplexity") == result.metric("perplexity", "perplexity", "baseline")
+    assert result.layers[2].metrics["interleaved"] is (models_in_memory == 2)
+    assert result.layers[2].metrics["tpot_ratio"] > 0
+
+
+def test_models_in_memory_other_than_one_or_two_is_a_policy_error(checkpoints, tmp_path):
+    texts = load_corpus(DataSpec()).evaluation
+    with pytest.raises(CompressError, match="models_in_memory=3"):
+        run_gate(checkpoints["base"], checkpoints["base"], {"models_in_memory": 3}, tmp_path, evaluation_texts=texts)
