@@ -20,12 +20,14 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from compress.calibration import decoder_layers
 from compress.checkpoint import (
     load_checkpoint,
     load_tokenizer,
     loading_errors,
+    parameters_on_meta,
     read_quantization_config,
     source_dtype,
     torch_dtype,
@@ -248,13 +250,12 @@ def _load_lazy(folder: Path, spec: ModelSpec, dtype: torch.dtype | str):
     """The model with embeddings, final norm and head loaded and every decoder layer still on the meta device;
     None when the checkpoint's tensor names are not exactly the model's (transformers renames some legacy
     checkpoints while loading them), so the caller falls back to the eager load."""
-    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
     dtype = source_dtype(config) if dtype == "auto" else dtype
     weights = LazyWeights(folder, dtype)
-    with init_empty_weights():  # parameters on meta; buffers (rotary frequencies) are computed for real
+    with parameters_on_meta():  # buffers (rotary frequencies) are computed for real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=spec.trust_remote_code)
     stored = set(weights.weight_map)
     expected = set(model.state_dict())
@@ -290,6 +291,18 @@ def materialize_layer(model: torch.nn.Module, index: int) -> None:
         {key.removeprefix(prefix): value for key, value in tensors.items()}, strict=True, assign=True
     )
     weights.loaded.add(index)
+
+
+def release_layer(model: torch.nn.Module, index: int) -> None:
+    """Send a lazily loaded model's decoder layer ``index`` back to the meta device (the next
+    :func:`materialize_layer` reads it from disk again): a streamed evaluation leaves the model as lean as it was."""
+    weights: LazyWeights | None = getattr(model, "lazy_weights", None)
+    if weights is None or index not in weights.loaded:
+        return
+    for module in decoder_layers(model)[index].modules():
+        for name, param in module.named_parameters(recurse=False):
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+    weights.loaded.discard(index)
 
 
 def materialize_all(model: torch.nn.Module) -> None:

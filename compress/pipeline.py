@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,14 +16,13 @@ import yaml
 
 from compress import distributed
 from compress.api import checkpoint_writer, named_summaries, select_device, write_checkpoint
-from compress.calibration import fp32_compute
 from compress.checkpoint import load_checkpoint
 from compress.compression import compress_model
 from compress.config import RunConfig, check_evaluation_length
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
 from compress.memory import release_freed_memory
-from compress.models import check_model_source, load, materialize_all, resolve_model_path
+from compress.models import check_model_source, load, resolve_model_path
 from compress.moe import unfuse_experts
 from compress.paths import artifacts_dir
 from compress.report import Timer, peak_rss_mb, run_metrics, write_report
@@ -32,7 +30,7 @@ from compress.rundir import sigterm_as_interrupt, staged_run_folder
 from compress.stages import Stage, build_chain
 from compress.stages.rtn import rtn_reference
 from compress.tracking import RunLog, check_writable, flatten, record_verdict, tracking_uri
-from evals.perplexity import PerplexityResult, perplexity
+from evals.perplexity import PerplexityResult, stored_model_perplexity
 
 
 @dataclass
@@ -156,20 +154,11 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
 
 
 def _evaluate(model, eval_ids: torch.Tensor, config: RunConfig, label: str, device: torch.device) -> PerplexityResult:
-    """Perplexity with every layer loaded. On CPU a 16-bit model computes in fp32, one layer widened at a time, so
-    that CPU numbers stay comparable across source dtypes (measured on the default model: bf16 compute moved
-    perplexity +0.10%, bf16 storage with fp32 compute −0.03%); on a GPU the model runs in its own dtype."""
-    materialize_all(model)
-    model.to(device)
+    protocol = (config.eval.seq_len, config.eval.batch_size, config.eval.max_windows)
     try:
-        with fp32_compute(model) if device.type == "cpu" else nullcontext():
-            return perplexity(
-                model, eval_ids, config.eval.seq_len, config.eval.batch_size, config.eval.max_windows, label=label
-            )
+        return stored_model_perplexity(model, eval_ids, *protocol, label=label, device=device)
     except FloatingPointError as error:
         raise CompressError(str(error)) from error
-    finally:
-        model.to("cpu")
 
 
 def _gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None) -> dict:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+from compress.errors import CompressError
 
 
 @dataclass
@@ -63,7 +66,104 @@ def perplexity(
     return PerplexityResult(math.exp(mean_nll), mean_nll, total_tokens, len(windows), seq_len)
 
 
+@torch.no_grad()
+def streamed_perplexity(
+    model: torch.nn.Module,
+    token_ids: torch.Tensor,
+    seq_len: int,
+    batch_size: int = 4,
+    max_windows: int | None = None,
+    label: str = "perplexity",
+    progress: bool = True,
+) -> PerplexityResult:
+    """:func:`perplexity` of a lazily loaded model (``compress.models.load``) on the CPU, computed layer by layer:
+    every window goes through decoder layer 0, then all of them through layer 1, and so on, each layer read from disk
+    and dropped again. It holds one layer and the windows' hidden states (28k tokens × 576 × 4 bytes = 66 MB on the
+    default model) instead of the whole model, and leaves the model lazy for the compression walk after it."""
+    from compress.calibration import capture_first_layer_inputs, decoder_layers, fp32_compute, run_layer
+    from compress.models import materialize_layer, release_layer
+
+    windows = evaluation_windows(token_ids, seq_len, max_windows)
+    head, cap = model.get_output_embeddings(), _softcap(model)
+    with fp32_compute(model):
+        inputs = capture_first_layer_inputs(model, windows, batch_size, torch.device("cpu"))
+        for index in tqdm(range(len(decoder_layers(model))), desc=label, unit="layer", disable=not progress):
+            materialize_layer(model, index)
+            try:
+                inputs = run_layer(decoder_layers(model)[index], inputs, f"{label}: layer {index}")
+            except CompressError as error:
+                raise FloatingPointError(f"{label}: the model produced non-finite values (NaN/inf) ({error})") from None
+            release_layer(model, index)
+        total_nll = 0.0
+        for start, hidden in zip(range(0, len(windows), batch_size), inputs.hidden, strict=True):
+            batch = windows[start : start + batch_size]
+            total_nll += _head_nll(model.model.norm(hidden), batch, head, cap).item()
+    if not math.isfinite(total_nll):
+        raise FloatingPointError(f"{label}: the model produced non-finite logits (NaN/inf)")
+    tokens = windows[:, 1:].numel()
+    return PerplexityResult(math.exp(total_nll / tokens), total_nll / tokens, tokens, len(windows), seq_len)
+
+
+def stored_model_perplexity(
+    model: torch.nn.Module,
+    token_ids: torch.Tensor,
+    seq_len: int,
+    batch_size: int,
+    max_windows: int | None,
+    *,
+    label: str,
+    device: torch.device,
+) -> PerplexityResult:
+    """Perplexity of a model as ``compress`` stores it (lazily loaded, compressed, any dtype), the way a run reports
+    it. On CPU a 16-bit model computes in fp32, one layer widened at a time, so that CPU numbers stay comparable across
+    source dtypes (measured on the default model: bf16 compute moved perplexity +0.10%, bf16 storage with fp32 compute
+    −0.03%), and a lazily loaded model is streamed layer by layer; on a GPU the model runs whole in its own dtype."""
+    from compress.calibration import fp32_compute
+    from compress.models import materialize_all
+
+    if device.type == "cpu" and can_stream(model):
+        return streamed_perplexity(model, token_ids, seq_len, batch_size, max_windows, label)
+    materialize_all(model)
+    model.to(device)
+    try:
+        with fp32_compute(model) if device.type == "cpu" else nullcontext():
+            return perplexity(model, token_ids, seq_len, batch_size, max_windows, label=label)
+    finally:
+        model.to("cpu")
+
+
+def can_stream(model: torch.nn.Module) -> bool:
+    """Whether :func:`streamed_perplexity` computes this model's perplexity: a lazily loaded decoder whose logits are
+    its final norm and output head (soft-capped or not), as every family ``compress`` supports has them."""
+    inner = getattr(model, "model", None)
+    return (
+        getattr(model, "lazy_weights", None) is not None
+        and isinstance(getattr(inner, "norm", None), torch.nn.Module)
+        and model.get_output_embeddings() is not None
+    )
+
+
 HEAD_CHUNK = 256  # positions whose logits exist at once when the output head runs apart from the decoder
+
+
+def _softcap(model: torch.nn.Module) -> float | None:
+    return getattr(model.config.get_text_config(), "final_logit_softcapping", None)  # Gemma-2/3
+
+
+def _logits(hidden: torch.Tensor, head: torch.nn.Module, cap: float | None) -> torch.Tensor:
+    logits = head(hidden).float()
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def _head_nll(hidden: torch.Tensor, batch: torch.Tensor, head: torch.nn.Module, cap: float | None) -> torch.Tensor:
+    """Summed next-token NLL of ``batch`` from its final hidden states, the head run on ``HEAD_CHUNK`` positions at a
+    time."""
+    hidden, targets = hidden[:, :-1].flatten(0, 1), batch[:, 1:].flatten()
+    nll = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, len(targets), HEAD_CHUNK):
+        logits = _logits(hidden[start : start + HEAD_CHUNK], head, cap)
+        nll += F.cross_entropy(logits, targets[start : start + HEAD_CHUNK], reduction="sum")
+    return nll
 
 
 def _scorer(model: torch.nn.Module, probe: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -71,22 +171,10 @@ def _scorer(model: torch.nn.Module, probe: torch.Tensor) -> Callable[[torch.Tens
     (4 × 512 × 49152 × 4 bytes = 403 MB on the default model; 1.2 GB with a 152k vocabulary), the largest block of
     an evaluation's memory. Where the model is a decoder plus an output head, the head runs on ``HEAD_CHUNK``
     positions at a time instead; that split is used only if it gives the full forward's logits on ``probe``."""
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-    config = model.config.get_text_config()
-    cap = getattr(config, "final_logit_softcapping", None)  # Gemma-2/3
-
-    def logits_of(hidden: torch.Tensor) -> torch.Tensor:
-        logits = head(hidden).float()
-        return torch.tanh(logits / cap) * cap if cap else logits
+    decoder, head, cap = model.get_decoder(), model.get_output_embeddings(), _softcap(model)
 
     def chunked(batch: torch.Tensor) -> torch.Tensor:
-        hidden = decoder(input_ids=batch).last_hidden_state[:, :-1].flatten(0, 1)
-        targets = batch[:, 1:].flatten()
-        nll = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, len(targets), HEAD_CHUNK):
-            logits = logits_of(hidden[start : start + HEAD_CHUNK])
-            nll += F.cross_entropy(logits, targets[start : start + HEAD_CHUNK], reduction="sum")
-        return nll
+        return _head_nll(decoder(input_ids=batch).last_hidden_state, batch, head, cap)
 
     def whole(batch: torch.Tensor) -> torch.Tensor:
         logits = model(input_ids=batch).logits
@@ -99,7 +187,7 @@ def _scorer(model: torch.nn.Module, probe: torch.Tensor) -> Callable[[torch.Tens
     if decoder is None or decoder is model or head is None:
         return whole
     try:
-        split = logits_of(decoder(input_ids=probe).last_hidden_state)
+        split = _logits(decoder(input_ids=probe).last_hidden_state, head, cap)
     except (TypeError, AttributeError):  # a decoder that is not a transformers base model
         return whole
     reference = model(input_ids=probe).logits.float()

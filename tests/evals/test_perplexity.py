@@ -65,3 +65,32 @@ def test_a_model_whose_forward_changes_the_heads_logits_is_scored_by_its_full_fo
     ids = torch.randint(0, 320, (4 * 32,), generator=torch.Generator().manual_seed(0))
     result = perplexity(model, ids, 32, progress=False)
     assert result.mean_nll == pytest.approx(_full_logits_nll(model, ids.view(4, 32)), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    [("llama", torch.bfloat16), ("gemma2", torch.float32), ("phi3", torch.float32), ("gemma3", torch.float32)],
+)
+def test_a_lazily_loaded_model_is_scored_layer_by_layer_as_the_whole_model_scores(tmp_path, family, dtype):
+    """The streamed evaluation holds one decoder layer at a time, leaves the model lazy for the walk after it, and
+    gives the perplexity of the whole model computed in fp32 (gemma2: soft-capped logits; bf16 storage widened)."""
+    from compress.models import load
+    from evals.perplexity import can_stream, stored_model_perplexity
+
+    build_tiny_model(family).to(dtype).save_pretrained(tmp_path, safe_serialization=True)
+    lazy, _ = load(tmp_path)
+    eager, _ = load(tmp_path, lazy=False)
+    assert can_stream(lazy) and not can_stream(eager)
+    ids = torch.randint(0, 320, (7 * 64,), generator=torch.Generator().manual_seed(0))
+    resident: list[int] = []
+    for layer in decoder_layers(lazy):
+        layer.register_forward_pre_hook(
+            lambda _module, _args: resident.append(sum(not p.is_meta for p in lazy.model.layers.parameters()))
+        )
+    cpu = torch.device("cpu")
+    streamed = stored_model_perplexity(lazy, ids, 64, 4, None, label="streamed", device=cpu)
+    whole = stored_model_perplexity(eager, ids, 64, 4, None, label="whole", device=cpu)
+    per_layer = sum(1 for _ in decoder_layers(eager)[0].parameters())
+    assert max(resident) == per_layer  # one layer's parameters at a time
+    assert lazy.lazy_weights.loaded == set()
+    assert streamed.tokens == whole.tokens and streamed.mean_nll == pytest.approx(whole.mean_nll, rel=1e-5)
