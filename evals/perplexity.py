@@ -133,11 +133,13 @@ def stored_model_perplexity(
 
 
 def can_stream(model: torch.nn.Module) -> bool:
-    """Whether :func:`streamed_perplexity` computes this model's perplexity: a lazily loaded decoder whose logits are
+    """Whether :func:`streamed_perplexity` computes this model's perplexity: a lazily loaded decoder with no layer read
+    yet (a layer already in memory may have been compressed in place: the file no longer holds it), whose logits are
     its final norm and output head (soft-capped or not), as every family ``compress`` supports has them."""
-    inner = getattr(model, "model", None)
+    inner, weights = getattr(model, "model", None), getattr(model, "lazy_weights", None)
     return (
-        getattr(model, "lazy_weights", None) is not None
+        weights is not None
+        and not weights.loaded
         and isinstance(getattr(inner, "norm", None), torch.nn.Module)
         and model.get_output_embeddings() is not None
     )

@@ -94,3 +94,21 @@ def test_a_lazily_loaded_model_is_scored_layer_by_layer_as_the_whole_model_score
     assert max(resident) == per_layer  # one layer's parameters at a time
     assert lazy.lazy_weights.loaded == set()
     assert streamed.tokens == whole.tokens and streamed.mean_nll == pytest.approx(whole.mean_nll, rel=1e-5)
+
+
+def test_a_lazy_model_compressed_in_place_is_scored_whole_and_stays_usable(tmp_path):
+    """The run's round-to-nearest reference is loaded lazily and quantized by the walk: its layers are no longer the
+    file's, so it must not be streamed (dropping a layer would lose it, and re-reading it would bring back dense
+    weights)."""
+    from compress.compression import compress_model
+    from compress.models import load
+    from evals.perplexity import can_stream, stored_model_perplexity
+
+    build_tiny_llama(seed=5).save_pretrained(tmp_path, safe_serialization=True)
+    model, _ = load(tmp_path)
+    ids = torch.randint(0, 320, (4 * 32,), generator=torch.Generator().manual_seed(0))
+    compress_model(model, [{"type": "rtn", "bits": 4, "group_size": 32}], ids.view(4, 32), batch_size=1)
+    assert not can_stream(model)
+    first = stored_model_perplexity(model, ids, 32, 4, None, label="rtn", device=torch.device("cpu"))
+    again = stored_model_perplexity(model, ids, 32, 4, None, label="rtn", device=torch.device("cpu"))
+    assert first.mean_nll == again.mean_nll
