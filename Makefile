@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $@
 
 run: setup
+	@# the default model's one-time GGUF conversion in its own process: the run's heap never holds what it freed
+	$(BIN)/python -c "from compress.models import default_model_dir; default_model_dir()"
 	$(BIN)/python -m compress run recipe=$(RECIPE) $(ARGS)
 
 test: setup
