@@ -75,7 +75,7 @@ def run(config: RunConfig) -> RunResult | None:
             report["checkpoint"]["path"] = str(final / "checkpoint")
             if config.gate.enabled:
                 with timer.phase("gate"):
-                    release_freed_memory()  # what the evaluations freed, before the gate loads two models
+                    release_freed_memory()  # what the evaluations freed, before the gate loads its models
                     report["gate"] = _gate(config, staging, final, run_log)
             report.update(
                 wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb(), timings_s=timer.seconds,

@@ -223,7 +223,6 @@ class Subject:
     label: str
     source: Any
     tokenizer: Any
-    path: Path | None
     kv_cache_dtype: str | None
     model: Any = None
     generator: generation.Generator | None = None
@@ -514,8 +513,10 @@ def run_gate(
         )
         result.files = write_report(result, out_dir)
         return result
-    sides = (candidate, baseline, candidate_tokenizer, baseline_tokenizer, candidate_path)
-    prepared = _prepare(result, resolved, *sides, evaluation_texts, out_dir)
+    prepared = _prepare(
+        result, resolved, candidate, baseline, candidate_tokenizer, baseline_tokenizer, candidate_path,
+        evaluation_texts, out_dir,
+    )  # fmt: skip
     if prepared is not None:
         context, subjects = prepared
         _run_layers(result, context, subjects, selected)
@@ -570,10 +571,15 @@ def _loading(result: GateResult, subject: Subject, backend: str, engine_options:
     try:
         subject.load(backend, engine_options)
     except Exception as error:  # fail closed
-        log.error("gate could not load the %s:\n%s", subject.label, traceback.format_exc())
-        result.reasons.append(f"setup: evaluator error (fail closed): {type(error).__name__}: {error}")
+        _setup_failed(result, f"load the {subject.label}", error)
         return False
     return True
+
+
+def _setup_failed(result: GateResult, what: str, error: Exception) -> None:
+    """A gate that could not get ready blocks, with the reason, like any evaluator error."""
+    log.error("gate could not %s:\n%s", what, traceback.format_exc())
+    result.reasons.append(f"setup: evaluator error (fail closed): {type(error).__name__}: {error}")
 
 
 def _prepare(
@@ -601,19 +607,16 @@ def _prepare(
         result.backend = generation.choose_backend(policy.backend)
         result.kv_cache_dtype = kv_cache_dtype
         subjects = {
-            "candidate": Subject("candidate", candidate, candidate_tokenizer, candidate_dir, kv_cache_dtype),
+            "candidate": Subject("candidate", candidate, candidate_tokenizer, kv_cache_dtype),
             # The baseline keeps its own cache dtype: it is the reference the candidate's KV quantization is judged by.
-            "baseline": Subject(
-                "baseline", baseline, baseline_tokenizer, baseline_dir, loading.kv_cache_dtype_of(baseline_dir)
-            ),
+            "baseline": Subject("baseline", baseline, baseline_tokenizer, loading.kv_cache_dtype_of(baseline_dir)),
         }
         ids = tokenize(candidate_tokenizer, "\n\n".join(evaluation_texts))
         max_context = min(
             getattr(config, "max_position_embeddings", 2048) for config in (candidate_config, baseline_config)
         )
     except Exception as error:  # fail closed
-        log.error("gate could not prepare its inputs:\n%s", traceback.format_exc())
-        result.reasons.append(f"setup: evaluator error (fail closed): {type(error).__name__}: {error}")
+        _setup_failed(result, "prepare its inputs", error)
         return None
     return GateContext(policy, list(evaluation_texts), ids, max_context, out_dir), subjects
 

@@ -54,16 +54,19 @@ def perplexity(
     windows = evaluation_windows(token_ids, seq_len, max_windows)
     device = next(model.parameters()).device
     window_nll = _scorer(model, windows[:1, :HEAD_CHUNK].to(device))
-    total_nll, total_tokens = 0.0, 0
+    total_nll = 0.0
     for start in tqdm(range(0, len(windows), batch_size), desc=label, unit="batch", disable=not progress):
-        batch = windows[start : start + batch_size].to(device)
-        nll = window_nll(batch)
+        nll = window_nll(windows[start : start + batch_size].to(device))
         if not torch.isfinite(nll):
             raise FloatingPointError(f"{label}: the model produced non-finite logits (NaN/inf) on window {start}")
         total_nll += nll.item()
-        total_tokens += batch[:, 1:].numel()
-    mean_nll = total_nll / total_tokens
-    return PerplexityResult(math.exp(mean_nll), mean_nll, total_tokens, len(windows), seq_len)
+    return _result(total_nll, windows)
+
+
+def _result(total_nll: float, windows: torch.Tensor) -> PerplexityResult:
+    """The protocol's summary of the summed NLL over every predicted token of ``windows``."""
+    tokens = windows[:, 1:].numel()
+    return PerplexityResult(math.exp(total_nll / tokens), total_nll / tokens, tokens, len(windows), windows.shape[1])
 
 
 @torch.no_grad()
@@ -86,12 +89,13 @@ def streamed_perplexity(
 
     windows = evaluation_windows(token_ids, seq_len, max_windows)
     head, cap = model.get_output_embeddings(), _softcap(model)
+    layers = decoder_layers(model)
     with fp32_compute(model):
         inputs = capture_first_layer_inputs(model, windows, batch_size, torch.device("cpu"))
-        for index in tqdm(range(len(decoder_layers(model))), desc=label, unit="layer", disable=not progress):
+        for index in tqdm(range(len(layers)), desc=label, unit="layer", disable=not progress):
             materialize_layer(model, index)
             try:
-                inputs = run_layer(decoder_layers(model)[index], inputs, f"{label}: layer {index}")
+                inputs = run_layer(layers[index], inputs, f"{label}: layer {index}")
             except CompressError as error:
                 raise FloatingPointError(f"{label}: the model produced non-finite values (NaN/inf) ({error})") from None
             release_layer(model, index)
@@ -102,8 +106,7 @@ def streamed_perplexity(
             total_nll += _head_nll(model.model.norm(hidden), batch, head, cap).item()
     if not math.isfinite(total_nll):
         raise FloatingPointError(f"{label}: the model produced non-finite logits (NaN/inf)")
-    tokens = windows[:, 1:].numel()
-    return PerplexityResult(math.exp(total_nll / tokens), total_nll / tokens, tokens, len(windows), seq_len)
+    return _result(total_nll, windows)
 
 
 def stored_model_perplexity(
