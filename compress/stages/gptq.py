@@ -27,7 +27,7 @@ from compress import distributed
 from compress.errors import CompressError
 from compress.memory import release_freed_memory
 from compress.qlinear import QuantizedLinear
-from compress.quant import WeightScheme, quantize
+from compress.quant import WeightScheme
 from compress.stages.base import LayerContext
 from compress.stages.fp4 import Fp4Grid
 from compress.stages.hessian import (
@@ -71,20 +71,34 @@ class GPTQResult:
 
 
 def _group_params(
-    weight: torch.Tensor, hessian_block: torch.Tensor, scheme: WeightScheme, clip_search: bool, dtype: torch.dtype
+    columns: torch.Tensor, hessian_block: torch.Tensor, scheme: WeightScheme, clip_search: bool, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scale (and zero point) per row ``[out, 1]`` for one group of columns; with ``clip_search`` the range ratio per
-    row that minimises the group's Hessian-weighted rounding error. Every ratio is tried in one stacked quantization
-    and one matmul (a loop over the ratios took a quarter of GPTQ's time); ties keep the earlier, wider range."""
-    ratios = CLIP_RATIOS if clip_search else (1.0,)
-    rows = weight.shape[0]
-    stacked = weight.repeat(len(ratios), 1)
-    clip = torch.tensor(ratios, device=weight.device).repeat_interleave(rows)[:, None]
-    codes, scale, zero = quantize(stacked, WeightScheme(scheme.bits, None, scheme.symmetric), clip, scale_dtype=dtype)
-    delta = dequantize_codes(codes, scale.float(), zero, weight.shape[1]) - stacked
-    error = ((delta @ hessian_block) * delta).sum(1).view(len(ratios), rows)
-    best = error.argmin(0) * rows + torch.arange(rows, device=weight.device)
-    return scale[best], None if zero is None else zero[best]
+    """Scale (and zero point) per row ``[out, 1]`` for one group of ``columns`` (``[group, out]``, the transposed
+    weight's rows); with ``clip_search`` the range ratio per row that minimises the group's Hessian-weighted rounding
+    error. Every ratio is tried at once along a middle axis, with :func:`compress.quant.quantize`'s arithmetic (the
+    stored scales are the ones it would give), and scored by one matmul; ties keep the earlier, wider range."""
+    group, rows = columns.shape
+    ratios = torch.tensor(CLIP_RATIOS if clip_search else (1.0,), device=columns.device)[:, None]
+    weight = columns[:, None, :]  # [group, 1, out]
+    levels = (1 << scheme.bits) - 1
+    if scheme.symmetric:
+        scale = columns.abs().amax(0) * ratios / (levels / 2)
+    else:
+        high = columns.amax(0).clamp(min=0) * ratios
+        low = columns.amin(0).clamp(max=0) * ratios
+        scale = (high - low) / levels
+    scale = scale.clamp(min=torch.finfo(torch.float16).tiny).to(dtype).float()  # [ratios, out]
+    codes = torch.round(weight / scale)
+    zero = None
+    if not scheme.symmetric:
+        zero = (scheme.qmin - torch.round(low / scale)).clamp(scheme.qmin, scheme.qmax)
+        codes = codes.add_(zero).clamp_(scheme.qmin, scheme.qmax).sub_(zero)
+    else:
+        codes.clamp_(scheme.qmin, scheme.qmax)
+    delta = codes.mul_(scale).sub_(weight).reshape(group, -1)  # [group, ratios * out]
+    error = ((hessian_block @ delta) * delta).sum(0).view(len(ratios), rows)
+    best = error.argmin(0), torch.arange(rows, device=columns.device)
+    return scale[best][:, None].to(dtype), None if zero is None else zero[best][:, None].to(torch.int8)
 
 
 class _GroupGrid:
@@ -139,7 +153,7 @@ def gptq_quantize(
     if act_order:  # static groups: parameters fixed from the original weight before any compensation
         for g in range(columns // group):
             cols = slice(g * group, (g + 1) * group)
-            params.set(g, *_group_params(W[:, cols], H[cols, cols], scheme, clip_search, dtype))
+            params.set(g, *_group_params(W[:, cols].t(), H[cols, cols], scheme, clip_search, dtype))
         order = torch.argsort(H.diagonal(), descending=True)
         W, H = W[:, order], H[order][:, order]
     group_of = (order // group).tolist()  # read once: one .item() per column would sync the GPU thousands of times
@@ -158,9 +172,9 @@ def gptq_quantize(
                 column, g = start + i, group_of[start + i]
                 if not act_order and column % group == 0:  # lazy groups: from the weight as compensated so far
                     cols = slice(column, column + group)
-                    pending = Wt[cols].t()
+                    pending = Wt[cols]
                     if grid is not None:
-                        params.set(g, grid.group_scales(pending.contiguous(), H[cols, cols]), None)
+                        params.set(g, grid.group_scales(pending.t().contiguous(), H[cols, cols]), None)
                     else:
                         params.set(g, *_group_params(pending, H[cols, cols], scheme, clip_search, dtype))
                 scale, w, q, error = params.float_scales[g], block[i], centered[column], errors[i]

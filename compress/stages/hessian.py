@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from compress import distributed
 from compress.calibration import LayerInputs, _StopForward, checked_output, observe_inputs
@@ -60,6 +61,9 @@ def _position(row: int):
     return lambda name: names.index(name.rpartition(".")[2]) if names else 0
 
 
+HESSIAN_BLOCK = 256  # rows of Σ x xᵀ per product: smaller blocks skip more of the lower triangle, larger run faster
+
+
 class HessianAccumulator:
     """Running Σ x xᵀ (or only its diagonal, Σ x², when ``diagonal``: Wanda's channel norms) over the tokens seen."""
 
@@ -75,9 +79,16 @@ class HessianAccumulator:
             self.total = torch.zeros(shape, dtype=x.dtype, device=x.device)
         if self.diagonal:
             self.total += x.pow(2).sum(0)
-        else:
-            self.total.addmm_(x.T, x)  # in place: no second [in, in] temporary per batch
+        else:  # in place, and only the blocks on and above the diagonal: a quarter fewer products
+            for start in range(0, x.shape[1], HESSIAN_BLOCK):
+                rows = slice(start, start + HESSIAN_BLOCK)
+                self.total[rows, start:].addmm_(x[:, rows].T, x[:, start:])
         self.tokens += x.shape[0]
+
+    def finite(self) -> bool:
+        """False when an input held NaN/inf (or squared past fp32): Σ x² on the diagonal is then not finite."""
+        total = self.total if self.diagonal else self.total.diagonal()
+        return bool(torch.isfinite(total).all())
 
     def all_reduce(self) -> None:
         """Sum the running totals over the data-parallel ranks (each saw its own shard of the tokens)."""
@@ -85,7 +96,11 @@ class HessianAccumulator:
         self.tokens = distributed.sum_count(self.tokens, self.total.device)
 
     def hessian(self) -> torch.Tensor:
-        """E[x xᵀ] (or E[x²] per channel)."""
+        """E[x xᵀ] (or E[x²] per channel): the blocks below the diagonal are filled from those above it."""
+        if not self.diagonal:
+            width = self.total.shape[0]
+            for start in range(HESSIAN_BLOCK, width, HESSIAN_BLOCK):
+                self.total[start:, start - HESSIAN_BLOCK : start] = self.total[start - HESSIAN_BLOCK : start, start:].T
         return self.total / self.tokens
 
 
@@ -131,12 +146,12 @@ def _with_first(output, value: torch.Tensor):
     return value if isinstance(output, torch.Tensor) else type(output)((value, *output[1:]))
 
 
-def _run_batches(module, calls, layer, scopes: dict[str, _Scope], pre: dict, post: dict) -> list:
-    """``module(*args, **kwargs)`` per call with the given hooks on ``layer``'s submodules; scopes whose outputs
-    are final return them instead of running. Returns what each call returned (None where a hook stopped it)."""
+def _run_batches(module, calls, layer, scopes: dict[str, _Scope], pre: dict) -> list:
+    """``module(*args, **kwargs)`` per call with the given forward pre-hooks on ``layer``'s submodules; scopes whose
+    outputs are final return them instead of running. Returns what each call returned (None where a hook stopped
+    it)."""
     final = {name: scope.outputs for name, scope in scopes.items() if scope.outputs is not None}
     handles = [layer.get_submodule(n).register_forward_pre_hook(fn, with_kwargs=True) for n, fn in pre.items()]
-    handles += [layer.get_submodule(n).register_forward_hook(fn, with_kwargs=True) for n, fn in post.items()]
     results = []
     try:
         for index, (args, kwargs) in enumerate(calls):
@@ -177,26 +192,19 @@ def sequential_hessians(
         last_of_scope = scope_name is not None and all(_scope_of(g[0]) != scope_name for g in groups[position + 1 :])
         replay = scope is not None and bool(scope.calls)
         linear = layer.get_submodule(leader)
-        # keeping this linear's input costs no more than keeping the scope's output, which it then rebuilds
-        keep = replay and last_of_scope and len(group) == 1 and linear.in_features <= linear.out_features
+        keep = replay and last_of_scope and len(group) == 1 and _worth_keeping(linear, ctx.inputs)
         kept_inputs, linear_outputs = [], []
 
-        def observe(_module, args, kwargs, leader=leader, accumulator=accumulator, keep=keep, kept=kept_inputs):
+        def observe(_module, args, kwargs, accumulator=accumulator, keep=keep, kept=kept_inputs):
             x = args[0] if args else kwargs["input"]
-            flat = x.reshape(-1, x.shape[-1]).float()
-            if not torch.isfinite(flat).all():
-                raise CompressError(
-                    f"{ctx.name}.{leader}: calibration activations hold NaN/inf; check the model weights, the "
-                    "calibration text and earlier stages"
-                )
-            accumulator.add(flat)
+            accumulator.add(x.reshape(-1, x.shape[-1]).float())
             if not keep:
                 raise _StopForward
             kept.append(x)
 
-        pre, post = {leader: observe}, {}
-        if keep:
-            post[leader] = lambda _m, _a, _k, output, outs=linear_outputs: outs.append(output)
+        pre = {leader: observe}
+        if keep:  # the scope's output is rebuilt from the kept inputs once the linear is final: skip its product now
+            linear.forward = lambda x, outs=linear_outputs, width=linear.out_features: _stand_in(x, width, outs)
         if replay:
             module, calls = layer.get_submodule(scope_name), scope.calls
         else:
@@ -204,11 +212,19 @@ def sequential_hessians(
             if scope_name is not None:
                 scope = scopes[scope_name] = _Scope()
                 pre[scope_name] = lambda _m, args, kwargs, calls=scope.calls: calls.append((args, kwargs))
-        with all_tokens_through_experts(layer):
-            returned = _run_batches(module, calls, layer, scopes, pre, post)
+        try:
+            with all_tokens_through_experts(layer):
+                returned = _run_batches(module, calls, layer, scopes, pre)
+        finally:
+            linear.__dict__.pop("forward", None)
         if accumulator.total is None:
             raise CompressError(
                 f"{ctx.name}.{leader}: no calibration token reached this linear's input; the layer never calls it"
+            )
+        if not accumulator.finite():
+            raise CompressError(
+                f"{ctx.name}.{leader}: calibration activations hold NaN/inf; check the model weights, the "
+                "calibration text and earlier stages"
             )
         accumulator.all_reduce()
         yield group, accumulator.hessian()
@@ -221,8 +237,28 @@ def sequential_hessians(
             scope.outputs = [_with_first(o, final(x)) for o, x in zip(returned, kept_inputs, strict=True)]
         for held in (kept_inputs, linear_outputs, returned):  # activations: free them before the next forward
             held.clear()
-    outputs = _run_batches(layer, layer_calls, layer, scopes, {}, {})
+    outputs = _run_batches(layer, layer_calls, layer, scopes, {})
     ctx.outputs = LayerInputs([checked_output(_first(o), ctx.name) for o in outputs], ctx.inputs.kwargs)
+
+
+KEPT_INPUT_BYTES = 256 * 2**20  # a linear's inputs over all calibration tokens kept to skip rerunning its scope
+
+
+def _worth_keeping(linear: nn.Module, inputs: LayerInputs) -> bool:
+    """Keep a scope's last linear's inputs (to rebuild the scope's output from them once the linear is final) when
+    they cost no more than the scope's output would, or fit in ``KEPT_INPUT_BYTES``: otherwise the scope (the whole
+    MLP for down_proj) runs a second time. A 4B model's down_proj inputs over 64x512 tokens are 1.8 GB in fp32."""
+    tokens = sum(hidden.numel() // hidden.shape[-1] for hidden in inputs.hidden)
+    width = linear.in_features
+    return width <= linear.out_features or tokens * width * inputs.hidden[0].element_size() <= KEPT_INPUT_BYTES
+
+
+def _stand_in(x: torch.Tensor, width: int, outputs: list) -> torch.Tensor:
+    """What a kept linear returns while its inputs are observed: zeros of its output's shape, recorded to check
+    that the scope returns it untouched (then its real output is computed once, from the final weights)."""
+    output = x.new_zeros(*x.shape[:-1], width)
+    outputs.append(output)
+    return output
 
 
 def without_dead_channels(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,9 +7,9 @@ from helpers import build_tiny_llama
 from compress.compression import compress_model
 from compress.errors import CompressError
 from compress.qlinear import QuantizedLinear
-from compress.quant import WeightScheme, fake_quantize
+from compress.quant import WeightScheme, fake_quantize, quantize
 from compress.stages import build_chain
-from compress.stages.gptq import cholesky_inverse_upper, gptq_quantize
+from compress.stages.gptq import CLIP_RATIOS, _group_params, cholesky_inverse_upper, gptq_quantize
 
 CPU = torch.device("cpu")
 
@@ -125,3 +125,31 @@ def test_quantization_recipes_build_legal_chains(recipe):
 
     stages = build_chain(yaml.safe_load((recipes_dir() / f"{recipe}.yaml").read_text())["stages"])
     assert stages and sum(s.quantizes_weights for s in stages) <= 1
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clip_search_picks_per_row_the_ratio_with_least_hessian_weighted_error(symmetric, dtype):
+    """Against a plain search: quantize at each ratio with compress.quant.quantize, dequantize, score every row."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 32, generator=generator) * torch.rand(48, 1, generator=generator)
+    x = torch.randn(256, 32, generator=generator)
+    hessian = x.T @ x / 256
+    scheme = WeightScheme(4, None, symmetric)
+    errors, scales, zeros = [], [], []
+    for ratio in CLIP_RATIOS:
+        codes, scale, zero = quantize(weight, scheme, ratio, scale_dtype=dtype)
+        shift = 0 if zero is None else zero.float()
+        delta = (codes.float() - shift) * scale.float() - weight
+        errors.append(((delta @ hessian) * delta).sum(1))
+        scales.append(scale)
+        zeros.append(zero)
+    best = torch.stack(errors).argmin(0)
+    rows = torch.arange(48)
+    scale, zero = _group_params(weight.t(), hessian, scheme, clip_search=True, dtype=dtype)
+    assert scale.dtype == dtype and torch.equal(scale, torch.stack(scales)[best, rows])
+    assert scale.shape == (48, 1)
+    assert (zero is None) == symmetric
+    if zero is not None:
+        assert zero.dtype == torch.int8 and torch.equal(zero, torch.stack(zeros)[best, rows])
+    assert len(set(best.tolist())) > 1  # rows do pick different ratios

@@ -26,9 +26,10 @@ from compress.stages.weights import target_linears
 CPU = torch.device("cpu")
 
 
-def test_accumulated_hessian_is_the_second_moment_over_every_batch():
+@pytest.mark.parametrize("width", [32, 600])  # one block; three blocks of rows, the last one short
+def test_accumulated_hessian_is_the_second_moment_over_every_batch(width):
     generator = torch.Generator().manual_seed(0)
-    batches = [torch.randn(tokens, 32, generator=generator) for tokens in (7, 64, 19)]
+    batches = [torch.randn(tokens, width, generator=generator) for tokens in (7, 64, 19)]
     full, diagonal = HessianAccumulator(), HessianAccumulator(diagonal=True)
     for x in batches:
         full.add(x)
@@ -156,3 +157,30 @@ def test_dead_inputs_are_fixed_on_copies_and_live_ones_are_not_copied():
     W, H = without_dead_channels(weight, hessian)
     assert torch.equal(H, torch.eye(3)) and bool((W[:, 1] == 0).all()) and bool((weight[:, 1] != 0).all())
     assert hessian[1, 1] == 0
+
+
+class _CountLinearProducts(torch.overrides.TorchFunctionMode):
+    """Counts ``F.linear`` calls per weight: the matrix products a walk actually computes."""
+
+    def __init__(self, names: dict[int, str]):
+        super().__init__()
+        self.names, self.counts = names, {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            name = self.names.get(id(args[1]), "other")
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_sequential_hessians_compute_each_linear_once_per_batch():
+    """Calibration is mostly matrix products: o_proj and down_proj used to run unquantized while their inputs were
+    observed and again quantized, and the MLP's gate/up twice (down_proj's wider input was not kept); each linear
+    of a layer whose kept inputs fit the budget now runs once per batch, on its final weights."""
+    ctx = _first_layer_context(batches=3)
+    groups = input_groups(target_linears(ctx.layer, "model.layers.0", []))
+    names = {id(module.weight): name for name, module in ctx.layer.named_modules() if hasattr(module, "weight")}
+    with _CountLinearProducts(names) as counter:
+        for group, _hessian in sequential_hessians(ctx, groups):
+            _rtn_in_place(ctx.layer, group)
+    assert counter.counts == {name: 3 for name in sum(groups, [])}
