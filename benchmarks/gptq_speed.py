@@ -1,7 +1,7 @@
-"""GPTQ wall time: compress at an earlier commit, compress now, and llm-compressor, back to back in one run.
+"""GPTQ and SparseGPT wall time: compress at an earlier commit, compress now, llm-compressor, back to back.
 
     python benchmarks/gptq_speed.py --baseline-rev 4b4734f                  # W4A16 g64, 64 x 512 tokens
-    python benchmarks/gptq_speed.py --schemes gptq_w4a16 smoothquant_w8a8 --max-windows 16
+    python benchmarks/gptq_speed.py --schemes gptq_w4a16 sparsegpt_2of4 smoothquant_w8a8 --max-windows 16
 
 The machine is shared, so only numbers taken minutes apart compare: every row here compresses the same model on
 the same calibration ids (``benchmarks/peer_comparison.py``'s subprocess protocol: wall time and peak RSS of load +
@@ -42,7 +42,7 @@ def export(rev: str, folder: Path) -> Path:
 
 def markdown(report: dict) -> str:
     lines = [
-        "# GPTQ wall time: compress before / after, llm-compressor",
+        "# GPTQ and SparseGPT wall time: compress before / after, llm-compressor",
         "",
         f"Model `{report['model']}`; {report['num_samples']}x{report['seq_len']} calibration tokens, the same ids "
         f"for every row; perplexity by `evals/perplexity.py` on {report['eval_tokens']} evaluation tokens "

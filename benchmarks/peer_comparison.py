@@ -47,6 +47,7 @@ SCHEMES = {
     "nvfp4": "nvfp4",
     "mxfp4": "mxfp4",
     "spinquant_gptq_w4a16": "rotate_gptq_int4",
+    "sparsegpt_2of4": "prune_2of4",
 }
 PEER_PYTHON = ROOT / "artifacts" / "peer-venv" / "bin" / "python"
 

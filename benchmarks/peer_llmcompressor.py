@@ -42,6 +42,10 @@ def recipe(scheme: str, alpha: float) -> list:
             SmoothQuantModifier(smoothing_strength=alpha),
             GPTQModifier(scheme="W8A8", targets="Linear", ignore=["lm_head"]),
         ]
+    if scheme == "sparsegpt_2of4":
+        from llmcompressor.modifiers.pruning import SparseGPTModifier
+
+        return [SparseGPTModifier(sparsity=0.5, mask_structure="2:4", targets=["Linear"], ignore=["lm_head"])]
     if scheme == "fp8_dynamic":
         return [QuantizationModifier(scheme="FP8_DYNAMIC", targets="Linear", ignore=["lm_head"])]
     if scheme == "fp8_block":  # no calibration: the preset as llm-compressor's FP8_BLOCK example runs it
