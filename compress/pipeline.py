@@ -30,7 +30,7 @@ from compress.rundir import sigterm_as_interrupt, staged_run_folder
 from compress.stages import Stage, build_chain
 from compress.stages.rtn import rtn_reference
 from compress.tracking import RunLog, check_writable, flatten, record_verdict, tracking_uri
-from evals.perplexity import PerplexityResult, stored_model_perplexity
+from evals.perplexity import PerplexityResult, can_stream, stored_model_perplexity
 
 
 @dataclass
@@ -135,9 +135,13 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
         if config.eval.reference == "rtn":
             with timer.phase("eval_reference"):
                 reference_model, _ = load(config.model)
-                # rank 0 alone, data-parallel or not: round-to-nearest needs no calibration, hence no collective
-                compress_model(reference_model, [rtn_reference(stages)], samples, device, 1)
-                results["rtn_reference"] = _evaluate(reference_model, eval_ids, config, "perplexity [rtn]", device)
+                rtn = rtn_reference(stages)  # streamed: each layer quantized on a copy as the evaluation reads it
+                streams = device.type == "cpu" and can_stream(reference_model)
+                quantized = rtn.quantized_copies(reference_model) if streams else None
+                if quantized is None:  # rank 0 alone, data-parallel or not: RTN needs no collective
+                    compress_model(reference_model, [rtn], samples, device, 1)
+                label = "perplexity [rtn]"
+                results["rtn_reference"] = _evaluate(reference_model, eval_ids, config, label, device, quantized)
     return {
         "recipe": config.recipe,
         "model": config.model.path,
@@ -153,10 +157,10 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
     }
 
 
-def _evaluate(model, eval_ids: torch.Tensor, config: RunConfig, label: str, device: torch.device) -> PerplexityResult:
+def _evaluate(model, eval_ids, config: RunConfig, label: str, device, transform=None) -> PerplexityResult:
     protocol = (config.eval.seq_len, config.eval.batch_size, config.eval.max_windows)
     try:
-        return stored_model_perplexity(model, eval_ids, *protocol, label=label, device=device)
+        return stored_model_perplexity(model, eval_ids, *protocol, label=label, device=device, transform=transform)
     except FloatingPointError as error:
         raise CompressError(str(error)) from error
 

@@ -78,11 +78,14 @@ def streamed_perplexity(
     max_windows: int | None = None,
     label: str = "perplexity",
     progress: bool = True,
+    transform: Callable[[int, torch.nn.Module], torch.nn.Module] | None = None,
 ) -> PerplexityResult:
     """:func:`perplexity` of a lazily loaded model (``compress.models.load``) on the CPU, computed layer by layer:
     every window goes through decoder layer 0, then all of them through layer 1, and so on, each layer read from disk
     and dropped again. It holds one layer and the windows' hidden states (28k tokens × 576 × 4 bytes = 66 MB on the
-    default model) instead of the whole model, and leaves the model lazy for the compression walk after it."""
+    default model) instead of the whole model, and leaves the model lazy for the compression walk after it.
+    ``transform(index, layer)``, when given, is what runs instead of each layer as read (a quantized copy of it: the
+    perplexity of a compression that needs no calibration, without ever holding the compressed model)."""
     from compress.calibration import capture_first_layer_inputs, decoder_layers, fp32_compute, run_layer
     from compress.memory import release_freed_memory
     from compress.models import materialize_layer, release_layer
@@ -94,10 +97,12 @@ def streamed_perplexity(
         inputs = capture_first_layer_inputs(model, windows, batch_size, torch.device("cpu"))
         for index in tqdm(range(len(layers)), desc=label, unit="layer", disable=not progress):
             materialize_layer(model, index)
+            layer = layers[index] if transform is None else transform(index, layers[index])
             try:
-                inputs = run_layer(layers[index], inputs, f"{label}: layer {index}")
+                inputs = run_layer(layer, inputs, f"{label}: layer {index}")
             except CompressError as error:
                 raise FloatingPointError(f"{label}: the model produced non-finite values (NaN/inf) ({error})") from None
+            del layer
             release_layer(model, index)
             release_freed_memory()  # else the freed layers stay in the heap: +900 MB by the last layer
         total_nll = 0.0
@@ -118,18 +123,23 @@ def stored_model_perplexity(
     *,
     label: str,
     device: torch.device,
+    transform: Callable[[int, torch.nn.Module], torch.nn.Module] | None = None,
 ) -> PerplexityResult:
     """Perplexity of a model as ``compress`` stores it (lazily loaded, compressed, any dtype), the way a run reports
     it. On CPU a 16-bit model computes in fp32, one layer widened at a time, so that CPU numbers stay comparable across
     source dtypes (measured on the default model: bf16 compute moved perplexity +0.10%, bf16 storage with fp32 compute
-    −0.03%), and a lazily loaded model is streamed layer by layer; on a GPU the model runs whole in its own dtype."""
+    −0.03%), and a lazily loaded model is streamed layer by layer (through ``transform``, see
+    :func:`streamed_perplexity`, which only a streamed model accepts); on a GPU the model runs whole in its own
+    dtype."""
     from compress.calibration import fp32_compute
     from compress.memory import release_freed_memory
     from compress.models import materialize_all
 
     release_freed_memory()  # what the run's previous step freed goes back to the OS before this one allocates
     if device.type == "cpu" and can_stream(model):
-        return streamed_perplexity(model, token_ids, seq_len, batch_size, max_windows, label)
+        return streamed_perplexity(model, token_ids, seq_len, batch_size, max_windows, label, transform=transform)
+    if transform is not None:
+        raise ValueError(f"{label}: a layer transform needs a lazily loaded model evaluated on the CPU")
     materialize_all(model)
     model.to(device)
     try:

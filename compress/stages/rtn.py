@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
+from torch import nn
 
 from compress.errors import CompressError
 from compress.stages.base import LayerContext, Stage
@@ -26,6 +31,25 @@ class RTNStage(WeightQuantizerStage):
             return
         for name in target_linears(ctx.layer, ctx.name, self.config.ignore):
             self.quantize_linear(ctx.layer, name, f"{ctx.name}.{name}", scale_dtype=ctx.dtype)
+
+    def quantized_copies(self, model: nn.Module) -> Callable[[int, nn.Module], nn.Module] | None:
+        """``(index, decoder layer) -> its quantized copy``, for an evaluation that streams ``model`` layer by layer
+        (``evals.perplexity.streamed_perplexity``): the model stays as on disk and the quantized model never exists
+        whole. None for FP4 formats, whose W4A4 input scales need calibration inputs."""
+        self.prepare(model)
+        if self.fp4 is not None:
+            return None
+        storage_dtype = getattr(model, "dtype", torch.float32)  # what the scales round to, as in the layer walk
+
+        def quantized(index: int, layer: nn.Module) -> nn.Module:
+            layer = copy.deepcopy(layer)
+            cpu = torch.device("cpu")  # streamed evaluations run on the CPU
+            self.process_layer(
+                LayerContext(index, f"model.layers.{index}", layer, model.config, None, cpu, storage_dtype)
+            )
+            return layer
+
+        return quantized
 
 
 def rtn_reference(stages: list[Stage]) -> RTNStage:

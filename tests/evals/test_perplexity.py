@@ -112,3 +112,29 @@ def test_a_lazy_model_compressed_in_place_is_scored_whole_and_stays_usable(tmp_p
     first = stored_model_perplexity(model, ids, 32, 4, None, label="rtn", device=torch.device("cpu"))
     again = stored_model_perplexity(model, ids, 32, 4, None, label="rtn", device=torch.device("cpu"))
     assert first.mean_nll == again.mean_nll
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_reference_quantized_layer_by_layer_as_streamed_scores_as_the_whole_quantized_model(tmp_path, dtype):
+    """The run's round-to-nearest reference: each layer is quantized on a copy as the streamed evaluation reads it.
+    Its perplexity is the whole RTN-compressed model's, and neither the compressed model nor any read layer is left
+    in memory (the model stays lazy)."""
+    from compress.compression import compress_model
+    from compress.models import load
+    from compress.stages.rtn import RTNConfig, RTNStage
+    from evals.perplexity import stored_model_perplexity
+
+    build_tiny_llama(seed=5).to(dtype).save_pretrained(tmp_path, safe_serialization=True)
+    ids = torch.randint(0, 320, (4 * 32,), generator=torch.Generator().manual_seed(0))
+    cpu = torch.device("cpu")
+    whole, _ = load(tmp_path)
+    compress_model(whole, [RTNStage(RTNConfig(bits=3, group_size=32))], ids.view(4, 32), batch_size=1)
+    expected = stored_model_perplexity(whole, ids, 32, 4, None, label="rtn", device=cpu)
+    streamed, _ = load(tmp_path)
+    quantized = RTNStage(RTNConfig(bits=3, group_size=32)).quantized_copies(streamed)
+    result = stored_model_perplexity(streamed, ids, 32, 4, None, label="rtn", device=cpu, transform=quantized)
+    dense = stored_model_perplexity(streamed, ids, 32, 4, None, label="dense", device=cpu)
+    assert result.mean_nll == pytest.approx(expected.mean_nll, rel=1e-5)
+    assert abs(result.mean_nll - dense.mean_nll) > 1e-4  # the transform did quantize (tolerance above: 6e-5)
+    assert not streamed.lazy_weights.loaded
+    assert all(p.is_meta for layer in decoder_layers(streamed) for p in layer.parameters())
