@@ -26,7 +26,7 @@ from compress.errors import CompressError
 from compress.memory import release_freed_memory
 from evals import generation, latency, loading, needle
 from evals.json_validity import evaluate_json
-from evals.perplexity import perplexity
+from evals.perplexity import resident_perplexity
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ class GateContext:
 def measure_perplexity(context: GateContext, subjects: list[Subject]) -> dict:
     policy = context.policy.perplexity
     return {
-        subject.label: perplexity(
+        subject.label: resident_perplexity(
             subject.model,
             context.evaluation_ids,
             policy.seq_len,

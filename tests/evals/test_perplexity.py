@@ -3,7 +3,7 @@ whole batch's logits."""
 
 import pytest
 import torch
-from helpers import build_tiny_llama, build_tiny_model, build_tiny_moe
+from helpers import build_tiny_llama, build_tiny_model, build_tiny_moe, build_tiny_tokenizer
 
 from compress.calibration import decoder_layers, fp32_compute, restore_dtypes, upcast
 from evals.perplexity import HEAD_CHUNK, perplexity
@@ -96,10 +96,9 @@ def test_a_lazily_loaded_model_is_scored_layer_by_layer_as_the_whole_model_score
     assert streamed.tokens == whole.tokens and streamed.mean_nll == pytest.approx(whole.mean_nll, rel=1e-5)
 
 
-def test_a_lazy_model_compressed_in_place_is_scored_whole_and_stays_usable(tmp_path):
-    """The run's round-to-nearest reference is loaded lazily and quantized by the walk: its layers are no longer the
-    file's, so it must not be streamed (dropping a layer would lose it, and re-reading it would bring back dense
-    weights)."""
+def test_a_lazy_model_compressed_in_place_is_scored_with_its_layers_kept_and_stays_usable(tmp_path):
+    """A lazily loaded model quantized by the walk (the RTN reference off the streamed path): its layers are no longer
+    the file's, so they must not be dropped (that would lose them, and re-reading would bring back dense weights)."""
     from compress.compression import compress_model
     from compress.models import load
     from evals.perplexity import can_stream, stored_model_perplexity
@@ -138,3 +137,23 @@ def test_a_reference_quantized_layer_by_layer_as_streamed_scores_as_the_whole_qu
     assert abs(result.mean_nll - dense.mean_nll) > 1e-4  # the transform did quantize (tolerance above: 6e-5)
     assert not streamed.lazy_weights.loaded
     assert all(p.is_meta for layer in decoder_layers(streamed) for p in layer.parameters())
+
+
+def test_a_checkpoint_in_memory_is_scored_layer_by_layer_as_its_whole_forward_scores(tmp_path):
+    """The run's candidate, loaded whole from its checkpoint: evaluated layer-major (never a whole-model forward,
+    whose per-batch heap use cost ~300 MB more on the default model), with the whole forward's perplexity."""
+    from compress.checkpoint import load_checkpoint, save_checkpoint
+    from compress.compression import compress_model
+    from evals.perplexity import stored_model_perplexity
+
+    model = build_tiny_llama(seed=4)
+    ids = torch.randint(0, 320, (6 * 32,), generator=torch.Generator().manual_seed(0))
+    compress_model(model, [{"type": "rtn", "bits": 4, "group_size": 32}], ids.view(6, 32), batch_size=2)
+    save_checkpoint(model, build_tiny_tokenizer(), tmp_path / "checkpoint")
+    candidate, _ = load_checkpoint(tmp_path / "checkpoint")
+    whole = perplexity(candidate, ids, 32, 4, None)
+    forwards = []
+    candidate.register_forward_hook(lambda *_: forwards.append(1))
+    layered = stored_model_perplexity(candidate, ids, 32, 4, None, label="candidate", device=torch.device("cpu"))
+    assert forwards == []
+    assert layered.tokens == whole.tokens and layered.mean_nll == pytest.approx(whole.mean_nll, rel=1e-5)
