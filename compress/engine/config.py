@@ -34,6 +34,9 @@ class EngineConfig:
     """Skip CUDA graphs for decode steps."""
     attention_backend: str = "auto"
     """``auto``: Triton on CUDA or under TRITON_INTERPRET=1, torch elsewhere; or force ``triton``/``torch``."""
+    cpu_dense_weights: bool = True
+    """On CPU, keep a dense copy of every quantized linear's weight: decoding ~6x faster than dequantizing it for
+    every call, for the memory of the dense model (425 MB for the default model in fp32). ``false`` saves that."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:

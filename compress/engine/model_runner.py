@@ -111,7 +111,7 @@ class ModelRunner:
         self.device, self.dtype = embeddings.device, embeddings.dtype
         for module in model.modules():
             if isinstance(module, QuantizedLinear):  # decoding calls carry a few tokens: dequantize once
-                module.keep_dense_on_cpu = self.device.type == "cpu"
+                module.keep_dense_on_cpu = self.device.type == "cpu" and config.cpu_dense_weights
         self.num_kv_heads = model_config.num_key_value_heads
         self.head_dim = self.layers[0].self_attn.head_dim
         self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 8192)

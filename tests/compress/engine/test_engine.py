@@ -196,3 +196,20 @@ def test_bad_requests_fail_with_a_fix():
         engine(model, kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+@pytest.mark.parametrize("dense_copies", [True, False])
+def test_cpu_dense_weights_off_keeps_no_dense_copy_and_decodes_the_same(dense_copies):
+    """``cpu_dense_weights=false`` (the quick gate's setting): the quantized linears dequantize per call instead of
+    keeping a dense copy (the dense model's memory), with the same greedy tokens."""
+    from compress.compression import compress_model
+    from compress.qlinear import QuantizedLinear
+
+    model = wide_init_model()
+    compress_model(model, [{"type": "rtn", "bits": 4, "group_size": 32}], torch.zeros(1, 8, dtype=torch.long))
+    batch = prompts([7, 19])
+    outputs = engine(model, cpu_dense_weights=dense_copies).generate(batch, GREEDY)
+    kept = [hasattr(m, "_dense") for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert kept and all(has == dense_copies for has in kept)
+    for prompt, output in zip(batch, outputs, strict=True):
+        assert output.token_ids == transformers_greedy(model, prompt, GREEDY.max_tokens)
