@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,7 +251,7 @@ def _load_lazy(folder: Path, spec: ModelSpec, dtype: torch.dtype | str):
     """The model with embeddings, final norm and head loaded and every decoder layer still on the meta device;
     None when the checkpoint's tensor names are not exactly the model's (transformers renames some legacy
     checkpoints while loading them), so the caller falls back to the eager load."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
     dtype = source_dtype(config) if dtype == "auto" else dtype
@@ -274,9 +275,12 @@ def _load_lazy(folder: Path, spec: ModelSpec, dtype: torch.dtype | str):
     eager = [key for key in stored if not key.startswith(f"{weights.layers_prefix}.")]
     model.load_state_dict(weights.read(eager), strict=False, assign=True)
     model.tie_weights()  # assign=True replaced the input embedding; the tied head must follow it
+    if (folder / "generation_config.json").is_file():  # from_config derived one from config.json alone
+        model.generation_config = GenerationConfig.from_pretrained(folder)
     model.lazy_weights = weights
+    owner = weakref.ref(model)  # a strong reference here would make a cycle: the model freed only by a GC pass
     for index, layer in enumerate(layers):  # a plain forward pass reads each layer as it reaches it
-        layer.register_forward_pre_hook(lambda module, args, index=index: materialize_layer(model, index))
+        layer.register_forward_pre_hook(lambda module, args, index=index: materialize_layer(owner(), index))
     return model
 
 
