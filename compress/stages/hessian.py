@@ -255,8 +255,10 @@ def _worth_keeping(linear: nn.Module, inputs: LayerInputs) -> bool:
 
 def _stand_in(x: torch.Tensor, width: int, outputs: list) -> torch.Tensor:
     """What a kept linear returns while its inputs are observed: zeros of its output's shape, recorded to check
-    that the scope returns it untouched (then its real output is computed once, from the final weights)."""
-    output = x.new_zeros(*x.shape[:-1], width)
+    that the scope returns it untouched (then its real output is computed once, from the final weights). One zero
+    broadcast to that shape: it is compared by identity, never read, and a scope that writes to it in place fails
+    loudly instead of returning a stand-in it changed."""
+    output = x.new_zeros(()).expand(*x.shape[:-1], width)
     outputs.append(output)
     return output
 

@@ -14,6 +14,7 @@ from compress.stages import LayerContext
 from compress.stages.gptq import gptq_quantize
 from compress.stages.hessian import (
     HessianAccumulator,
+    _stand_in,
     cholesky_inverse_upper,
     collect_hessians,
     input_groups,
@@ -184,3 +185,15 @@ def test_sequential_hessians_compute_each_linear_once_per_batch():
         for group, _hessian in sequential_hessians(ctx, groups):
             _rtn_in_place(ctx.layer, group)
     assert counter.counts == {name: 3 for name in sum(groups, [])}
+
+
+def test_a_kept_linears_stand_in_output_holds_no_memory():
+    """The zeros a kept linear returns while its inputs are observed are only compared by identity, never read: as
+    real zeros they were a copy of the linear's output over every calibration token (402 MB for a 4B model's o_proj
+    on 64x512 tokens) on top of the kept inputs."""
+    recorded = []
+    x = torch.randn(2, 5, 8)
+    output = _stand_in(x, 12, recorded)
+    assert output.shape == (2, 5, 12) and output.dtype == x.dtype and not output.any()
+    assert recorded[0] is output
+    assert output.untyped_storage().nbytes() == output.element_size()
