@@ -3,6 +3,9 @@
 Protocol: the evaluation split is tokenized as one stream without special tokens and cut into non-overlapping windows
 of ``seq_len`` tokens (the incomplete tail is dropped); every window is scored independently from its first token;
 perplexity is ``exp`` of the mean negative log-likelihood over all predicted tokens (``seq_len - 1`` per window).
+Each window's mean NLL is kept too (``window_nll``): the gate's interval is over per-window differences. An
+``observer`` (``evals.divergence``) sees every position's logits in the same pass: the baseline's top of the
+distribution is recorded there, and the candidate's KL divergence from it measured.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,18 +30,38 @@ class PerplexityResult:
     tokens: int
     windows: int
     seq_len: int
+    window_nll: list[float] = field(default_factory=list)  # mean NLL of each window, in window order
+    first_window: int = 0  # index of the first scored window in the text's window sequence
+    divergence: dict | None = None  # the observer's summary (the candidate's KL from the baseline), if any
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def evaluation_windows(token_ids: torch.Tensor, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
-    count = token_ids.numel() // seq_len
+class Observer(Protocol):
+    """Sees the logits of every scored position, once, during a perplexity pass."""
+
+    def observe(self, logits: torch.Tensor, window: torch.Tensor, position: torch.Tensor, target: torch.Tensor): ...
+
+    def summary(self) -> dict | None: ...
+
+
+def evaluation_windows(
+    token_ids: torch.Tensor, seq_len: int, max_windows: int | None = None, first_window: int = 0
+) -> torch.Tensor:
+    """Windows ``first_window`` .. ``first_window + max_windows - 1`` of the text (all that remain if None)."""
+    count = token_ids.numel() // seq_len - first_window
     if max_windows is not None:
         count = min(count, max_windows)
-    if count == 0:
-        raise ValueError(f"evaluation text has {token_ids.numel()} tokens, fewer than one window of {seq_len}")
-    return token_ids[: count * seq_len].view(count, seq_len)
+    if count <= 0:
+        raise ValueError(
+            f"evaluation text has {token_ids.numel()} tokens: no window of {seq_len} tokens from window {first_window}"
+        )
+    return token_ids[first_window * seq_len : (first_window + count) * seq_len].view(count, seq_len)
+
+
+def available_windows(token_ids: torch.Tensor, seq_len: int) -> int:
+    return token_ids.numel() // seq_len
 
 
 @torch.no_grad()
@@ -49,24 +73,33 @@ def perplexity(
     max_windows: int | None = None,
     label: str = "perplexity",
     progress: bool = True,
+    observer: Observer | None = None,
+    first_window: int = 0,
 ) -> PerplexityResult:
     """Token-level perplexity of ``model`` on ``token_ids`` (1-D) under the protocol above."""
-    windows = evaluation_windows(token_ids, seq_len, max_windows)
+    windows = evaluation_windows(token_ids, seq_len, max_windows, first_window)
     device = next(model.parameters()).device
     window_nll = _scorer(model, windows[:1, :HEAD_CHUNK].to(device))
-    total_nll = 0.0
+    sums = []
     for start in tqdm(range(0, len(windows), batch_size), desc=label, unit="batch", disable=not progress):
-        nll = window_nll(windows[start : start + batch_size].to(device))
-        if not torch.isfinite(nll):
+        nll = window_nll(windows[start : start + batch_size].to(device), observer, first_window + start)
+        if not torch.isfinite(nll).all():
             raise FloatingPointError(f"{label}: the model produced non-finite logits (NaN/inf) on window {start}")
-        total_nll += nll.item()
-    return _result(total_nll, windows)
+        sums.append(nll.cpu())
+    return _result(torch.cat(sums), windows, first_window, observer)
 
 
-def _result(total_nll: float, windows: torch.Tensor) -> PerplexityResult:
-    """The protocol's summary of the summed NLL over every predicted token of ``windows``."""
-    tokens = windows[:, 1:].numel()
-    return PerplexityResult(math.exp(total_nll / tokens), total_nll / tokens, tokens, len(windows), windows.shape[1])
+def _result(
+    window_sums: torch.Tensor, windows: torch.Tensor, first_window: int, observer: Observer | None
+) -> PerplexityResult:
+    """The protocol's summary of the per-window summed NLL over every predicted token of ``windows``."""
+    tokens, per_window = windows[:, 1:].numel(), windows.shape[1] - 1
+    total_nll = float(window_sums.double().sum())
+    return PerplexityResult(
+        math.exp(total_nll / tokens), total_nll / tokens, tokens, len(windows), windows.shape[1],
+        window_nll=(window_sums.double() / per_window).tolist(), first_window=first_window,
+        divergence=observer.summary() if observer is not None else None,
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -79,6 +112,8 @@ def streamed_perplexity(
     label: str = "perplexity",
     progress: bool = True,
     transform: Callable[[int, torch.nn.Module], torch.nn.Module] | None = None,
+    observer: Observer | None = None,
+    first_window: int = 0,
 ) -> PerplexityResult:
     """:func:`perplexity` of a lazily loaded model (``compress.models.load``) on the CPU, computed layer by layer:
     every window goes through decoder layer 0, then all of them through layer 1, and so on, each layer read from disk
@@ -94,7 +129,7 @@ def streamed_perplexity(
     from compress.memory import release_freed_memory
     from compress.models import materialize_layer, release_layer
 
-    windows = evaluation_windows(token_ids, seq_len, max_windows)
+    windows = evaluation_windows(token_ids, seq_len, max_windows, first_window)
     head, cap = model.get_output_embeddings(), _softcap(model)
     layers = decoder_layers(model)
     reread = can_stream(model)  # lazy and untouched: every layer is read, used and dropped
@@ -111,14 +146,15 @@ def streamed_perplexity(
             if reread:
                 release_layer(model, index)
             release_freed_memory()  # else freed layers (lazy: +900 MB at the end) and hidden states stay in the heap
-        total_nll = 0.0
+        sums = []
         for start, hidden in zip(range(0, len(windows), batch_size), inputs.hidden, strict=True):
             batch = windows[start : start + batch_size]
-            total_nll += _head_nll(model.model.norm(hidden), batch, head, cap).item()
+            sums.append(_head_nll(model.model.norm(hidden), batch, head, cap, observer, first_window + start))
             release_freed_memory()  # the head's 25 MB logit chunks, else +316 MB in the heap by the last batch
-    if not math.isfinite(total_nll):
+    window_sums = torch.cat(sums)
+    if not torch.isfinite(window_sums).all():
         raise FloatingPointError(f"{label}: the model produced non-finite logits (NaN/inf)")
-    return _result(total_nll, windows)
+    return _result(window_sums, windows, first_window, observer)
 
 
 def stored_model_perplexity(
@@ -131,6 +167,7 @@ def stored_model_perplexity(
     label: str,
     device: torch.device,
     transform: Callable[[int, torch.nn.Module], torch.nn.Module] | None = None,
+    observer: Observer | None = None,
 ) -> PerplexityResult:
     """Perplexity of a model as ``compress`` stores it (lazily loaded, compressed, any dtype), the way a run reports
     it. On CPU a 16-bit model computes in fp32, one layer widened at a time, so that CPU numbers stay comparable across
@@ -143,14 +180,16 @@ def stored_model_perplexity(
 
     release_freed_memory()  # what the run's previous step freed goes back to the OS before this one allocates
     if device.type == "cpu" and _decoder_with_head(model):
-        return streamed_perplexity(model, token_ids, seq_len, batch_size, max_windows, label, transform=transform)
+        return streamed_perplexity(
+            model, token_ids, seq_len, batch_size, max_windows, label, transform=transform, observer=observer
+        )
     if transform is not None:
         raise ValueError(f"{label}: a layer transform needs a decoder with a final norm and head, on the CPU")
     materialize_all(model)
     model.to(device)
     try:
         with fp32_compute(model) if device.type == "cpu" else nullcontext():
-            return perplexity(model, token_ids, seq_len, batch_size, max_windows, label=label)
+            return perplexity(model, token_ids, seq_len, batch_size, max_windows, label=label, observer=observer)
     finally:
         model.to("cpu")
 
@@ -163,12 +202,20 @@ def resident_perplexity(
     max_windows: int | None = None,
     label: str = "perplexity",
     progress: bool = True,
+    observer: Observer | None = None,
+    first_window: int = 0,
 ) -> PerplexityResult:
     """Perplexity of a model in memory, left where it is (the gate's sides): on the CPU layer by layer in fp32, as
     :func:`stored_model_perplexity` scores it; on a GPU (or for a model without a final norm and head) whole."""
-    if next(model.parameters()).device.type == "cpu" and _decoder_with_head(model):
-        return streamed_perplexity(model, token_ids, seq_len, batch_size, max_windows, label, progress)
-    return perplexity(model, token_ids, seq_len, batch_size, max_windows, label=label, progress=progress)
+    score = (
+        streamed_perplexity
+        if next(model.parameters()).device.type == "cpu" and _decoder_with_head(model)
+        else perplexity
+    )
+    return score(
+        model, token_ids, seq_len, batch_size, max_windows, label=label, progress=progress, observer=observer,
+        first_window=first_window,
+    )  # fmt: skip
 
 
 def can_stream(model: torch.nn.Module) -> bool:
@@ -199,34 +246,51 @@ def _logits(hidden: torch.Tensor, head: torch.nn.Module, cap: float | None) -> t
     return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def _head_nll(hidden: torch.Tensor, batch: torch.Tensor, head: torch.nn.Module, cap: float | None) -> torch.Tensor:
-    """Summed next-token NLL of ``batch`` from its final hidden states, the head run on ``HEAD_CHUNK`` positions at a
-    time."""
+def _head_nll(
+    hidden: torch.Tensor,
+    batch: torch.Tensor,
+    head: torch.nn.Module,
+    cap: float | None,
+    observer: Observer | None = None,
+    first_window: int = 0,
+) -> torch.Tensor:
+    """Summed next-token NLL of each window of ``batch`` from its final hidden states, the head run on
+    ``HEAD_CHUNK`` positions at a time; ``observer`` sees each chunk's logits."""
+    per_window = batch.shape[1] - 1
     hidden, targets = hidden[:, :-1].flatten(0, 1), batch[:, 1:].flatten()
-    nll = hidden.new_zeros((), dtype=torch.float32)
+    nll = hidden.new_zeros(len(batch), dtype=torch.float32)
     for start in range(0, len(targets), HEAD_CHUNK):
         logits = _logits(hidden[start : start + HEAD_CHUNK], head, cap)
-        nll += F.cross_entropy(logits, targets[start : start + HEAD_CHUNK], reduction="sum")
+        flat = torch.arange(start, start + len(logits), device=logits.device)
+        chunk_targets = targets[start : start + HEAD_CHUNK]
+        nll.index_add_(0, flat // per_window, F.cross_entropy(logits, chunk_targets, reduction="none"))
+        if observer is not None:
+            observer.observe(logits, first_window + flat // per_window, flat % per_window, chunk_targets)
     return nll
 
 
-def _scorer(model: torch.nn.Module, probe: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The summed next-token NLL of a batch of windows. Run whole, a batch's logits are its tokens × vocab floats
+def _scorer(model: torch.nn.Module, probe: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """The summed next-token NLL of each window of a batch. Run whole, a batch's logits are its tokens × vocab floats
     (4 × 512 × 49152 × 4 bytes = 403 MB on the default model; 1.2 GB with a 152k vocabulary), the largest block of
     an evaluation's memory. Where the model is a decoder plus an output head, the head runs on ``HEAD_CHUNK``
     positions at a time instead; that split is used only if it gives the full forward's logits on ``probe``."""
     decoder, head, cap = model.get_decoder(), model.get_output_embeddings(), _softcap(model)
 
-    def chunked(batch: torch.Tensor) -> torch.Tensor:
-        return _head_nll(decoder(input_ids=batch).last_hidden_state, batch, head, cap)
+    def chunked(batch: torch.Tensor, observer: Observer | None, first_window: int) -> torch.Tensor:
+        return _head_nll(decoder(input_ids=batch).last_hidden_state, batch, head, cap, observer, first_window)
 
-    def whole(batch: torch.Tensor) -> torch.Tensor:
+    def whole(batch: torch.Tensor, observer: Observer | None, first_window: int) -> torch.Tensor:
         logits = model(input_ids=batch).logits
         # window by window: [:, :-1].reshape copied the batch's logits and the loss took a log-softmax of all of
         # them at once (vocab x tokens x 4 bytes each: +1.9 GB at batch 4 on the default model)
-        return sum(
-            F.cross_entropy(logits[row, :-1].float(), batch[row, 1:], reduction="sum") for row in range(len(batch))
-        )
+        sums = []
+        for row in range(len(batch)):
+            row_logits, targets = logits[row, :-1].float(), batch[row, 1:]
+            sums.append(F.cross_entropy(row_logits, targets, reduction="sum"))
+            if observer is not None:
+                positions = torch.arange(len(targets), device=targets.device)
+                observer.observe(row_logits, torch.full_like(positions, first_window + row), positions, targets)
+        return torch.stack(sums)
 
     if decoder is None or decoder is model or head is None:
         return whole
