@@ -5,7 +5,7 @@
     python benchmarks/search_budgets.py --max-trials 1 --start-at-budget   # one gated allocation per budget
 
 Every checkpoint (each search trial and the two uniform ones) is judged by the same release gate policy against the
-same baseline, so the perplexity ratios are the gate's own (``gate=quick``: 8 windows of 128 tokens). After the
+same baseline, so the perplexity ratios are the gate's own (``gate=quick``: 12 windows of 512 tokens). After the
 searches, the smallest passing checkpoint is gated again by ``python -m compress gate`` in a fresh process and its
 exit code is recorded. Results: ``benchmarks/results/search-budgets.{json,md}``.
 """

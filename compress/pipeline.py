@@ -16,11 +16,11 @@ import yaml
 
 from compress import distributed
 from compress.api import checkpoint_writer, named_summaries, select_device, write_checkpoint
-from compress.checkpoint import load_checkpoint
 from compress.compression import compress_model
 from compress.config import RunConfig, check_evaluation_length
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
+from compress.evaluation import RunEvaluation
 from compress.memory import release_freed_memory
 from compress.models import check_model_source, load, resolve_model_path
 from compress.moe import unfuse_experts
@@ -30,7 +30,6 @@ from compress.rundir import sigterm_as_interrupt, staged_run_folder
 from compress.stages import Stage, build_chain
 from compress.stages.rtn import rtn_reference
 from compress.tracking import RunLog, check_writable, flatten, record_verdict, tracking_uri
-from evals.perplexity import PerplexityResult, can_stream, stored_model_perplexity
 
 
 @dataclass
@@ -76,7 +75,7 @@ def run(config: RunConfig) -> RunResult | None:
             if config.gate.enabled:
                 with timer.phase("gate"):
                     release_freed_memory()  # what the evaluations freed, before the gate loads its models
-                    report["gate"] = _gate(config, staging, final, run_log)
+                    report["gate"] = _gate(config, staging, final, run_log, _measured(report))
             report.update(
                 wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb(), timings_s=timer.seconds,
                 peak_rss_rise_mb=timer.peak_rise_mb,
@@ -115,10 +114,10 @@ def _load(config: RunConfig, stages: list[Stage], timer: Timer) -> tuple:
 
 def _execute(config: RunConfig, stages: list[Stage], device: torch.device, staging: Path, timer: Timer) -> dict:
     model, tokenizer, eval_ids, samples = _load(config, stages, timer)
-    results: dict[str, PerplexityResult] = {}
+    passes = RunEvaluation(config, eval_ids, device)
     if config.eval.perplexity:
         with timer.phase("eval_baseline"):
-            results["baseline"] = _evaluate(model, eval_ids, config, "perplexity [baseline]", device)
+            passes.baseline(model)
     with checkpoint_writer(staging / "checkpoint", config.output.save_dtype) as writer:
         with timer.phase("compress"):  # finished layers are written to the checkpoint as the walk goes
             sink, batch = writer.layer_sink(model), config.calibration_batch_size
@@ -129,19 +128,10 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
     del model
     if config.eval.perplexity:
         with timer.phase("eval_candidate"):
-            candidate, _ = load_checkpoint(staging / "checkpoint")
-            results["candidate"] = _evaluate(candidate, eval_ids, config, f"perplexity [{config.recipe}]", device)
-            del candidate
+            passes.candidate(staging / "checkpoint")
         if config.eval.reference == "rtn":
             with timer.phase("eval_reference"):
-                reference_model, _ = load(config.model)
-                rtn = rtn_reference(stages)  # streamed: each layer quantized on a copy as the evaluation reads it
-                streams = device.type == "cpu" and can_stream(reference_model)
-                quantized = rtn.quantized_copies(reference_model) if streams else None
-                if quantized is None:  # rank 0 alone, data-parallel or not: RTN needs no collective
-                    compress_model(reference_model, [rtn], samples, device, 1)
-                label = "perplexity [rtn]"
-                results["rtn_reference"] = _evaluate(reference_model, eval_ids, config, label, device, quantized)
+                passes.rtn_reference(stages, samples)
     return {
         "recipe": config.recipe,
         "model": config.model.path,
@@ -152,36 +142,34 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
             "ranks": distributed.world(),  # data-parallel calibration processes (torchrun)
         },
         "stages": named_summaries(stages, summaries),
-        "perplexity": {name: result.to_dict() for name, result in results.items()},
+        "perplexity": {name: result.to_dict() for name, result in passes.results.items()},
         "checkpoint": summary.to_dict(),
     }
 
 
-def _evaluate(model, eval_ids, config: RunConfig, label: str, device, transform=None) -> PerplexityResult:
-    protocol = (config.eval.seq_len, config.eval.batch_size, config.eval.max_windows)
-    try:
-        return stored_model_perplexity(model, eval_ids, *protocol, label=label, device=device, transform=transform)
-    except FloatingPointError as error:
-        raise CompressError(str(error)) from error
-
-
-def _gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None) -> dict:
+def _gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None, measured: dict | None) -> dict:
     """The release gate on the saved checkpoint against the original model; its verdict is recorded in this run's
-    MLflow store (the same ``tracking.uri``) under ``gate.*`` and a pass registers ``runs:/<run>/checkpoint``."""
+    MLflow store (the same ``tracking.uri``) under ``gate.*`` and a pass registers ``runs:/<run>/checkpoint``.
+    ``measured``: the run's own perplexity passes of both sides, which the gate judges instead of measuring again."""
     from evals.gate import run_gate
 
     verdict = run_gate(
         staging / "checkpoint", resolve_model_path(config.model), config.gate, staging / "gate",
         evaluation_texts=load_corpus(config.data).evaluation, candidate_label=str(final / "checkpoint"),
+        measured=measured,
     )  # fmt: skip
     if run_log is not None:
         record_verdict(run_log, verdict, verdict.files, staging / "checkpoint", own_run=False)
     return {
-        "passed": verdict.passed,
-        "reasons": verdict.reasons,
-        "report": str(final / "gate" / "gate.md"),
-        "registry": verdict.registry,
-    }
+        "passed": verdict.passed, "verdict": verdict.verdict, "headline": verdict.headline(),
+        "reasons": verdict.reasons, "report": str(final / "gate" / "gate.md"), "registry": verdict.registry,
+    }  # fmt: skip
+
+
+def _measured(report: dict) -> dict | None:
+    """The run's perplexity passes of the baseline and the candidate, when it made both: what the gate judges."""
+    passes = {side: report["perplexity"].get(side) for side in ("baseline", "candidate")}
+    return passes if all(passes.values()) else None
 
 
 def _open_run_log(config: RunConfig, uri: str, run_id: str, stages: list[Stage]) -> RunLog:

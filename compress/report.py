@@ -88,24 +88,33 @@ def summary_lines(report: dict) -> list[str]:
     return lines
 
 
+VERDICT_EXIT_CODES = {"pass": 0, "block": 1, "inconclusive": 3}  # what an enforced gate exits with
+
+
 def verdict_line(gate: dict, enforce: bool | None = None) -> str:
-    """The gate's one line: ``release gate: BLOCKED — perplexity +23.5% > 5% limit (...)``. With ``enforce`` given
-    (the CLI), a block also says whether it fails the command."""
-    if gate["passed"]:
-        return "release gate: PASSED"
+    """The gate's one line, which quotes the perplexity ratio with its interval: ``release gate: BLOCKED — perplexity
+    ×1.2130 (95% CI 1.1903–1.2362) > the 1.05× limit: BLOCK``. With ``enforce`` given (the CLI), a block or an
+    inconclusive verdict also says whether it fails the command."""
+    verdict = gate.get("verdict", "pass" if gate["passed"] else "block")
+    title = {"pass": "PASSED", "block": "BLOCKED", "inconclusive": "INCONCLUSIVE"}[verdict]
+    headline = gate.get("headline")
+    if verdict == "pass":
+        return f"release gate: PASSED — {headline}" if headline else "release gate: PASSED"
     reason = gate["reasons"][0] if gate.get("reasons") else "see the gate report"
+    if headline and headline != reason:
+        reason = f"{reason}; {headline}"
     if enforce is None:
-        return f"release gate: BLOCKED — {reason}"
+        return f"release gate: {title} — {reason}"
     consequence = (
-        "gate.enforce=true: exiting 1"
+        f"gate.enforce=true: exiting {VERDICT_EXIT_CODES[verdict]}"
         if enforce
         else "this is the gate working; see README; gate.enforce=true makes it fail the command"
     )
-    return f"release gate: BLOCKED — {reason} ({consequence})"
+    return f"release gate: {title} — {reason} ({consequence})"
 
 
 def gate_details(gate: dict) -> list[str]:
-    """Every further reason of a block, then where the gate's own report is."""
+    """Every further reason of a block or an undecided check, then where the gate's own report is."""
     others = gate["reasons"][1:] if not gate["passed"] else []
     return [*(f"  - {reason}" for reason in others), f"  details: {gate['report']}"]
 

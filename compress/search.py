@@ -358,6 +358,8 @@ class Trial:
     size_mb: float
     schemes: dict[str, int]  # scheme → units
     mlflow_run_id: str | None = None
+    verdict: str = "block"  # the gate's: pass | block | inconclusive (still undecided after gate.decide's windows)
+    ppl_interval: tuple[float, float] | None = None  # the gate's interval of the perplexity ratio
 
 
 def next_point(frontier: Frontier, trials: list[Trial], spec: SearchSpec, max_ratio: float | None) -> int | str:
@@ -515,13 +517,16 @@ def _trial(config, number: int, point: int, allocation: Allocation, stage_args: 
         )
         summary = write_checkpoint(writer, model, tokenizer, stages, summaries, f"{config.recipe}-search", stage_args)
     del model
-    policy = replace(config.gate, registry=replace(config.gate.registry, register=False))  # the best, later
+    # the best is registered later; an INCONCLUSIVE verdict gets more windows (gate.decide), not a silent rejection
+    policy = replace(config.gate, decide=True, registry=replace(config.gate.registry, register=False))
     verdict = run_gate(
         checkpoint, resolve_model_path(config.model), policy, folder / "gate", evaluation_texts=texts,
         candidate_label=str(checkpoint),
     )  # fmt: skip
     candidate_ppl = verdict.metric("perplexity", "perplexity")
     baseline_ppl = verdict.metric("perplexity", "perplexity", "baseline")
+    layer = verdict.layer("perplexity")
+    interval = (layer.low, layer.high) if layer is not None and layer.low is not None else None
     trial = Trial(
         number=number,
         point=point,
@@ -533,13 +538,13 @@ def _trial(config, number: int, point: int, allocation: Allocation, stage_args: 
         checkpoint=str(checkpoint),
         size_mb=summary.size_mb,
         schemes=allocation.counts(),
+        verdict=verdict.verdict,
+        ppl_interval=interval,
     )
-    log.info(
-        "search trial %d: %.3f bits/weight, %s", number, trial.bits_per_weight, "pass" if trial.passed else "block"
-    )
+    log.info("search trial %d: %.3f bits/weight, %s", number, trial.bits_per_weight, trial.verdict)
     tracker.trial(trial, verdict, checkpoint, allocation)
     trial.passed = verdict.passed  # recording the verdict fails closed: a verdict MLflow lost is a block
-    trial.reasons = list(verdict.reasons)
+    trial.reasons, trial.verdict = list(verdict.reasons), verdict.verdict
     return trial
 
 
@@ -558,16 +563,17 @@ def _write_summary(result: SearchResult, spec: SearchSpec, frontier: Frontier) -
         "",
         f"budget {spec.budget_bits:g} bits/weight, candidates {', '.join(spec.candidates)}",
         "",
-        "| trial | bits/weight | size MB | ppl ratio | predicted error | schemes (units) | verdict |",
-        "|---|---|---|---|---|---|---|",
+        "| trial | bits/weight | size MB | ppl ratio | 95% interval | predicted error | schemes (units) | verdict |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for t in result.trials:
         ratio = "–" if t.ppl_ratio is None else f"{t.ppl_ratio:.4f}"
+        interval = "–" if t.ppl_interval is None else f"{t.ppl_interval[0]:.4f}–{t.ppl_interval[1]:.4f}"
         schemes = ", ".join(f"{name} ×{count}" for name, count in t.schemes.items())
-        verdict = "pass" if t.passed else "BLOCK: " + "; ".join(t.reasons)
+        verdict = "pass" if t.passed else f"{t.verdict.upper()}: " + "; ".join(t.reasons)
         lines.append(
-            f"| {t.number} | {t.bits_per_weight:.3f} | {t.size_mb:.2f} | {ratio} | {t.predicted_cost:.4g} | {schemes} "
-            f"| {verdict} |"
+            f"| {t.number} | {t.bits_per_weight:.3f} | {t.size_mb:.2f} | {ratio} | {interval} | {t.predicted_cost:.4g} "
+            f"| {schemes} | {verdict} |"
         )
     lines += ["", result.line, ""]
     (result.folder / "search.md").write_text("\n".join(lines))

@@ -249,7 +249,7 @@ def record_verdict(run: RunLog, verdict, files: list[Path], checkpoint: Path | N
     try:
         run.metrics(metrics)
         for key, value in {
-            "compress.gate": "pass" if verdict.passed else "block",
+            "compress.gate": verdict.verdict,
             "compress.gate.backend": verdict.backend,
         }.items():
             run.tag(key, value)
@@ -274,6 +274,5 @@ def record_verdict(run: RunLog, verdict, files: list[Path], checkpoint: Path | N
         verdict.mlflow_run_id = run.run_id
     except Exception as error:  # fail closed
         log.exception("the release gate's verdict could not be recorded in MLflow")
-        verdict.passed = False
-        verdict.reasons.append(f"mlflow: could not record the verdict (fail closed): {type(error).__name__}: {error}")
+        verdict.fail_closed(f"mlflow: could not record the verdict (fail closed): {type(error).__name__}: {error}")
     write_report(verdict, files[0].parent)

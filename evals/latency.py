@@ -21,6 +21,8 @@ def _summary(samples: list[tuple[float, float]]) -> dict:
         "ttft_p95_ms": float(np.percentile(ttft_ms, 95)),
         "tpot_p50_ms": float(np.percentile(tpot_ms, 50)),
         "tpot_p95_ms": float(np.percentile(tpot_ms, 95)),
+        "ttft_ms": ttft_ms.tolist(),  # per repeat, in order: the gate pairs repeat i of both sides
+        "tpot_ms": tpot_ms.tolist(),
     }
 
 

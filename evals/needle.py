@@ -59,8 +59,9 @@ def evaluate_needle(
     trials: int,
     seed: int,
 ) -> dict:
-    """Accuracy per (length, depth) cell and overall (``needle_accuracy``, a fraction)."""
-    grid = []
+    """Accuracy per (length, depth) cell and overall (``needle_accuracy``, a fraction), and every prompt's 0/1
+    outcome in grid order (``outcomes``: the gate pairs candidate and baseline prompt by prompt)."""
+    grid, outcomes = [], []
     hits = total = 0
     for length_index, length in enumerate(lengths):
         row = []
@@ -71,12 +72,16 @@ def evaluate_needle(
                 key = rng.randrange(10_000, 100_000)
                 prompt = haystack(tokenizer, filler_ids, length, depth, key, seed=rng.randrange(2**31))
                 answer = tokenizer.decode(generator.generate(prompt, ANSWER_TOKENS), skip_special_tokens=True)
-                cell_hits += retrieved(answer, key)
+                outcomes.append(int(retrieved(answer, key)))
+                cell_hits += outcomes[-1]
             row.append(cell_hits / trials)
             hits += cell_hits
             total += trials
         grid.append(row)
-    return {"needle_accuracy": hits / total, "lengths": lengths, "depths": depths, "trials": trials, "grid": grid}
+    return {
+        "needle_accuracy": hits / total, "lengths": lengths, "depths": depths, "trials": trials, "grid": grid,
+        "outcomes": outcomes,
+    }  # fmt: skip
 
 
 def plot_heatmaps(results: dict[str, dict], path: Path) -> Path:

@@ -74,7 +74,8 @@ def _row(run) -> Row:
     if "passed" in gate:
         verdict = "pass" if gate["passed"] else "BLOCK"
     else:
-        verdict = {"pass": "pass", "block": "BLOCK"}.get(tags.get("compress.gate", ""), "–")
+        names = {"pass": "pass", "block": "BLOCK", "inconclusive": "INCONCLUSIVE"}
+        verdict = names.get(tags.get("compress.gate", ""), "–")
     return Row(
         run_id=run.info.run_id,
         started=dt.datetime.fromtimestamp(run.info.start_time / 1000),

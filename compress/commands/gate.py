@@ -1,5 +1,6 @@
 """``python -m compress gate checkpoint=<ckpt> baseline=<model|ckpt> [gate=default|quick|none] [promote=true]
-[out=<dir>] [gate.<key>=<value> ...]``: judge a checkpoint; exit 0 on pass, 1 on block, 2 on a usage error."""
+[out=<dir>] [gate.<key>=<value> ...]``: judge a checkpoint; exit 0 on PASS, 1 on BLOCK, 3 on INCONCLUSIVE (the
+interval of a blocking check straddles its limit: gate.decide=true adds windows), 2 on a usage error."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from compress.commands.args import parse_options, usage, wants_help
 from compress.errors import CompressError, interruption
 from compress.paths import artifacts_dir, recipes_dir
+from compress.report import VERDICT_EXIT_CODES, verdict_line
 
 SYNOPSIS = __doc__.split(":", 1)[0].strip("`").replace("\n", " ")
 
@@ -78,5 +80,5 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print((out_dir / "gate.md").read_text())
-    print(f"gate {'PASSED' if result.passed else 'BLOCKED'}: report in {out_dir}")
-    return 0 if result.passed else 1
+    print(f"{verdict_line(result.to_dict() | {'headline': result.headline()})}\nreport in {out_dir}")
+    return VERDICT_EXIT_CODES[result.verdict]

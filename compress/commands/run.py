@@ -6,7 +6,9 @@ sweeper does (the cartesian product, jobs one after another, or all at once with
 ``hydra/launcher=submitit_local|submitit_slurm``: ``compress.commands.launch``); ``--cfg job`` prints each job's
 configuration and runs nothing. Under ``torchrun --nproc-per-node N`` the ranks calibrate one job together
 (``compress.distributed``). Shortcuts (``model=<folder or hub id>``, ``data=<file or dataset>``) are resolved
-first, and stage arguments the recipe file leaves at their defaults are made settable.
+first, and stage arguments the recipe file leaves at their defaults are made settable. Exit status: 0 when every
+job finished (whatever the gate said), unless ``gate.enforce=true``: then 1 on BLOCK, 3 on INCONCLUSIVE; 1 on an
+error.
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ def job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
 
 def _run_job(config: RunConfig, job: int) -> Outcome:
     from compress.pipeline import run
-    from compress.report import gate_details, summary_lines, verdict_line
+    from compress.report import VERDICT_EXIT_CODES, gate_details, summary_lines, verdict_line
 
     try:
         result = run(config)
@@ -185,7 +187,7 @@ def _run_job(config: RunConfig, job: int) -> Outcome:
     enforce = config.gate.enforce
     line = verdict_line(gate, enforce)
     print("\n".join([*gate_details(gate), line]))
-    return Outcome(job, 1 if enforce and not gate["passed"] else 0, line)
+    return Outcome(job, VERDICT_EXIT_CODES[gate["verdict"]] if enforce else 0, line)
 
 
 def config_uri(config) -> str:

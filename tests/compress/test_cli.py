@@ -133,7 +133,7 @@ def test_run_ends_with_the_release_gate(tiny_model_dir, artifacts, max_ratio, en
     assert report["gate"]["passed"] is passed
     assert "gate" in report["timings_s"]
     verdict = (run_dir / "gate" / "gate.md").read_text()
-    assert ("perplexity" in verdict) and ((not passed) == ("BLOCK" in verdict.upper()))
+    assert ("perplexity" in verdict) and ((not passed) == ("# Release gate: BLOCKED" in verdict))
 
 
 def test_rtn_reference_without_an_integer_quantizer_fails_before_work(tiny_model_dir, artifacts, capsys):

@@ -1,0 +1,166 @@
+"""What a gate checks and where its limits lie: the typed form of ``recipes/gate/*.yaml``.
+
+Every limit is judged against a 95% interval (``GatePolicy.confidence``), so each layer also says how many items it
+scores: a limit its item count cannot decide turns every verdict INCONCLUSIVE (``evals.gate.stats``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from compress.errors import CompressError
+
+LAYER_ORDER = ["perplexity", "kl", "lm_eval", "json", "needle", "long_context", "latency"]
+
+
+@dataclass
+class PerplexityPolicy:
+    enabled: bool = True
+    blocking: bool = True
+    seq_len: int = 512
+    max_windows: int | None = 24  # windows of seq_len tokens scored (null: every window of the evaluation text)
+    batch_size: int = 4
+    max_ratio: float | None = 1.05  # candidate ppl ≤ max_ratio × baseline ppl (judged on the interval)
+    max_value: float | None = None  # hard ceiling on candidate ppl
+    decide_max_windows: int | None = None  # gate.decide=true adds windows up to this (null: the whole text)
+
+
+@dataclass
+class KLPolicy:
+    """Measured in the perplexity pass, on the same windows (``perplexity.seq_len`` / ``max_windows``)."""
+
+    enabled: bool = True
+    blocking: bool = True
+    top_k: int = 32  # baseline log-probabilities kept per position (evals.divergence: the truncation's error)
+    max_mean: float | None = 0.1  # mean KL(baseline ‖ candidate) in nats per token
+    min_same_top: float | None = None  # share of positions where both rank the same token first
+
+
+@dataclass
+class LmEvalPolicy:
+    enabled: bool = True
+    blocking: bool = True
+    local_task: bool = True  # the shipped accuracy task: the true continuation of a passage among four
+    tasks: list[str] = field(default_factory=list)  # any lm-eval task names the machine has data for
+    include_path: str | None = None  # a folder of the user's own task YAMLs
+    limit: int | None = 100  # items per task (the default evaluation split holds 108 of the local task)
+    batch_size: int = 4
+    max_length: int = 512
+    max_drop_points: float | None = 5.0  # accuracy-like metrics, paired per item
+
+
+@dataclass
+class JsonPolicy:
+    enabled: bool = True
+    blocking: bool = True
+    constrained: bool = False
+    max_new_tokens: int = 96
+    num_prompts: int | None = None
+    max_validity_drop_points: float | None = 20.0
+    max_compliance_drop_points: float | None = 20.0
+    min_validity: float | None = None
+
+
+@dataclass
+class NeedlePolicy:
+    enabled: bool = True
+    blocking: bool = True
+    context_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    trials: int = 4
+    max_drop_points: float | None = 10.0
+    min_accuracy: float | None = None
+
+
+@dataclass
+class LongContextPolicy:
+    """Multi-hop synthetic tasks (``evals.long_context``), run with the candidate's KV-cache dtype."""
+
+    enabled: bool = True
+    blocking: bool = True
+    context_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
+    tasks: list[str] = field(default_factory=lambda: ["variable_tracking", "multi_key", "frequent_words"])
+    trials: int = 4
+    max_drop_points: float | None = 10.0
+
+
+@dataclass
+class LatencyPolicy:
+    enabled: bool = True
+    blocking: bool = True
+    prompt_tokens: int = 256
+    new_tokens: int = 32
+    repeats: int = 7
+    warmup: int = 1
+    max_ttft_ratio: float | None = None
+    max_tpot_ratio: float | None = 1.05
+
+
+@dataclass
+class RegistryPolicy:
+    """Read by the caller that records the verdict (``compress.tracking.record_verdict``), validated here."""
+
+    register: bool = True
+    name: str | None = None  # default: compress-<baseline name>
+    promote: bool = False  # also move the ``champion`` alias to the new version
+
+
+@dataclass
+class GatePolicy:
+    enabled: bool = True
+    enforce: bool = False  # `compress run` exits 1 (block) / 3 (inconclusive) only when true (the gate command always)
+    layers: list[str] = field(default_factory=lambda: list(LAYER_ORDER))
+    confidence: float = 0.95  # of every interval a verdict is read from
+    decide: bool = False  # an INCONCLUSIVE perplexity/KL verdict scores more windows until decided (up to a cap)
+    backend: str = "auto"  # auto | engine | transformers
+    engine: dict[str, Any] = field(default_factory=dict)  # compress.engine.EngineConfig options
+    kv_cache_dtype: str | None = None  # null: the candidate's kv_cache_scheme, else the model dtype
+    seed: int = 0
+    models_in_memory: int = 1  # 1: baseline measured and freed before the candidate loads; 2: both, latency interleaved
+    experiment: str = "compress"  # MLflow experiment of gate-only runs (read by compress.commands.gate)
+    cache_dir: str | None = None  # baseline references for the KL layer (null: <artifacts>/cache/gate-references)
+    perplexity: PerplexityPolicy = field(default_factory=PerplexityPolicy)
+    kl: KLPolicy = field(default_factory=KLPolicy)
+    lm_eval: LmEvalPolicy = field(default_factory=LmEvalPolicy)
+    json: JsonPolicy = field(default_factory=JsonPolicy)
+    needle: NeedlePolicy = field(default_factory=NeedlePolicy)
+    long_context: LongContextPolicy = field(default_factory=LongContextPolicy)
+    latency: LatencyPolicy = field(default_factory=LatencyPolicy)
+    registry: RegistryPolicy = field(default_factory=RegistryPolicy)
+
+
+def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
+    """``policy`` (e.g. ``cfg.gate``) over the defaults; unknown keys and wrong types are user errors."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(GatePolicy), policy or {})
+        resolved = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise CompressError(f"bad gate policy: {error}".splitlines()[0] + " (see recipes/gate/default.yaml)") from error
+    if resolved.models_in_memory not in (1, 2):
+        raise CompressError(f"gate.models_in_memory={resolved.models_in_memory}; use 1 (one model at a time) or 2")
+    unknown = [layer for layer in resolved.layers if layer not in LAYER_ORDER]
+    if unknown:
+        raise CompressError(f"gate.layers has unknown layers {unknown}; choose from {LAYER_ORDER}")
+    from evals.long_context import TASKS
+
+    unknown_tasks = sorted(set(resolved.long_context.tasks) - set(TASKS))
+    if unknown_tasks:
+        raise CompressError(f"gate.long_context.tasks has unknown tasks {unknown_tasks}; choose from {list(TASKS)}")
+    if not 0.5 <= resolved.confidence < 1:
+        raise CompressError(f"gate.confidence={resolved.confidence}; use a level in [0.5, 1), e.g. 0.95")
+    windows, cap = resolved.perplexity.max_windows, resolved.perplexity.decide_max_windows
+    if windows is not None and windows < 2:
+        raise CompressError(f"gate.perplexity.max_windows={windows}; an interval needs at least 2 windows")
+    if cap is not None and windows is not None and cap < windows:
+        raise CompressError(f"gate.perplexity.decide_max_windows={cap} is below max_windows={windows}; raise it")
+    return resolved
+
+
+def policy_dict(policy: GatePolicy) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(policy))

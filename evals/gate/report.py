@@ -1,0 +1,121 @@
+"""``gate.json`` for machines, ``gate.md`` for the reviewer, and the metric names MLflow keeps."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from evals.gate.run import GateResult
+
+TITLES = {"pass": "PASSED", "block": "BLOCKED", "inconclusive": "INCONCLUSIVE"}
+
+
+def _format(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_report(result: GateResult, out_dir: Path) -> list[Path]:
+    """gate.json for machines, gate.md for the reviewer."""
+    lines = [
+        f"# Release gate: {TITLES[result.verdict]}",
+        "",
+        f"- candidate: `{result.candidate}`",
+        f"- baseline: `{result.baseline}`",
+        f"- generation backend: `{result.backend}`"
+        + (" (transformers greedy loop; the compress engine was not used)" if result.backend == "transformers" else ""),
+        f"- candidate KV cache: `{result.kv_cache_dtype or 'model dtype'}`",
+    ]
+    if result.registry and "version" in result.registry:
+        registry = result.registry
+        aliases = ", ".join(registry["aliases"])
+        lines.append(f"- registered: `{registry['name']}` version {registry['version']} ({aliases})")
+    if result.reasons:
+        lines += ["", "## Why", ""] + [f"- {reason}" for reason in result.reasons]
+    if result.layers:
+        lines += ["", "## Layers", "", "| layer | status | verdict | seconds |", "|---|---|---|---|"]
+        lines += [f"| {x.name} | {x.status} | {x.verdict or '–'} | {x.seconds:.1f} |" for x in result.layers]
+    checks = [check for layer in result.layers for check in layer.checks]
+    if checks:
+        confidence = f"{checks[0].confidence:.0%}" if len({c.confidence for c in checks}) == 1 else "level"
+        lines += [
+            "",
+            "## Checks",
+            "",
+            "Each estimate is paired over the same items for both sides; the verdict is read from its interval: "
+            "PASS inside the limit, BLOCK outside it, INCONCLUSIVE when it straddles it.",
+            "",
+            f"| layer | metric | candidate | baseline | estimate | {confidence} interval | items | limit | verdict |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {check.layer} | {check.metric} | {_format(check.candidate)} | {_format(check.baseline)} "
+            f"| {_format(check.estimate)} | {_format(check.low)} – {_format(check.high)} | {check.items} "
+            f"| {check.limit_text} | {check.verdict if check.verdict != 'block' else '**BLOCK**'} |"
+            for check in checks
+        ]
+    notes = [(layer.name, layer.note) for layer in result.layers if layer.note]
+    notes += [(layer.name, note) for layer in result.layers if layer.note is None for note in _notes(layer)]
+    if notes:
+        lines += ["", "## Not judged", ""] + [f"- {name}: {note}" for name, note in notes]
+    protocol = next((layer.metrics.get("protocol") for layer in result.layers if layer.metrics.get("protocol")), None)
+    if protocol:
+        lines += [
+            "",
+            f"Perplexity and KL: {protocol['windows']} windows of {protocol['seq_len']} tokens, measured by the "
+            f"{protocol['measured_by']}, intervals at {protocol['confidence']:.1%}"
+            + (" (gate.decide: widened for repeated looks)" if protocol["decide"] else "")
+            + ".",
+        ]
+    if (out_dir / "needle_heatmap.png").exists() and any(
+        layer.name == "needle" and layer.metrics for layer in result.layers
+    ):
+        lines += ["", "## Needle in a haystack", "", "![needle accuracy](needle_heatmap.png)"]
+    markdown = out_dir / "gate.md"
+    markdown.write_text("\n".join(lines) + "\n")
+    data = out_dir / "gate.json"
+    data.write_text(json.dumps(result.to_dict(), indent=2, default=str))
+    return [data, markdown]
+
+
+def _notes(layer) -> list[str]:
+    return list(layer.metrics.get("notes", [])) if isinstance(layer.metrics, dict) else []
+
+
+def summary_metrics(result: GateResult) -> dict[str, float]:
+    """The metric names the gate logs and ``compress compare`` reads back: all under ``gate.``, so that a run which
+    also measured its own perplexity (``ppl_ratio``) keeps both numbers apart. Each judged estimate comes with its
+    interval (``<name>_low`` / ``<name>_high``)."""
+    metrics = {"passed": float(result.passed), "inconclusive": float(result.verdict == "inconclusive")}
+
+    def both(layer, key):
+        metrics[key], metrics[f"{key}_baseline"] = layer.metrics["candidate"][key], layer.metrics["baseline"][key]
+
+    for layer in result.layers:
+        if layer.status in ("error", "skipped"):
+            continue
+        if layer.name == "perplexity" and "candidate" in layer.metrics:
+            metrics["ppl_candidate"] = layer.metrics["candidate"]["perplexity"]
+            metrics["ppl_baseline"] = layer.metrics["baseline"]["perplexity"]
+            metrics["ppl_ratio"] = layer.metrics["ppl_ratio"]
+        if layer.name == "kl" and "candidate" in layer.metrics:
+            for key in ("kl_mean", "kl_p99", "same_top", "delta_p_mean"):
+                metrics[key] = layer.metrics["candidate"][key]
+        if layer.name == "json" and "candidate" in layer.metrics:
+            for key in ("json_validity", "json_schema_compliance"):
+                both(layer, key)
+        if layer.name in ("needle", "long_context") and "candidate" in layer.metrics:
+            both(layer, f"{layer.name}_accuracy")
+        if layer.name == "latency" and "candidate" in layer.metrics:
+            for key in ("ttft_p50_ms", "tpot_p50_ms"):
+                both(layer, key)
+            metrics["ttft_ratio"], metrics["tpot_ratio"] = layer.metrics["ttft_ratio"], layer.metrics["tpot_ratio"]
+        for check in layer.checks:
+            name = "ppl_ratio" if check.metric == "perplexity" and check.layer == "perplexity" else check.metric
+            name = name.replace("/", ".")
+            metrics[f"{name}_low"], metrics[f"{name}_high"] = check.low, check.high
+    return {f"gate.{key}": value for key, value in metrics.items() if value is not None and math.isfinite(value)}

@@ -1,0 +1,147 @@
+"""Paired intervals and the three verdicts every blocking gate check uses.
+
+Both sides of the gate are scored on the same items (perplexity windows, multiple-choice questions, needle prompts),
+so each check is a statement about the mean of per-item *differences*, which cancels the items' own difficulty:
+- continuous scores (per-window NLL, per-window KL, per-repeat log latency): Student-t interval of the mean;
+- 0/1 outcomes (accuracies): the Agresti–Min interval for a difference of paired proportions (Wald after adding
+  half a count to each cell of the 2×2 table), which stays honest when no item flips: ten agreeing prompts give
+  ±16 points, not a zero-width interval.
+A check PASSes when its whole interval lies inside the limit, BLOCKs when it lies entirely outside, and is
+INCONCLUSIVE when it straddles the limit: the items measured cannot tell.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+
+PASS, BLOCK, INCONCLUSIVE = "pass", "block", "inconclusive"
+VERDICTS = (PASS, BLOCK, INCONCLUSIVE)
+
+
+@dataclass
+class Interval:
+    """A mean over ``items`` with its two-sided interval at ``confidence``."""
+
+    estimate: float
+    low: float
+    high: float
+    items: int
+    confidence: float
+
+    def map(self, function) -> Interval:
+        """The same interval on another (monotone increasing) scale, e.g. ``math.exp`` for a log ratio."""
+        return Interval(function(self.estimate), function(self.low), function(self.high), self.items, self.confidence)
+
+
+def _critical(confidence: float, degrees: int | None) -> float:
+    """The two-sided critical value: normal, or Student-t with ``degrees`` degrees of freedom (exact for 1 and 2,
+    else the Cornish-Fisher expansion of Abramowitz & Stegun 26.7.5: within 0.12% of the table at 95% from 3 degrees
+    of freedom, within 0.4% at 99.8% from 5)."""
+    tail = (1 + confidence) / 2
+    z = NormalDist().inv_cdf(tail)
+    if degrees is None:
+        return z
+    if degrees == 1:
+        return math.tan(math.pi * (tail - 0.5))
+    if degrees == 2:
+        return (2 * tail - 1) / math.sqrt(2 * tail * (1 - tail))
+    n = degrees
+    return (
+        z
+        + (z**3 + z) / (4 * n)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * n**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * n**3)
+        + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * n**4)
+    )
+
+
+def mean_interval(values: list[float], confidence: float = 0.95) -> Interval:
+    """Student-t interval of the mean of ``values`` (paired differences, or one side's per-item scores)."""
+    count = len(values)
+    if count == 0:
+        raise ValueError("an interval needs at least one item")
+    mean = sum(values) / count
+    if count == 1:
+        return Interval(mean, -math.inf, math.inf, 1, confidence)
+    deviation = math.sqrt(sum((value - mean) ** 2 for value in values) / (count - 1))
+    half = _critical(confidence, count - 1) * deviation / math.sqrt(count)
+    return Interval(mean, mean - half, mean + half, count, confidence)
+
+
+def paired_difference(candidate: list[float], baseline: list[float], confidence: float = 0.95) -> Interval:
+    """Interval of mean(candidate − baseline) over paired continuous scores."""
+    _same_items(candidate, baseline)
+    return mean_interval([c - b for c, b in zip(candidate, baseline, strict=True)], confidence)
+
+
+def paired_proportion_difference(candidate: list[float], baseline: list[float], confidence: float = 0.95) -> Interval:
+    """Agresti–Min interval of (candidate accuracy − baseline accuracy) over paired 0/1 outcomes."""
+    _same_items(candidate, baseline)
+    gained = sum(1 for c, b in zip(candidate, baseline, strict=True) if c and not b)
+    lost = sum(1 for c, b in zip(candidate, baseline, strict=True) if b and not c)
+    return flips_interval(gained, lost, len(candidate), confidence)
+
+
+def flips_interval(gained: float, lost: float, count: int, confidence: float = 0.95) -> Interval:
+    """The Agresti–Min interval from the counts of items only the candidate (``gained``) or only the baseline
+    (``lost``) got right, out of ``count``; fractional counts project the same flip rates onto another count."""
+    estimate = (gained - lost) / count
+    adjusted_gained, adjusted_lost, adjusted_count = gained + 0.5, lost + 0.5, count + 2
+    centre = (adjusted_gained - adjusted_lost) / adjusted_count
+    variance = ((adjusted_gained + adjusted_lost) - (adjusted_gained - adjusted_lost) ** 2 / adjusted_count) / (
+        adjusted_count**2
+    )
+    z = _critical(confidence, None)
+    half = z * math.sqrt(variance)
+    low, high = max(-1.0, centre - half), min(1.0, centre + half)
+    return Interval(estimate, low, high, count, confidence)
+
+
+def proportion_interval(outcomes: list[float], confidence: float = 0.95) -> Interval:
+    """Wilson score interval of one side's accuracy (is the baseline distinguishable from chance?)."""
+    count = len(outcomes)
+    if count == 0:
+        raise ValueError("an interval needs at least one item")
+    share = sum(outcomes) / count
+    z = _critical(confidence, None)
+    denominator = 1 + z**2 / count
+    centre = (share + z**2 / (2 * count)) / denominator
+    half = z * math.sqrt(share * (1 - share) / count + z**2 / (4 * count**2)) / denominator
+    return Interval(share, max(0.0, centre - half), min(1.0, centre + half), count, confidence)
+
+
+def verdict(interval: Interval, limit: float, at_most: bool) -> str:
+    """PASS when the whole interval satisfies ``estimate ≤ limit`` (``at_most``) or ``≥ limit``; BLOCK when none of
+    it does; INCONCLUSIVE when it straddles the limit."""
+    low, high = interval.low, interval.high
+    if at_most:
+        return PASS if high <= limit else BLOCK if low > limit else INCONCLUSIVE
+    return PASS if low >= limit else BLOCK if high < limit else INCONCLUSIVE
+
+
+def items_to_decide(interval: Interval, limit: float, at=None) -> int | None:
+    """About how many items in all would give an interval that excludes ``limit`` if the estimate and the per-item
+    spread stayed as measured; None when the estimate sits on the limit (no number of items would decide) or the
+    interval is unbounded. ``at(items)`` is the interval such a count would give (default: the half-width falls as
+    1/√items, as a mean's does)."""
+    half = interval.high - interval.estimate if limit > interval.estimate else interval.estimate - interval.low
+    if interval.estimate == limit or not math.isfinite(half):
+        return None
+    if at is None:
+        return max(interval.items + 1, math.ceil(interval.items * (half / abs(interval.estimate - limit)) ** 2))
+    low, high = interval.items, interval.items
+    while verdict(at(high), limit, at_most=True) == INCONCLUSIVE:
+        low, high = high, high * 2
+        if high > 10**7:
+            return None
+    while high - low > 1:  # the smallest count that decides
+        middle = (low + high) // 2
+        low, high = (middle, high) if verdict(at(middle), limit, at_most=True) == INCONCLUSIVE else (low, middle)
+    return high
+
+
+def _same_items(candidate: list[float], baseline: list[float]) -> None:
+    if len(candidate) != len(baseline):
+        raise ValueError(f"paired scores need the same items: {len(candidate)} candidate vs {len(baseline)} baseline")

@@ -1,0 +1,220 @@
+"""The perplexity and KL layers: one pass per side over the same windows of the evaluation text.
+
+The baseline's pass records the top of its distribution at every position (``evals.divergence``), cached on disk by
+model, tokens and protocol; the candidate's pass measures its perplexity and its KL divergence from that reference at
+once. Both layers judge the same windows, item by item: the interval of the perplexity ratio is over per-window NLL
+differences, the KL's over per-window means.
+
+``gate.decide=true``: while a perplexity or KL check is INCONCLUSIVE, the candidate scores more windows (at least
+twice as many each look, or as many as the interval says would decide it) up to ``perplexity.decide_max_windows``.
+Looking several times at a growing sample inflates the error rate, so each look's interval is widened to
+``1 − (1 − confidence) / looks`` for the number of looks the cap allows (Bonferroni).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from compress.paths import artifacts_dir
+from evals.divergence import DivergenceMeter, ReferenceRecorder, load_reference, reference_path, save_reference
+from evals.gate import checks as gate_checks
+from evals.gate.checks import Check
+from evals.gate.context import GateContext, Subject
+from evals.gate.policy import GatePolicy
+from evals.gate.stats import INCONCLUSIVE
+from evals.perplexity import PerplexityResult, available_windows, evaluation_windows, resident_perplexity
+
+
+def window_plan(context: GateContext) -> tuple[int, int]:
+    """``(windows scored first, most windows a decided gate may score)``, and the per-look confidence set."""
+    policy = context.policy.perplexity
+    available = available_windows(context.evaluation_ids, policy.seq_len)
+    if available < 2:
+        raise ValueError(
+            f"the evaluation text holds {available} window(s) of {policy.seq_len} tokens; an interval needs ≥ 2: "
+            "give more text or lower gate.perplexity.seq_len"
+        )
+    first = min(policy.max_windows or available, available)
+    cap = min(policy.decide_max_windows or available, available) if context.policy.decide else first
+    looks = 1 + max(0, math.ceil(math.log2(cap / first))) if cap > first else 1
+    context.window_confidence = 1 - (1 - context.policy.confidence) / looks
+    return first, cap
+
+
+def measure_windows(context: GateContext, subjects: list[Subject]) -> dict:
+    """Both layers' measurement, done once per side (the baseline first: the candidate's KL needs its reference)."""
+    for subject in sorted(subjects, key=lambda subject: subject.label != "baseline"):
+        if not cached_baseline(context, subject):
+            measure = _measure_baseline if subject.label == "baseline" else _measure_candidate
+            context.scores[subject.label] = measure(context, subject)
+    return {}
+
+
+def _records_reference(context: GateContext) -> bool:
+    return "kl" in context.selected
+
+
+def cached_baseline(context: GateContext, subject: Subject) -> bool:
+    """Fill in the baseline's pass from the reference cache (same model files, tokens and protocol), if it is there:
+    then the baseline need not be loaded for these layers at all."""
+    if subject.label != "baseline" or subject.label in context.scores or not _records_reference(context):
+        return subject.label in context.scores
+    policy, top_k = context.policy.perplexity, context.policy.kl.top_k
+    _, cap = window_plan(context)
+    path = reference_path(cache_dir(context.policy), subject.folder, context.evaluation_ids, policy.seq_len, top_k)
+    reference = load_reference(path, cap)
+    if reference is None:
+        return False
+    context.reference, context.reference_cached = reference, True
+    window_nll = (-reference["target_logprob"].double().mean(1)).tolist()
+    context.scores["baseline"] = _from_windows(window_nll, policy.seq_len, {"cached": str(path)}).to_dict()
+    return True
+
+
+def _measure_baseline(context: GateContext, subject: Subject) -> dict:
+    policy, top_k = context.policy.perplexity, context.policy.kl.top_k
+    _, cap = window_plan(context)
+    ids = context.evaluation_ids
+    if not _records_reference(context):
+        return _score(subject, context, cap, None).to_dict()
+    recorder = ReferenceRecorder(cap, policy.seq_len - 1, top_k)
+    result = _score(subject, context, cap, recorder)
+    context.reference = recorder.tensors()
+    keep_reference(context.policy, subject.folder, ids, policy.seq_len, recorder)
+    return result.to_dict()
+
+
+def reference_recorder(policy: GatePolicy, token_ids, seq_len: int, max_windows: int | None):
+    """For a caller that scores the baseline itself (``compress run``): the recorder of its top-k distributions when
+    the gate will judge the KL, so the candidate's pass measures its divergence and the gate judges both numbers
+    without measuring again; None when the gate has no KL layer."""
+    if not (policy.enabled and "kl" in policy.layers and policy.kl.enabled):
+        return None
+    windows = evaluation_windows(token_ids, seq_len, max_windows)
+    return ReferenceRecorder(len(windows), seq_len - 1, policy.kl.top_k)
+
+
+def keep_reference(policy: GatePolicy, folder, token_ids, seq_len: int, recorder: ReferenceRecorder) -> None:
+    """Cache a baseline's recorded reference (when the baseline has a folder to key it by)."""
+    path = reference_path(cache_dir(policy), folder, token_ids, seq_len, recorder.indices.shape[-1])
+    if path is not None:
+        save_reference(path, recorder.tensors(), {"format": "compress-reference", "seq_len": str(seq_len)})
+
+
+def _measure_candidate(context: GateContext, subject: Subject) -> dict:
+    first, cap = window_plan(context)
+    meter = DivergenceMeter(context.reference) if context.reference is not None else None
+    result = _score(subject, context, first, meter)
+    while result.windows < cap and _undecided(context, result.to_dict()):
+        needed = max((check.items_to_decide or cap) for check in window_checks(context, result.to_dict()))
+        more = min(cap, max(2 * result.windows, math.ceil(needed * 1.2))) - result.windows
+        extra = _score(subject, context, more, meter, first_window=result.windows)
+        result = _merged(result, extra)
+    return result.to_dict()
+
+
+def _score(subject: Subject, context: GateContext, windows: int, observer, first_window: int = 0) -> PerplexityResult:
+    policy = context.policy.perplexity
+    return resident_perplexity(
+        subject.model, context.evaluation_ids, policy.seq_len, policy.batch_size, windows,
+        label=f"perplexity ({subject.label})", progress=False, observer=observer, first_window=first_window,
+    )  # fmt: skip
+
+
+def _merged(first: PerplexityResult, more: PerplexityResult) -> PerplexityResult:
+    """Two consecutive runs of windows as one (the second's divergence summary already covers both: one meter)."""
+    merged = _from_windows(first.window_nll + more.window_nll, first.seq_len, more.divergence)
+    return replace(merged, first_window=first.first_window)
+
+
+def _from_windows(window_nll: list[float], seq_len: int, divergence: dict | None) -> PerplexityResult:
+    mean_nll = sum(window_nll) / len(window_nll)
+    tokens = len(window_nll) * (seq_len - 1)
+    return PerplexityResult(math.exp(mean_nll), mean_nll, tokens, len(window_nll), seq_len, window_nll, 0, divergence)
+
+
+def _undecided(context: GateContext, candidate: dict) -> bool:
+    return any(check.verdict == INCONCLUSIVE for check in window_checks(context, candidate))
+
+
+def cache_dir(policy: GatePolicy) -> Path:
+    return Path(policy.cache_dir).expanduser() if policy.cache_dir else artifacts_dir() / "cache" / "gate-references"
+
+
+def window_checks(context: GateContext, candidate: dict, layers=("perplexity", "kl")) -> list[Check]:
+    """The perplexity and KL checks of ``candidate``'s windows against the same windows of the baseline."""
+    baseline = context.scores["baseline"]
+    count = len(candidate["window_nll"])
+    candidate_nll, baseline_nll = candidate["window_nll"], baseline["window_nll"][:count]
+    if len(baseline_nll) < count:
+        raise ValueError(f"the baseline scored {len(baseline_nll)} windows, the candidate {count}: they must match")
+    confidence = context.window_confidence
+    found = []
+    if "perplexity" in layers and "perplexity" in context.selected:
+        policy = context.policy.perplexity
+        if policy.max_ratio is not None:
+            found.append(
+                gate_checks.ratio_check(
+                    "perplexity", "perplexity", candidate_nll, baseline_nll, policy.max_ratio, confidence
+                )  # fmt: skip
+            )
+        if policy.max_value is not None:
+            found.append(
+                gate_checks.value_check("perplexity", "perplexity_value", candidate_nll, policy.max_value, confidence)
+            )
+    divergence = candidate.get("divergence")
+    if "kl" in layers and "kl" in context.selected and divergence and "window_kl" in divergence:
+        policy = context.policy.kl
+        if policy.max_mean is not None:
+            found.append(
+                gate_checks.mean_check("kl", "kl_mean", divergence["window_kl"], policy.max_mean, True, confidence)
+            )
+        if policy.min_same_top is not None:
+            found.append(
+                gate_checks.mean_check(
+                    "kl", "same_top", divergence["window_same_top"], policy.min_same_top, False, confidence
+                )  # fmt: skip
+            )
+    return found
+
+
+def _protocol(context: GateContext, windows: int) -> dict:
+    policy = context.policy.perplexity
+    return {
+        "seq_len": policy.seq_len if context.scores_source == "gate" else context.scores["candidate"]["seq_len"],
+        "windows": windows,
+        "measured_by": context.scores_source,
+        "confidence": context.window_confidence,
+        "decide": context.policy.decide,
+    }
+
+
+def judge_perplexity(context: GateContext, metrics: dict) -> tuple[dict, list[Check]]:
+    candidate, baseline = context.scores["candidate"], context.scores["baseline"]
+    count = len(candidate["window_nll"])
+    same_windows = len(baseline["window_nll"]) == count
+    baseline_ppl = baseline["perplexity"] if same_windows else math.exp(sum(baseline["window_nll"][:count]) / count)
+    metrics.update(
+        candidate={key: candidate[key] for key in ("perplexity", "mean_nll", "tokens", "windows", "seq_len")},
+        baseline={"perplexity": baseline_ppl, "windows": count},
+        ppl_ratio=candidate["perplexity"] / baseline_ppl,
+        protocol=_protocol(context, count),
+    )
+    return metrics, window_checks(context, candidate, ("perplexity",))
+
+
+def judge_kl(context: GateContext, metrics: dict) -> tuple[dict, list[Check]]:
+    candidate = context.scores["candidate"]
+    divergence = candidate.get("divergence")
+    if not divergence or "window_kl" not in divergence:
+        raise ValueError("no KL was measured: the baseline's reference distributions are missing")
+    summary = {key: value for key, value in divergence.items() if not key.startswith("window_")}
+    reference = context.reference
+    if reference is not None:
+        tail = 1 - reference["logprobs"][: len(candidate["window_nll"])].exp().sum(-1)
+        summary["reference_tail_mass"] = float(tail.clamp_min(0).double().mean())
+    summary["reference_cached"] = context.reference_cached
+    metrics.update(candidate=summary, protocol=_protocol(context, len(candidate["window_nll"])))
+    return metrics, window_checks(context, candidate, ("kl",))
