@@ -104,6 +104,32 @@ def score(windows: int, checkpoints: dict[str, Path]) -> dict:
     return {"windows": windows, "seq_len": SEQ_LEN, "top_k": TOP_K, "tokens": windows * SEQ_LEN, "models": models}
 
 
+@torch.no_grad()
+def truncation(checkpoints: dict[str, Path], windows: int = 4, top_ks=(8, 32, 128)) -> dict:
+    """The KL layer's top-k error: full-vocabulary KL against the coarse-grained top-k KL the gate computes, on the
+    first ``windows`` windows of the same text, whole models, one window at a time."""
+    from evals.divergence import coarse_kl
+
+    baseline, tokenizer = load(ModelSpec(), lazy=False)
+    ids = tokenize(tokenizer, shakespeare_text())[: windows * SEQ_LEN].view(windows, SEQ_LEN)
+    found = {}
+    for name, path in checkpoints.items():
+        model, _ = load_checkpoint(path)
+        full, coarse = [], {k: [] for k in top_ks}
+        for window in ids:
+            reference = torch.log_softmax(baseline(input_ids=window[None]).logits[0, :-1].float(), -1)
+            candidate = torch.log_softmax(model(input_ids=window[None]).logits[0, :-1].float(), -1)
+            full.append((reference.exp() * (reference - candidate)).sum(-1).mean())
+            for k in top_ks:
+                top = reference.topk(k, -1)
+                coarse[k].append(coarse_kl(top.values, candidate.gather(1, top.indices)).mean())
+        exact = float(torch.stack(full).mean())
+        found[name] = {"full": exact, **{f"top{k}": float(torch.stack(coarse[k]).mean()) for k in top_ks}}
+        print(f"{name}: full KL {exact:.5f}, top-32 {found[name]['top32']:.5f}", flush=True)
+        del model
+    return {"windows": windows, "kl": found}
+
+
 def _slices(values: list[float], size: int) -> list[list[float]]:
     return [values[start : start + size] for start in range(0, len(values) - size + 1, size)]
 
@@ -173,7 +199,7 @@ def _meets(row: dict) -> str:
     return "–"
 
 
-def write_markdown(scores: dict, table: dict, command: str, path: Path) -> None:
+def write_markdown(scores: dict, table: dict, command: str, path: Path, truncated: dict | None) -> None:
     models = scores["models"]
     lines = [
         "# Gate calibration: verdict rates on disjoint slices",
@@ -211,6 +237,22 @@ def write_markdown(scores: dict, table: dict, command: str, path: Path) -> None:
                     f"| {name} | {layer} | {row['full_text']:.4f} | {row['limit']:g} | {row['class']} "
                     f"| {row['pass']:.0%} | {row['block']:.0%} | {row['inconclusive']:.0%} | {_meets(row)} |"
                 )
+    if truncated:
+        lines += [
+            "",
+            f"## The KL's top-k truncation (`{truncated['command']}`)",
+            "",
+            f"Full-vocabulary KL against the coarse-grained top-k KL the gate computes, first {truncated['windows']} "
+            "windows, whole models:",
+            "",
+            "| checkpoint | full KL | top-8 | top-32 (the gate's) | top-128 | top-32 / full |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {name} | {row['full']:.5f} | {row['top8']:.5f} | {row['top32']:.5f} | {row['top128']:.5f} "
+            f"| {row['top32'] / row['full']:.3f} |"
+            for name, row in truncated["kl"].items()
+        ]
     lines += [
         "",
         "Requirements (issue 30): a checkpoint whose full-text ratio is ≥ 2 points inside the limit passes in ≥ 95% of "
@@ -226,20 +268,25 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=480, help="windows of 512 tokens scored per model")
     parser.add_argument("--checkpoint", action="append", default=[], help="name=folder of a checkpoint made already")
     parser.add_argument("--analyze-only", action="store_true", help="re-tabulate benchmarks/results/gate-calibration")
+    parser.add_argument("--truncation", action="store_true", help="also measure the KL's top-k error (whole models)")
     args = parser.parse_args()
     raw = RESULTS / "gate-calibration.json"
     command = "python benchmarks/gate_calibration.py " + " ".join(sys.argv[1:])
+    saved = json.loads(raw.read_text()) if raw.is_file() else {}
+    extra = {"truncation": saved["truncation"]} if "truncation" in saved else {}
     if args.analyze_only:
-        scores = json.loads(raw.read_text())["scores"]
-        command = json.loads(raw.read_text())["command"]
+        scores, command = saved["scores"], saved["command"]
     else:
         given = dict(item.split("=", 1) for item in args.checkpoint)
         out = artifacts_dir() / "benchmarks" / "gate-calibration"
         checkpoints = {name: Path(given[name]) if name in given else make_checkpoint(name, out) for name in RECIPES}
         scores = score(args.windows, checkpoints)
+    if args.truncation:
+        paths = {name: Path(model["checkpoint"]) for name, model in scores["models"].items() if name != "baseline"}
+        extra = {"truncation": {**truncation(paths), "command": " ".join(["python", *sys.argv])}}
     table = analyze(scores)
-    raw.write_text(json.dumps({"command": command, "scores": scores, "verdicts": table}, indent=1))
-    write_markdown(scores, table, command, RESULTS / "gate-calibration.md")
+    raw.write_text(json.dumps({"command": command, "scores": scores, "verdicts": table, **extra}, indent=1))
+    write_markdown(scores, table, command, RESULTS / "gate-calibration.md", extra.get("truncation"))
     print((RESULTS / "gate-calibration.md").read_text())
 
 

@@ -76,6 +76,12 @@ def summary_lines(report: dict) -> list[str]:
     for name, result in ppl.items():
         ratio = f"{result['perplexity'] / base:.4f}×" if base else "n/a"
         lines.append(f"| {name} | {result['perplexity']:.4f} | {ratio} |")
+    divergence = ppl.get("candidate", {}).get("divergence")
+    if divergence:  # measured in the candidate's perplexity pass, against the baseline's top-k
+        lines.append(
+            f"\ncandidate's KL from the baseline {divergence['kl_mean']:.4f} nats/token "
+            f"(p99 {divergence['kl_p99']:.3f}), same top token at {divergence['same_top']:.1%} of positions"
+        )
     lines += [
         "",
         f"checkpoint: {ckpt['size_mb']:.1f} MB, {ckpt['quantized_linears']} quantized linears at "

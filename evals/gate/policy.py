@@ -44,10 +44,10 @@ class LmEvalPolicy:
     local_task: bool = True  # the shipped accuracy task: the true continuation of a passage among four
     tasks: list[str] = field(default_factory=list)  # any lm-eval task names the machine has data for
     include_path: str | None = None  # a folder of the user's own task YAMLs
-    limit: int | None = 100  # items per task (the default evaluation split holds 108 of the local task)
+    limit: int | None = 60  # items per task (the default evaluation split holds 108 of the local task)
     batch_size: int = 4
     max_length: int = 512
-    max_drop_points: float | None = 5.0  # accuracy-like metrics, paired per item
+    max_drop_points: float | None = 10.0  # accuracy-like metrics, paired per item
 
 
 @dataclass
@@ -55,7 +55,7 @@ class JsonPolicy:
     enabled: bool = True
     blocking: bool = True
     constrained: bool = False
-    max_new_tokens: int = 96
+    max_new_tokens: int = 64
     num_prompts: int | None = None
     max_validity_drop_points: float | None = 20.0
     max_compliance_drop_points: float | None = 20.0
@@ -68,7 +68,7 @@ class NeedlePolicy:
     blocking: bool = True
     context_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
-    trials: int = 4
+    trials: int = 2
     max_drop_points: float | None = 10.0
     min_accuracy: float | None = None
 
@@ -81,7 +81,7 @@ class LongContextPolicy:
     blocking: bool = True
     context_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
     tasks: list[str] = field(default_factory=lambda: ["variable_tracking", "multi_key", "frequent_words"])
-    trials: int = 4
+    trials: int = 2
     max_drop_points: float | None = 10.0
 
 
