@@ -33,7 +33,7 @@ class KLPolicy:
     enabled: bool = True
     blocking: bool = True
     top_k: int = 32  # baseline log-probabilities kept per position (evals.divergence: the truncation's error)
-    max_mean: float | None = 0.1  # mean KL(baseline ‖ candidate) in nats per token
+    max_mean: float | None = 0.05  # mean KL(baseline ‖ candidate) in nats per token
     min_same_top: float | None = None  # share of positions where both rank the same token first
 
 

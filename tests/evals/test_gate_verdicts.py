@@ -211,3 +211,15 @@ def test_the_gate_command_exits_3_on_inconclusive_and_says_why(pair, tmp_path, m
     assert gate_command.main(args) == 3
     out = capsys.readouterr().out
     assert "release gate: INCONCLUSIVE — perplexity ×" in out and "items would decide it" in out
+
+
+def test_the_policy_defaults_are_the_default_gate():
+    """quick.yaml changes sizes over the dataclass defaults, so those must be default.yaml's limits (the quick gate's
+    KL limit was 0.1 where default.yaml says 0.05)."""
+    from omegaconf import OmegaConf
+
+    from compress.paths import recipes_dir
+    from evals.gate.policy import GatePolicy, policy_dict, resolve_policy
+
+    default = OmegaConf.to_container(OmegaConf.load(recipes_dir() / "gate" / "default.yaml"))
+    assert policy_dict(resolve_policy(default)) == policy_dict(GatePolicy())
