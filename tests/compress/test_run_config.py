@@ -284,7 +284,7 @@ def test_blocked_gate_ends_green_unless_enforced_and_the_gate_command_still_fail
         artifacts=artifacts,
     )
     assert gate.returncode == 1, gate.stderr[-3000:]
-    assert "gate BLOCKED" in gate.stdout
+    assert "release gate: BLOCKED — perplexity ×" in gate.stdout
 
 
 def test_sweep_runs_every_job_and_fails_at_the_end_when_an_enforced_gate_blocks(tiny_model_dir, tmp_path, compress_cli):
