@@ -51,11 +51,16 @@ class ReferenceRecorder:
         self.target_logprob[rows, position] = logprobs.gather(1, target[:, None])[:, 0].cpu()
 
     def summary(self) -> dict:
-        tail = 1 - self.logprobs.exp().sum(-1)
-        return {"top_k": self.indices.shape[-1], "reference_tail_mass": float(tail.clamp_min(0).mean())}
+        return reference_summary(self.tensors())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"indices": self.indices, "logprobs": self.logprobs, "target_logprob": self.target_logprob}
+
+
+def reference_summary(reference: dict[str, torch.Tensor]) -> dict:
+    """What the baseline's pass reports: how many tokens it keeps per position and the mass beyond them."""
+    tail = 1 - reference["logprobs"].exp().sum(-1)
+    return {"top_k": reference["indices"].shape[-1], "reference_tail_mass": float(tail.clamp_min(0).double().mean())}
 
 
 class DivergenceMeter:

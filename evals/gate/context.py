@@ -56,5 +56,5 @@ class GateContext:
     scores: dict[str, dict] = field(default_factory=dict)
     scores_source: str = "gate"  # "gate", or who measured them ("run")
     reference: dict[str, torch.Tensor] | None = None  # the baseline's top-k distributions (evals.divergence)
-    reference_cached: bool = False
+    reference_cached: str | None = None  # the cache file the baseline's pass was read from, if it was
     window_confidence: float = 0.95  # per look: lowered when gate.decide may look several times (Bonferroni)

@@ -204,15 +204,23 @@ def _needs(name: str, context: GateContext, subject: Subject) -> bool:
 
 
 def _run_layers(result: GateResult, context: GateContext, subjects: dict[str, Subject], selected: list[str]) -> None:
-    """Measure and judge each selected layer in order; the first BLOCK skips the layers after it."""
-    runs = [LayerRun(name) for name in selected]
-    backend, engine_options = result.backend, dict(context.policy.engine)
+    """Measure and judge each selected layer in order; the first BLOCK skips the layers after it.
+
+    The leading layers whose numbers are already known (the run's own perplexity passes) are judged before any
+    model loads, so a run whose perplexity blocks never loads the baseline for the layers it will skip."""
     candidate, baseline = subjects["candidate"], subjects["baseline"]
-    blocked: list[str] = []
-    undecided: list[str] = []
-    if context.policy.models_in_memory == 1:
-        baseline_runs = [run for run in runs if _needs(run.name, context, baseline)]
-        if baseline_runs and _loading(blocked, baseline, backend, engine_options):
+    runs = [LayerRun(name) for name in selected]
+    known = 0
+    while known < len(runs) and not any(_needs(runs[known].name, context, side) for side in (candidate, baseline)):
+        known += 1
+    verdicts = _Verdicts()
+    for run in runs[:known]:
+        verdicts.add(run, context, result, [])
+    pending = runs[known:]
+    backend, engine_options = result.backend, dict(context.policy.engine)
+    if pending and context.policy.models_in_memory == 1 and not verdicts.blocked:
+        baseline_runs = [run for run in pending if _needs(run.name, context, baseline)]
+        if baseline_runs and _loading(verdicts.blocked, baseline, backend, engine_options):
             for run in baseline_runs:
                 log.info("gate: %s (baseline)", run.name)
                 run.measure(context, [baseline])
@@ -221,26 +229,37 @@ def _run_layers(result: GateResult, context: GateContext, subjects: dict[str, Su
     else:
         together = [candidate, baseline]
     for side in together:
-        if not blocked and any(_needs(run.name, context, side) for run in runs):
-            _loading(blocked, side, backend, engine_options)
-    for run in runs:
-        if blocked:  # a BLOCK already decided the verdict: skip the costlier layers
+        if pending and not verdicts.blocked and any(_needs(run.name, context, side) for run in pending):
+            _loading(verdicts.blocked, side, backend, engine_options)
+    for run in pending:
+        verdicts.add(run, context, result, [side for side in together if side.model is not None])
+    for subject in together:
+        subject.unload()
+    result.reasons = verdicts.blocked + verdicts.undecided
+    result.verdict = BLOCK if verdicts.blocked else INCONCLUSIVE if verdicts.undecided else PASS
+
+
+@dataclass
+class _Verdicts:
+    """The reasons collected so far: once one blocks, the remaining layers are skipped."""
+
+    blocked: list[str] = field(default_factory=list)
+    undecided: list[str] = field(default_factory=list)
+
+    def add(self, run: LayerRun, context: GateContext, result: GateResult, loaded: list[Subject]) -> None:
+        if self.blocked:  # a BLOCK already decided the verdict: skip the costlier layers
             result.layers.append(LayerResult(run.name, "skipped"))
-            continue
+            return
         log.info("gate: %s", run.name)
-        run.measure(context, [side for side in together if side.model is not None])
+        run.measure(context, loaded)
         layer = run.judge(context)
         result.layers.append(layer)
         if layer.status == "error":
-            blocked.append(f"{run.name}: evaluator error (fail closed): {layer.error}")
+            self.blocked.append(f"{run.name}: evaluator error (fail closed): {layer.error}")
         elif layer.status == "fail":
-            blocked += [check.describe() for check in layer.checks if check.verdict == BLOCK]
+            self.blocked += [check.describe() for check in layer.checks if check.verdict == BLOCK]
         elif layer.status == "inconclusive":
-            undecided += [check.describe() for check in layer.checks if check.verdict == INCONCLUSIVE]
-    for subject in together:
-        subject.unload()
-    result.reasons = blocked + undecided
-    result.verdict = BLOCK if blocked else INCONCLUSIVE if undecided else PASS
+            self.undecided += [check.describe() for check in layer.checks if check.verdict == INCONCLUSIVE]
 
 
 def _loading(blocked: list[str], subject: Subject, backend: str, engine_options: dict) -> bool:

@@ -18,7 +18,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from compress.paths import artifacts_dir
-from evals.divergence import DivergenceMeter, ReferenceRecorder, load_reference, reference_path, save_reference
+from evals.divergence import (
+    DivergenceMeter,
+    ReferenceRecorder,
+    load_reference,
+    reference_path,
+    reference_summary,
+    save_reference,
+)
 from evals.gate import checks as gate_checks
 from evals.gate.checks import Check
 from evals.gate.context import GateContext, Subject
@@ -67,9 +74,9 @@ def cached_baseline(context: GateContext, subject: Subject) -> bool:
     reference = load_reference(path, cap)
     if reference is None:
         return False
-    context.reference, context.reference_cached = reference, True
+    context.reference, context.reference_cached = reference, str(path)
     window_nll = (-reference["target_logprob"].double().mean(1)).tolist()
-    context.scores["baseline"] = _from_windows(window_nll, policy.seq_len, {"cached": str(path)}).to_dict()
+    context.scores["baseline"] = _from_windows(window_nll, policy.seq_len, reference_summary(reference)).to_dict()
     return True
 
 
@@ -107,8 +114,11 @@ def _measure_candidate(context: GateContext, subject: Subject) -> dict:
     first, cap = window_plan(context)
     meter = DivergenceMeter(context.reference) if context.reference is not None else None
     result = _score(subject, context, first, meter)
-    while result.windows < cap and _undecided(context, result.to_dict()):
-        needed = max((check.items_to_decide or cap) for check in window_checks(context, result.to_dict()))
+    while result.windows < cap:
+        undecided = [check for check in window_checks(context, result.to_dict()) if check.verdict == INCONCLUSIVE]
+        if not undecided:
+            break
+        needed = max(check.items_to_decide or cap for check in undecided)
         more = min(cap, max(2 * result.windows, math.ceil(needed * 1.2))) - result.windows
         extra = _score(subject, context, more, meter, first_window=result.windows)
         result = _merged(result, extra)
@@ -133,10 +143,6 @@ def _from_windows(window_nll: list[float], seq_len: int, divergence: dict | None
     mean_nll = sum(window_nll) / len(window_nll)
     tokens = len(window_nll) * (seq_len - 1)
     return PerplexityResult(math.exp(mean_nll), mean_nll, tokens, len(window_nll), seq_len, window_nll, 0, divergence)
-
-
-def _undecided(context: GateContext, candidate: dict) -> bool:
-    return any(check.verdict == INCONCLUSIVE for check in window_checks(context, candidate))
 
 
 def cache_dir(policy: GatePolicy) -> Path:
@@ -211,10 +217,7 @@ def judge_kl(context: GateContext, metrics: dict) -> tuple[dict, list[Check]]:
     if not divergence or "window_kl" not in divergence:
         raise ValueError("no KL was measured: the baseline's reference distributions are missing")
     summary = {key: value for key, value in divergence.items() if not key.startswith("window_")}
-    reference = context.reference
-    if reference is not None:
-        tail = 1 - reference["logprobs"][: len(candidate["window_nll"])].exp().sum(-1)
-        summary["reference_tail_mass"] = float(tail.clamp_min(0).double().mean())
+    summary.update(context.scores["baseline"].get("divergence") or {})  # top_k and the tail mass it leaves out
     summary["reference_cached"] = context.reference_cached
     metrics.update(candidate=summary, protocol=_protocol(context, len(candidate["window_nll"])))
     return metrics, window_checks(context, candidate, ("kl",))

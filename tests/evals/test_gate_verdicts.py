@@ -7,6 +7,7 @@ tokenizer, where a slightly perturbed copy of the baseline is the candidate whos
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,15 +185,39 @@ def test_decide_scores_more_windows_until_the_verdict_is_decided(pair, texts, tm
 def test_a_second_gate_reads_the_cached_reference_and_never_loads_the_baseline(pair, texts, tmp_path, monkeypatch):
     policy = {**WINDOW_LAYERS, "perplexity": {"seq_len": 128, "max_windows": 8}, "kl": {"max_mean": 10.0}}
     first = run_gate(pair["candidate"], pair["baseline"], policy, tmp_path / "first", evaluation_texts=texts)
-    assert first.layer("kl").metrics["candidate"]["reference_cached"] is False
+    assert first.layer("kl").metrics["candidate"]["reference_cached"] is None
     loaded = []
     real_load = loading.load_for_eval
     monkeypatch.setattr(loading, "load_for_eval", lambda source: loaded.append(source) or real_load(source))
     second = run_gate(pair["candidate"], pair["baseline"], policy, tmp_path / "second", evaluation_texts=texts)
     assert loaded == [pair["candidate"]]  # the baseline's windows came from the cache
-    assert second.layer("kl").metrics["candidate"]["reference_cached"] is True
+    assert Path(second.layer("kl").metrics["candidate"]["reference_cached"]).is_file()
     for name in ("perplexity", "kl"):
         assert second.layer(name).estimate == pytest.approx(first.layer(name).estimate, rel=1e-5)
+    tail_mass = [gate.layer("kl").metrics["candidate"]["reference_tail_mass"] for gate in (first, second)]
+    assert 0 < tail_mass[0] < 1 and tail_mass[1] == pytest.approx(tail_mass[0], rel=1e-5)
+
+
+def test_passes_the_caller_measured_are_judged_before_any_model_loads(pair, tokenizer, texts, tmp_path, monkeypatch):
+    """`compress run` hands the gate its own perplexity passes: when they block, neither side is loaded for the
+    later layers, which are skipped."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.data import tokenize
+
+    ids = tokenize(tokenizer, "\n\n".join(texts))
+    measured = {
+        side: perplexity(AutoModelForCausalLM.from_pretrained(pair[side]), ids, 128, 4, 6, progress=False).to_dict()
+        for side in ("baseline", "candidate")
+    }
+    loaded = []
+    monkeypatch.setattr(loading, "load_for_eval", lambda source: loaded.append(source))
+    policy = {"layers": ["perplexity", "json"], "backend": "transformers", "perplexity": {"max_ratio": 0.99}}
+    result = run_gate(
+        pair["candidate"], pair["baseline"], policy, tmp_path, evaluation_texts=texts, measured=measured
+    )  # fmt: skip
+    assert result.verdict == "block" and loaded == [], result.reasons
+    assert [layer.status for layer in result.layers] == ["fail", "skipped"]
 
 
 def test_the_gate_command_exits_3_on_inconclusive_and_says_why(pair, tmp_path, monkeypatch, capsys):
