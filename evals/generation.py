@@ -43,6 +43,11 @@ class Generator(Protocol):
         """Greedy continuation of ``prompt_ids``, stopping at end-of-sequence."""
         ...
 
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[list[int]]:
+        """Greedy continuations of many prompts, in prompt order: the engine schedules them together (on a CPU,
+        prompts batched together cost about half as much as one after another)."""
+        ...
+
     def time_generation(self, prompt_ids: list[int], new_tokens: int) -> tuple[float, float]:
         """``(time to first token, mean time per later token)`` in seconds for exactly ``new_tokens`` tokens."""
         ...
@@ -123,6 +128,9 @@ class TransformersGenerator:
     def generate(self, prompt_ids, max_new_tokens, constraint=None):
         return self._decode(prompt_ids, max_new_tokens, constraint)
 
+    def generate_batch(self, prompts, max_new_tokens):
+        return [self.generate(prompt, tokens) for prompt, tokens in zip(prompts, max_new_tokens, strict=True)]
+
     def time_generation(self, prompt_ids, new_tokens):
         if new_tokens < 2:
             raise CompressError("gate.latency.new_tokens must be ≥ 2 to measure time per output token")
@@ -160,6 +168,10 @@ class EngineGenerator:
         if constraint is not None:
             raise CompressError("the engine backend cannot constrain decoding; the gate uses transformers for that")
         return list(self._run(prompt_ids, max_new_tokens).token_ids)
+
+    def generate_batch(self, prompts, max_new_tokens):
+        params = [self.sampling_params(temperature=0.0, max_tokens=tokens) for tokens in max_new_tokens]
+        return [list(output.token_ids) for output in self.llm.generate([list(p) for p in prompts], params)]
 
     def time_generation(self, prompt_ids, new_tokens):
         if new_tokens < 2:

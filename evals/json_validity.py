@@ -124,10 +124,13 @@ def evaluate_json(
 
     prompts = PROMPTS[:num_prompts] if num_prompts else PROMPTS
     vocabulary = JsonVocabulary(tokenizer, vocab_size) if constrained else None
+    rendered = [render_prompt(tokenizer, prompt) for prompt in prompts]
+    if vocabulary is None:
+        outputs = generator.generate_batch(rendered, [max_new_tokens] * len(rendered))
+    else:  # each prompt's constraint follows its own tokens, one step at a time
+        outputs = [generator.generate(ids, max_new_tokens, JsonConstraint(vocabulary)) for ids in rendered]
     samples = []
-    for prompt in prompts:
-        constraint = JsonConstraint(vocabulary) if vocabulary else None
-        output = generator.generate(render_prompt(tokenizer, prompt), max_new_tokens, constraint)
+    for prompt, output in zip(prompts, outputs, strict=True):
         reply = tokenizer.decode(output, skip_special_tokens=True)
         value = extract_object(reply)
         compliant = value is not None and Draft202012Validator(prompt.schema).is_valid(value)

@@ -357,10 +357,11 @@ def evaluate_long_context(
         build_item(task, tokenizer, filler_ids, length, _item_seed(seed, task, length, trial), hops=hops)
         for length, task, trial in keys
     ]
-    outcomes = []
-    for item in items:
-        reply = tokenizer.decode(generator.generate(item.prompt_ids, item.max_new_tokens), skip_special_tokens=True)
-        outcomes.append(int(score(item, reply)))
+    replies = generator.generate_batch([item.prompt_ids for item in items], [item.max_new_tokens for item in items])
+    outcomes = [
+        int(score(item, tokenizer.decode(reply, skip_special_tokens=True)))
+        for item, reply in zip(items, replies, strict=True)
+    ]
     return {
         "long_context_accuracy": _accuracy(outcomes),
         "per_task": {

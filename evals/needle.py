@@ -61,23 +61,27 @@ def evaluate_needle(
 ) -> dict:
     """Accuracy per (length, depth) cell and overall (``needle_accuracy``, a fraction), and every prompt's 0/1
     outcome in grid order (``outcomes``: the gate pairs candidate and baseline prompt by prompt)."""
-    grid, outcomes = [], []
-    hits = total = 0
-    for length_index, length in enumerate(lengths):
-        row = []
-        for depth_index, depth in enumerate(depths):
-            cell_hits = 0
-            for trial in range(trials):
-                rng = random.Random(f"{seed}:{length_index}:{depth_index}:{trial}")
-                key = rng.randrange(10_000, 100_000)
-                prompt = haystack(tokenizer, filler_ids, length, depth, key, seed=rng.randrange(2**31))
-                answer = tokenizer.decode(generator.generate(prompt, ANSWER_TOKENS), skip_special_tokens=True)
-                outcomes.append(int(retrieved(answer, key)))
-                cell_hits += outcomes[-1]
-            row.append(cell_hits / trials)
-            hits += cell_hits
-            total += trials
-        grid.append(row)
+    cells = [
+        (length_index, depth_index, trial)
+        for length_index in range(len(lengths))
+        for depth_index in range(len(depths))
+        for trial in range(trials)
+    ]
+    keys, prompts = [], []
+    for length_index, depth_index, trial in cells:
+        rng = random.Random(f"{seed}:{length_index}:{depth_index}:{trial}")
+        keys.append(rng.randrange(10_000, 100_000))
+        depth = depths[depth_index]
+        prompts.append(haystack(tokenizer, filler_ids, lengths[length_index], depth, keys[-1], rng.randrange(2**31)))
+    answers = generator.generate_batch(prompts, [ANSWER_TOKENS] * len(prompts))
+    outcomes = [
+        int(retrieved(tokenizer.decode(answer, skip_special_tokens=True), key))
+        for answer, key in zip(answers, keys, strict=True)
+    ]
+    grid = [[0.0] * len(depths) for _ in lengths]
+    for (length_index, depth_index, _), outcome in zip(cells, outcomes, strict=True):
+        grid[length_index][depth_index] += outcome / trials
+    hits, total = sum(outcomes), len(outcomes)
     return {
         "needle_accuracy": hits / total, "lengths": lengths, "depths": depths, "trials": trials, "grid": grid,
         "outcomes": outcomes,

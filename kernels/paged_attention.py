@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -100,11 +101,17 @@ def paged_attention_reference(
         rows = slice(b, b + 1)
         keys = gather(k_cache, k_scale, rows)[0, :context_len]
         values = gather(v_cache, v_scale, rows)[0, :context_len]
-        queries = q[start:end].float().view(end - start, num_kv_heads, group, head_dim)
-        scores = scaled(torch.einsum("qhgd,khd->hgqk", queries, keys))
         query_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
-        scores = scores.masked_fill(~visible(torch.arange(context_len, device=q.device), query_pos), float("-inf"))
-        attended = torch.einsum("hgqk,khd->qhgd", scores.softmax(-1), values)
+        mask = visible(torch.arange(context_len, device=q.device), query_pos)
+        if softcap is None:  # torch's fused kernel (4-D inputs pick it on CPU): no fp32 [heads, queries, keys] scores
+            attended = F.scaled_dot_product_attention(
+                q[None, start:end].float().transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2),
+                attn_mask=mask, scale=sm_scale, enable_gqa=True,
+            )[0].transpose(0, 1)  # fmt: skip
+        else:
+            queries = q[start:end].float().view(end - start, num_kv_heads, group, head_dim)
+            scores = scaled(torch.einsum("qhgd,khd->hgqk", queries, keys)).masked_fill(~mask, float("-inf"))
+            attended = torch.einsum("hgqk,khd->qhgd", scores.softmax(-1), values)
         out[start:end] = attended.reshape(end - start, num_heads, head_dim).to(q.dtype)
     return out
 

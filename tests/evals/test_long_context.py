@@ -90,6 +90,9 @@ class Oracle:
         answer = solve(self.tokenizer.decode(prompt_ids, skip_special_tokens=True))
         return self.tokenizer(f" {answer}.", add_special_tokens=False)["input_ids"][:max_new_tokens]
 
+    def generate_batch(self, prompts, max_new_tokens):
+        return [self.generate(prompt, tokens) for prompt, tokens in zip(prompts, max_new_tokens, strict=True)]
+
 
 class FixedReply(Oracle):
     """Always the same reply."""
