@@ -44,7 +44,7 @@ class LmEvalPolicy:
     local_task: bool = True  # the shipped accuracy task: the true continuation of a passage among four
     tasks: list[str] = field(default_factory=list)  # any lm-eval task names the machine has data for
     include_path: str | None = None  # a folder of the user's own task YAMLs
-    limit: int | None = 60  # items per task (the default evaluation split holds 108 of the local task)
+    limit: int | None = 40  # items per task (the default evaluation split holds 108 of the local task)
     batch_size: int = 4
     max_length: int = 512
     max_drop_points: float | None = 10.0  # accuracy-like metrics, paired per item
@@ -66,7 +66,7 @@ class JsonPolicy:
 class NeedlePolicy:
     enabled: bool = True
     blocking: bool = True
-    context_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
+    context_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     trials: int = 2
     max_drop_points: float | None = 10.0
@@ -79,9 +79,9 @@ class LongContextPolicy:
 
     enabled: bool = True
     blocking: bool = True
-    context_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
+    context_lengths: list[int] = field(default_factory=lambda: [512, 1024])
     tasks: list[str] = field(default_factory=lambda: ["variable_tracking", "multi_key", "frequent_words"])
-    trials: int = 2
+    trials: int = 3
     max_drop_points: float | None = 10.0
 
 
@@ -89,8 +89,8 @@ class LongContextPolicy:
 class LatencyPolicy:
     enabled: bool = True
     blocking: bool = True
-    prompt_tokens: int = 256
-    new_tokens: int = 32
+    prompt_tokens: int = 128
+    new_tokens: int = 16
     repeats: int = 7
     warmup: int = 1
     max_ttft_ratio: float | None = None
