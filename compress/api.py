@@ -25,14 +25,13 @@ from torch import nn
 from compress import distributed
 from compress.checkpoint import CheckpointSummary, CheckpointWriter
 from compress.compression import compress_model
-from compress.config import RunConfig
 from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
 from compress.models import load, resolve_model_path
-from compress.paths import artifacts_dir, recipes_dir
+from compress.paths import artifacts_dir
+from compress.recipe import RecipeLike, compose
 from compress.stages import Stage, build_chain
 
-RecipeLike = str | Path | Sequence[dict]
 DataLike = str | Path | torch.Tensor | Sequence[str] | None
 
 
@@ -87,39 +86,6 @@ def oneshot(
             write_checkpoint(writer, loaded, tokenizer, stages, summaries, config.recipe, config.stages)
     distributed.barrier()
     return target
-
-
-def compose(recipe: RecipeLike, overrides: Sequence[str] = (), model: str | None = None) -> RunConfig:
-    """The typed, checked run configuration: a named recipe composed by Hydra exactly as the CLI composes it, or a
-    stage list (or a recipe file's stages) on top of the defaults every recipe inherits; ``model`` sets the model."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from compress.commands.run import compose_job, resolve_shortcuts
-    from compress.config import build_run_config, config_error, register_schema
-
-    register_schema()
-    if isinstance(recipe, str) and (recipes_dir() / f"{recipe}.yaml").is_file():
-        return compose_job(recipe, resolve_shortcuts([*overrides, *([f"model={model}"] if model else [])]))
-    if isinstance(recipe, str | Path):
-        path = Path(recipe).expanduser()
-        if not path.is_file():
-            raise CompressError(f"recipe {recipe!s}: neither a recipe name in {recipes_dir()} nor a YAML file")
-        stage_list = (yaml.safe_load(path.read_text()) or {}).get("stages")
-        name = path.stem
-    else:
-        stage_list, name = [dict(stage) for stage in recipe], "custom"
-    if not stage_list:
-        raise CompressError(f"recipe {name!r} has no stages")
-    fixed = {"recipe": name, "stages": stage_list, **({"model": {"path": model}} if model else {})}
-    try:
-        composed = OmegaConf.merge(OmegaConf.structured(RunConfig), fixed)
-        for override in overrides:  # stages.0.group_size=128 indexes the list, as on the command line
-            key, _, value = override.partition("=")
-            OmegaConf.update(composed, key, yaml.safe_load(value), force_add=key.startswith("stages."))
-    except OmegaConfBaseException as error:
-        raise config_error(error) from None
-    return build_run_config(composed)
 
 
 def calibration_ids(data: DataLike, spec: DataSpec, tokenizer, seed: int) -> torch.Tensor:

@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from compress.commands.args import unknown_key_error
 from compress.data import DataSpec
-from compress.errors import CompressError
+from compress.errors import CompressError, unknown_key_error
 from compress.models import ModelSpec
 from compress.paths import artifacts_dir
 from evals.gate import GatePolicy

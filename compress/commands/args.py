@@ -10,24 +10,17 @@ any of these ``| None`` (``null`` or an empty value gives None).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
-from compress.errors import CompressError
+from compress.errors import CompressError, unknown_key_error
 
 T = TypeVar("T")
 HELP = {"-h", "--help", "help"}
 NULL = ("", "null", "none")
 BOOLEANS = {"true": True, "false": False}
-
-
-def unknown_key_error(where: str, key: str, valid: list[str]) -> CompressError:
-    hint = difflib.get_close_matches(key, valid, n=1)
-    suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-    return CompressError(f"{where}: unknown key {key!r}{suggestion}; valid keys: {', '.join(valid)}")
 
 
 def wants_help(argv: list[str]) -> bool:

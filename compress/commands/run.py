@@ -16,24 +16,17 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from compress.commands.launch import LAUNCHERS, Outcome, executor_for, split_launcher, submit
+from compress.commands.launch import Outcome, executor_for, split_launcher, submit
 from compress.errors import CompressError
-from compress.paths import recipes_dir
+from compress.recipe import available, check_overrides, compose_job, resolve_shortcuts
 
 if TYPE_CHECKING:
     from compress.config import RunConfig
 
-GROUPS = ("model", "data", "gate")
 MULTIRUN_FLAGS = {"-m", "--multirun"}
 PRINT_FLAGS = {"--cfg", "-c"}  # followed by `job`: print each job's configuration
-
-
-def available(group: str | None = None) -> list[str]:
-    folder = recipes_dir() / group if group else recipes_dir()
-    return sorted(p.stem for p in folder.glob("*.yaml") if not p.name.startswith("_"))
 
 
 def split_arguments(argv: list[str]) -> tuple[bool, bool, list[str]]:
@@ -52,103 +45,6 @@ def split_arguments(argv: list[str]) -> tuple[bool, bool, list[str]]:
         else:
             overrides.append(token)
     return multirun, print_only, overrides
-
-
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def resolve_shortcuts(overrides: list[str]) -> list[str]:
-    """``model=/some/folder`` → ``model=hf model.path=/some/folder``; likewise ``data=`` for files and datasets."""
-    resolved = []
-    for override in overrides:
-        key, _, value = override.partition("=")
-        if key in ("model", "data") and value and "," not in value and value not in available(key):
-            if key == "model":
-                resolved += ["model=hf", f"model.path={value}"]
-            elif Path(value).expanduser().is_file():
-                resolved += ["data=file", f"data.path={value}"]
-            else:
-                resolved += ["data=hf", f"data.name={value}"]
-        else:
-            resolved.append(override)
-    return resolved
-
-
-def _stage_keys(stage: dict) -> list[str] | None:
-    from compress.stages import STAGES
-
-    kind = STAGES.get(stage.get("type"))
-    return None if kind is None else ["type", *kind.valid_keys()]
-
-
-def check_overrides(recipe: str, overrides: list[str]) -> list[str]:
-    """Raise on unknown group options and stage keys; return the overrides with stage arguments the recipe file
-    leaves at their defaults (and ``gate.engine`` options) made appendable. The typed keys are checked by the
-    schema while composing; stages are a list of different kinds, read from the recipe file, where they live."""
-    from omegaconf import OmegaConf
-
-    stages = OmegaConf.to_container(OmegaConf.load(recipes_dir() / f"{recipe}.yaml")).get("stages") or []
-    checked = []
-    for override in overrides:
-        key = _key(override)
-        parts = key.split(".")
-        if key in GROUPS:
-            for choice in override.split("=", 1)[1].split(","):
-                if choice not in available(key):
-                    raise CompressError(f"{key}={choice} is not a known option; available: {', '.join(available(key))}")
-        elif parts[0] == "hydra" or key.startswith("hydra/"):
-            raise CompressError(
-                f"{override}: jobs are composed by compress, so Hydra's settings do not apply except the launcher "
-                f"(hydra/launcher={'|'.join(LAUNCHERS)}, hydra.launcher.<key>=<value>)"
-            )
-        elif override.startswith(("+", "~")):
-            pass
-        elif parts[:2] == ["gate", "engine"] and len(parts) == 3:
-            override = "+" + override  # free-form compress.engine.EngineConfig options, checked after composing
-        elif parts[0] == "stages" and len(parts) > 1:
-            override = _stage_override(override, parts, stages)
-        checked.append(override)
-    return checked
-
-
-def _stage_override(override: str, parts: list[str], stages: list) -> str:
-    """``stages.<i>.<key>=<value>`` checked against stage ``i`` of the recipe; ``+`` added when the recipe file
-    leaves that argument at its default."""
-    from compress.commands.args import unknown_key_error
-
-    index = parts[1]
-    if not index.isdigit() or int(index) >= len(stages):
-        raise CompressError(f"{'.'.join(parts)}: stages has {len(stages)} entries (0..{len(stages) - 1})")
-    stage = stages[int(index)]
-    if len(parts) != 3 or not isinstance(stage, dict) or parts[2] in stage:
-        return override
-    valid = _stage_keys(stage)
-    if valid is None:
-        return override  # an unknown stage type: build_chain names the known ones
-    if parts[2] not in valid:
-        raise unknown_key_error(f"stages.{index}", parts[2], valid)
-    return "+" + override
-
-
-def compose_job(recipe: str, overrides: list[str]) -> RunConfig:
-    """The one composition of a job: Hydra composes the recipe with the job's overrides against the run schema,
-    ``build_run_config`` types and checks it; Hydra's errors become one line."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException, MissingConfigException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from compress.config import build_run_config, config_error
-
-    try:
-        with initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3"):
-            composed = compose(config_name=recipe, overrides=overrides)
-    except MissingConfigException as error:
-        options = f"; available: {', '.join(error.options)}" if error.options else ""
-        raise CompressError(str(error).strip().splitlines()[0] + options) from None
-    except (HydraException, OmegaConfBaseException) as error:
-        raise config_error(error) from None
-    return build_run_config(composed)
 
 
 def job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:

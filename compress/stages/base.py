@@ -12,7 +12,6 @@ Lifecycle, driven by ``compress.compression.compress_model``:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from abc import ABC
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 
 from compress.calibration import LayerInputs
-from compress.errors import CompressError
+from compress.errors import CompressError, unknown_key_error
 
 
 @dataclass
@@ -74,11 +73,7 @@ class Stage(ABC):
         valid = cls.valid_keys()
         for key in args:
             if key not in valid:
-                hint = difflib.get_close_matches(key, valid, n=1)
-                suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-                raise CompressError(
-                    f"stages.{position} ({cls.name}): unknown key {key!r}{suggestion}; valid keys: {', '.join(valid)}"
-                )
+                raise unknown_key_error(f"stages.{position} ({cls.name})", key, valid)
         try:
             return cls(cls.Config(**args))
         except (TypeError, ValueError) as error:
