@@ -12,25 +12,23 @@ complete.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import yaml
 from torch import nn
 
 from compress import distributed
-from compress.checkpoint import CheckpointSummary, CheckpointWriter
 from compress.compression import compress_model
 from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
 from compress.errors import CompressError
 from compress.models import load, resolve_model_path
 from compress.paths import artifacts_dir
 from compress.recipe import RecipeLike, compose
-from compress.stages import Stage, build_chain
+from compress.saving import checkpoint_writer, write_checkpoint
+from compress.stages import build_chain
 
 DataLike = str | Path | torch.Tensor | Sequence[str] | None
 
@@ -75,7 +73,7 @@ def oneshot(
         distributed.main_first(lambda: resolve_model_path(config.model))  # convert the default model once
     loaded, tokenizer = (model, tokenizer) if source is None else load(config.model)
     samples = calibration_ids(data, config.data, tokenizer, config.seed)
-    compute = select_device(device or config.device)
+    compute = distributed.select_device(device or config.device)
     save_dtype = config.output.save_dtype
     writer = checkpoint_writer(target, save_dtype) if distributed.is_main() else None
     with writer or nullcontext():
@@ -114,53 +112,6 @@ def calibration_ids(data: DataLike, spec: DataSpec, tokenizer, seed: int) -> tor
             )
         text = load_corpus(spec).calibration_text
     return calibration_samples(tokenize(tokenizer, text), spec.num_samples, spec.seq_len, seed)
-
-
-def checkpoint_writer(target: Path, save_dtype: str | None) -> CheckpointWriter:
-    """The writer a compression streams its finished layers into (``output.save_dtype``: their stored dtype)."""
-    return CheckpointWriter(target, getattr(torch, save_dtype) if save_dtype else None)
-
-
-def write_checkpoint(
-    writer: CheckpointWriter,
-    model: nn.Module,
-    tokenizer,
-    stages: list[Stage],
-    summaries: list[dict],
-    recipe: str,
-    stage_args: list[dict],
-    extra_files: dict[str, str] | None = None,
-) -> CheckpointSummary:
-    """Complete the compressed-tensors folder ``writer`` holds (layers it already has stay as written) with its
-    recipe, what each stage did (``stages.json``), the KV scheme and the size summary, written whole or not at all."""
-    recipe_yaml = yaml.safe_dump({"recipe": recipe, "stages": stage_args}, sort_keys=False)
-    kv_cache_scheme = next((s.kv_cache_scheme for s in stages if s.quantizes_kv_cache), None)
-    summary = writer.finish(
-        model,
-        tokenizer,
-        extra_files={
-            "recipe.yaml": recipe_yaml,
-            "stages.json": json.dumps(named_summaries(stages, summaries), indent=2),
-            **(extra_files or {}),
-        },
-        kv_cache_scheme=kv_cache_scheme,
-    )
-    (writer.target / "size.json").write_text(json.dumps(summary.to_dict(), indent=2))
-    return summary
-
-
-def named_summaries(stages: list[Stage], summaries: list[dict]) -> dict[str, dict]:
-    """``{"0:gptq": {...}, "1:kv_cache": {...}}``: each stage's summary under its position and name."""
-    return {f"{i}:{stage.name}": summary for i, (stage, summary) in enumerate(zip(stages, summaries, strict=True))}
-
-
-def select_device(name: str) -> torch.device:
-    """The device a name asks for; under torchrun a bare ``cuda`` is this rank's GPU."""
-    if name == "auto":
-        return distributed.device_for(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise CompressError(f"device={name} asked for, but no CUDA GPU is visible; use device=cpu")
-    return distributed.device_for(torch.device(name))
 
 
 def _stamp() -> str:

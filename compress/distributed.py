@@ -166,3 +166,12 @@ def shutdown() -> None:
     done while rank 0 goes on to save, evaluate and record."""
     if active():
         dist.destroy_process_group()
+
+
+def select_device(name: str) -> torch.device:
+    """The device a name asks for; under torchrun a bare ``cuda`` is this rank's GPU."""
+    if name == "auto":
+        return device_for(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CompressError(f"device={name} asked for, but no CUDA GPU is visible; use device=cpu")
+    return device_for(torch.device(name))

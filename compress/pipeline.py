@@ -15,10 +15,10 @@ import torch
 import yaml
 
 from compress import distributed
-from compress.api import checkpoint_writer, named_summaries, select_device, write_checkpoint
 from compress.compression import compress_model
 from compress.config import RunConfig, check_evaluation_length
 from compress.data import calibration_samples, load_corpus, tokenize
+from compress.distributed import select_device
 from compress.errors import CompressError
 from compress.evaluation import RunEvaluation
 from compress.memory import release_freed_memory
@@ -27,6 +27,7 @@ from compress.moe import unfuse_experts
 from compress.paths import artifacts_dir
 from compress.report import Timer, peak_rss_mb, run_metrics, write_report
 from compress.rundir import sigterm_as_interrupt, staged_run_folder
+from compress.saving import checkpoint_writer, named_summaries, write_checkpoint
 from compress.stages import Stage, build_chain
 from compress.stages.rtn import rtn_reference
 from compress.tracking import RunLog, check_writable, flatten, record_verdict, tracking_uri

@@ -37,15 +37,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from compress.api import checkpoint_writer, select_device, write_checkpoint
 from compress.compression import compress_model
 from compress.data import calibration_samples, load_corpus, tokenize
+from compress.distributed import select_device
 from compress.errors import CompressError
 from compress.models import load, materialize_all, resolve_model_path
 from compress.moe import unfuse_experts
 from compress.paths import artifacts_dir
 from compress.qlinear import Fp8Linear
 from compress.quant import fake_quantize
+from compress.saving import checkpoint_writer, write_checkpoint
 from compress.stages import build_chain
 from compress.stages.base import LayerContext, Stage
 from compress.stages.hessian import collect_hessians, input_groups

@@ -9,12 +9,13 @@ checkpoint is the caller's job (``compress.tracking.record_verdict``), so this p
 or tracking layers.
 
 Modules, in import order: ``stats`` (intervals, verdicts) → ``policy`` → ``checks`` → ``context`` → ``windows``
-(perplexity, KL) → ``layers`` → ``run`` (orchestration) → ``report``.
+(perplexity, KL) → ``layers`` → ``result`` → ``report`` (gate.json, gate.md) → ``run`` (orchestration).
 """
 
 from evals.gate.policy import LAYER_ORDER, GatePolicy, resolve_policy
 from evals.gate.report import summary_metrics, write_report
-from evals.gate.run import GateResult, LayerResult, run_gate
+from evals.gate.result import GateResult, LayerResult
+from evals.gate.run import run_gate
 
 __all__ = [
     "LAYER_ORDER",

@@ -1,8 +1,8 @@
-"""Imports point one way: CLI/pipeline (compress.commands, compress.pipeline, compress.tracking, compress.config) →
-gate (evals/) → runtime (compress.engine, compress.checkpoint, compress.models, ...) → kernels. Read from the source
-with ``ast``, so a lazy import inside a function counts as much as one at the top.
+"""Imports point one way, down the declared order of layers (``LAYERS``, the README's architecture section), with no
+cycle among modules, for every module under compress/, evals/ and kernels/. Read from the source with ``ast``, so a
+lazy import inside a function counts as much as one at the top.
 
-The rules:
+The third-party rules on top of the order:
 
 * ``kernels/`` and ``compress/engine/`` are the runtime a bare GPU box installs: they import the standard library,
   torch, triton, transformers, safetensors, numpy, each other, and the runtime modules ``compress.checkpoint``,
@@ -48,6 +48,157 @@ EVALS_ALLOWED = RUNTIME_ALLOWED | {
     "omegaconf",
     "tqdm",
 }
+
+
+# Lowest first. A module may import its own layer and those below; a new module must be placed here.
+LAYERS: list[tuple[str, set[str]]] = [
+    (
+        "base",
+        {
+            "compress.errors",
+            "compress.paths",
+            "compress.memory",
+            "compress.distributed",
+            "compress.quant",
+            "compress.data",
+        },
+    ),  # fmt: skip
+    ("kernels", {"kernels"}),
+    ("formats", {"compress.fp4", "compress.kv_quant", "compress.sparsity", "compress.qlinear", "compress.moe"}),
+    ("model", {"compress.calibration", "compress.checkpoint", "compress.models", "compress.engine"}),
+    ("stages", {"compress.stages", "compress.compression", "compress.saving"}),
+    ("evals", {"evals"}),
+    (
+        "app",
+        {
+            "compress.config",
+            "compress.recipe",
+            "compress.api",
+            "compress.evaluation",
+            "compress.search",
+            "compress.tracking",
+            "compress.rundir",
+            "compress.report",
+            "compress.pipeline",
+            "compress",
+        },
+    ),  # fmt: skip
+    ("cli", {"compress.commands", "compress.__main__"}),
+]
+
+
+def project_modules(root: Path) -> dict[str, Path]:
+    """``{dotted name: file}`` of every module in the three import packages."""
+    found = {}
+    for folder in ("compress", "evals", "kernels"):
+        for path in sorted((root / folder).rglob("*.py")):
+            name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            found[name] = path
+    return found
+
+
+def layer_of(module: str) -> int:
+    """The index of the most specific ``LAYERS`` entry that names ``module`` or a package above it."""
+    best, depth = None, -1
+    for index, (_, members) in enumerate(LAYERS):
+        for member in members:
+            if (module == member or module.startswith(f"{member}.")) and member.count(".") > depth:
+                best, depth = index, member.count(".")
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}")
+    return best
+
+
+def project_imports(root: Path) -> dict[str, set[str]]:
+    """Each module's imports of other project modules (``from pkg import submodule`` counts as the submodule)."""
+    modules = project_modules(root)
+
+    def known(name: str) -> str | None:
+        parts = name.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        return ".".join(parts) or None
+
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {known(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets |= {known(f"{node.module}.{alias.name}") or known(node.module) for alias in node.names}
+        graph[name] = targets - {None, name}
+    return graph
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+        for module, targets in graph.items()
+        for target in targets
+        if layer_of(target) > layer_of(module)
+    )
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, cycles, counter = {}, {}, set(), [], [], 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = counter
+                    counter += 1
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_every_module_imports_only_its_layer_and_those_below():
+    assert upward_imports(project_imports(ROOT)) == []
+
+
+def test_no_import_cycle_among_modules():
+    assert import_cycles(project_imports(ROOT)) == []
+
+
+def test_the_order_and_cycle_checks_catch_what_they_should(tmp_path):
+    for folder in ("compress", "evals", "kernels"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "compress" / "errors.py").write_text("def f():\n    from compress.commands import run")
+    (tmp_path / "compress" / "commands").mkdir()
+    (tmp_path / "compress" / "commands" / "__init__.py").write_text("")
+    (tmp_path / "compress" / "commands" / "run.py").write_text("from compress import errors")
+    graph = project_imports(tmp_path)
+    assert upward_imports(graph) == ["compress.errors (base) imports compress.commands.run (cli)"]
+    assert import_cycles(graph) == [["compress.commands.run", "compress.errors"]]
 
 
 def imported_modules(path: Path) -> set[str]:

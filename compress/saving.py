@@ -1,0 +1,54 @@
+"""A compression's output as a compressed-tensors folder: the streaming writer its finished layers go into, and the
+files that complete it (recipe, what each stage did, KV scheme, size). ``compress.oneshot``, the ``run`` pipeline and
+``compress search`` all save through here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+
+from compress.checkpoint import CheckpointSummary, CheckpointWriter
+from compress.stages import Stage
+
+
+def checkpoint_writer(target: Path, save_dtype: str | None) -> CheckpointWriter:
+    """The writer a compression streams its finished layers into (``output.save_dtype``: their stored dtype)."""
+    return CheckpointWriter(target, getattr(torch, save_dtype) if save_dtype else None)
+
+
+def write_checkpoint(
+    writer: CheckpointWriter,
+    model: nn.Module,
+    tokenizer,
+    stages: list[Stage],
+    summaries: list[dict],
+    recipe: str,
+    stage_args: list[dict],
+    extra_files: dict[str, str] | None = None,
+) -> CheckpointSummary:
+    """Complete the compressed-tensors folder ``writer`` holds (layers it already has stay as written) with its
+    recipe, what each stage did (``stages.json``), the KV scheme and the size summary, written whole or not at all."""
+    recipe_yaml = yaml.safe_dump({"recipe": recipe, "stages": stage_args}, sort_keys=False)
+    kv_cache_scheme = next((s.kv_cache_scheme for s in stages if s.quantizes_kv_cache), None)
+    summary = writer.finish(
+        model,
+        tokenizer,
+        extra_files={
+            "recipe.yaml": recipe_yaml,
+            "stages.json": json.dumps(named_summaries(stages, summaries), indent=2),
+            **(extra_files or {}),
+        },
+        kv_cache_scheme=kv_cache_scheme,
+    )
+    (writer.target / "size.json").write_text(json.dumps(summary.to_dict(), indent=2))
+    return summary
+
+
+def named_summaries(stages: list[Stage], summaries: list[dict]) -> dict[str, dict]:
+    """``{"0:gptq": {...}, "1:kv_cache": {...}}``: each stage's summary under its position and name."""
+    return {f"{i}:{stage.name}": summary for i, (stage, summary) in enumerate(zip(stages, summaries, strict=True))}
