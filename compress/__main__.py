@@ -9,7 +9,7 @@ import sys
 COMMANDS = {
     "run": "run a recipe: calibrate, compress, save a checkpoint, evaluate, gate, log to MLflow",
     "search": "the smallest mixed-precision checkpoint within a bits budget that passes the gate",
-    "gate": "judge a candidate checkpoint against a baseline; exit 0 pass, 1 block",
+    "gate": "judge a candidate checkpoint against a baseline; exit 0 pass, 1 block, 3 inconclusive",
     "compare": "table and Pareto plot of logged runs",
     "generate": "generate text from a checkpoint with the compress engine",
     "bench": "benchmarks: `bench kernels` (vs torch), `bench peers` (vs torch int4/int8/fp8, gemlite), `bench engine`",
@@ -19,7 +19,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in {"-h", "--help", "help"}:
-        print("usage: python -m compress <command> [key=value ...]\n\ncommands:")
+        print("usage: compress <command> [key=value ...]   (or: python -m compress <command> ...)\n\ncommands:")
         for name, summary in COMMANDS.items():
             print(f"  {name:<10} {summary}")
         return 0

@@ -50,3 +50,26 @@ def test_readme_gives_the_two_fresh_machine_commands_and_the_makefile_has_them()
     assert commands == {"make run", "make test"}
     targets = set(re.findall(r"^(\w+):", (ROOT / "Makefile").read_text(encoding="utf-8"), re.MULTILINE))
     assert {"run", "test"} <= targets
+
+
+PROJECT_PATH = re.compile(r"`((?:tests|compress|evals|kernels|benchmarks|recipes)/[^`\s]*)`")
+
+
+def named_project_paths(markdown: Path) -> list[str]:
+    """Paths into the project written as inline code (``tests/evals/test_gate_verdicts.py``, ``evals/gate/``), with
+    a test id or line suffix (``::name``, ``:12``) dropped; patterns (``<run-id>``, ``{md,json}``, ``*``) skipped."""
+    paths = {re.sub(r"(::.*|:\d+)$", "", path) for path in PROJECT_PATH.findall(markdown.read_text(encoding="utf-8"))}
+    return sorted(path for path in paths if not set(path) & set("<>{}*|"))
+
+
+@pytest.mark.parametrize("markdown", MARKDOWN_FILES, ids=lambda path: str(path.relative_to(ROOT)))
+def test_paths_the_docs_name_exist(markdown: Path):
+    """docs/gate.md once named a test file that did not exist; every module, test and recipe path a page names must."""
+    missing = [path for path in named_project_paths(markdown) if not (ROOT / path).exists()]
+    assert not missing, f"{markdown.relative_to(ROOT)} names missing paths: {missing}"
+
+
+def test_the_path_finder_reads_inline_code(tmp_path: Path):
+    page = tmp_path / "page.md"
+    page.write_text("`tests/x/test_y.py::test_z`, `evals/gate/`, not tests/plain.py, `q/k/v` or `benchmarks/<id>.md`")
+    assert named_project_paths(page) == ["evals/gate/", "tests/x/test_y.py"]

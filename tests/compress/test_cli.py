@@ -198,3 +198,19 @@ def test_submitit_local_sweep_runs_each_composed_job_in_its_own_process(tiny_mod
     [logs] = (artifacts / "sweeps").iterdir()
     job_pids = {int(p.name.split("_")[0]) for p in (logs / ".submitit").glob("*/*_log.out")}
     assert len(job_pids) == 2 and os.getpid() not in job_pids  # two job processes, not this one
+
+
+def test_the_console_script_is_declared_and_runs():
+    """`compress run ...` after install: pyproject's script points at the same `main` as `python -m compress`, and
+    the installed script (the Makefile's editable install puts it beside the venv's python) prints the commands."""
+    import subprocess
+    import sys
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["compress"] == "compress.__main__:main"
+    script = Path(sys.executable).parent / "compress"
+    if not script.is_file():
+        pytest.skip(f"no installed console script at {script}: reinstall with `pip install -e .`")
+    shown = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "usage: compress <command>" in shown.stdout and "search" in shown.stdout
