@@ -14,8 +14,6 @@ import dataclasses
 import json
 import os
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +22,7 @@ from compress.data import DataSpec
 from compress.errors import CompressError, unknown_key_error
 from compress.models import ModelSpec
 from compress.paths import artifacts_dir
+from compress.typed import config_error, typed
 from evals.gate import GatePolicy
 
 T = TypeVar("T")
@@ -92,68 +91,6 @@ def register_schema() -> None:
     store.store(name="run_schema", node=RunConfig)
     for name, stage in STAGES.items():
         store.store(group="stage", name=name, node=stage.Config)
-
-
-def config_error(error: BaseException, where: str = "") -> CompressError:
-    """Hydra's and OmegaConf's multi-line errors as one line naming the key and the fix."""
-    from omegaconf.errors import (
-        ConfigAttributeError,
-        ConfigKeyError,
-        MissingMandatoryValue,
-        OmegaConfBaseException,
-        ValidationError,
-    )
-
-    node: BaseException | None = error
-    while node is not None and not isinstance(node, OmegaConfBaseException):
-        node = node.__cause__ or node.__context__
-    if node is None:
-        return CompressError(str(error).strip().splitlines()[0])
-    key = ".".join(part for part in (where, str(getattr(node, "full_key", "") or "")) if part)
-    key = re.sub(r"\[(\d+)\]", r".\1", key)
-    if isinstance(node, MissingMandatoryValue):
-        return CompressError(f"{key} has no value: set {key}=<value>")
-    if isinstance(node, ConfigKeyError | ConfigAttributeError):
-        where_, _, name = key.rpartition(".")
-        owner = getattr(node, "object_type", None)
-        owner = owner if dataclasses.is_dataclass(owner) else schema_type(where_.split(".") if where_ else [])
-        if owner is not None:
-            return unknown_key_error(where_ or "config", name, [f.name for f in dataclasses.fields(owner)])
-    expected = _expected(getattr(node, "object_type", None), getattr(node, "key", None))
-    if isinstance(node, ValidationError) and expected:
-        return CompressError(f"{key}={node.value!r} has the wrong type: give {expected}")
-    reason = str(getattr(node, "msg", "") or node).strip().splitlines()[0]
-    return CompressError(f"{key}: {reason}" if key else reason)
-
-
-def schema_type(path: list[str]) -> type | None:
-    """The dataclass at ``path`` in the run schema; None inside its untyped parts (``stages``, ``gate.engine``).
-    Hydra's errors about a command-line key name the key, not always the dataclass that lacks it."""
-    owner: Any = RunConfig
-    for part in path:
-        if not dataclasses.is_dataclass(owner):
-            return None
-        owner = typing.get_type_hints(owner).get(part)
-    return owner if dataclasses.is_dataclass(owner) else None
-
-
-TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
-
-
-def _expected(owner: Any, key: Any) -> str | None:
-    """``an integer or null`` for a dataclass field typed ``int | None``; None when the type says nothing simple."""
-    if not dataclasses.is_dataclass(owner) or not isinstance(key, str):
-        return None
-    hint = typing.get_type_hints(owner).get(key)
-    options = (
-        typing.get_args(hint)
-        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
-        else (hint,)
-    )
-    words = [TYPE_WORDS.get(typing.get_origin(option) or option) for option in options]
-    if typing.get_origin(hint) in (list, tuple):
-        return "a list, e.g. [a, b]"
-    return " or ".join(words) if all(words) else None
 
 
 def build_section(cls: type[T], values: dict | None, where: str) -> T:
@@ -286,15 +223,9 @@ def check_evaluation_length(evaluation_tokens: int, config: RunConfig) -> None:
 def build_run_config(composed: Any) -> RunConfig:
     """The typed run configuration of a composed recipe (Hydra's ``DictConfig`` or plain data), with everything
     checkable before the model load checked."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     from compress.stages import build_chain
 
-    try:
-        config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), composed))
-    except OmegaConfBaseException as error:
-        raise config_error(error) from None
+    config = typed(RunConfig, composed)
     if not config.stages:
         raise CompressError(f"recipe {config.recipe!r} has no stages")
     check_values(config)

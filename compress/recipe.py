@@ -113,7 +113,8 @@ def compose_job(recipe: str, overrides: list[str]) -> RunConfig:
     from hydra.errors import HydraException, MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
-    from compress.config import build_run_config, config_error
+    from compress.config import RunConfig, build_run_config
+    from compress.typed import config_error
 
     try:
         with initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3"):
@@ -122,7 +123,7 @@ def compose_job(recipe: str, overrides: list[str]) -> RunConfig:
         options = f"; available: {', '.join(error.options)}" if error.options else ""
         raise CompressError(str(error).strip().splitlines()[0] + options) from None
     except (HydraException, OmegaConfBaseException) as error:
-        raise config_error(error) from None
+        raise config_error(error, schema=RunConfig) from None
     return build_run_config(composed)
 
 
@@ -132,7 +133,8 @@ def compose(recipe: RecipeLike, overrides: Sequence[str] = (), model: str | None
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from compress.config import RunConfig, build_run_config, config_error, register_schema
+    from compress.config import RunConfig, build_run_config, register_schema
+    from compress.typed import config_error
 
     register_schema()
     if isinstance(recipe, str) and (recipes_dir() / f"{recipe}.yaml").is_file():
@@ -154,5 +156,5 @@ def compose(recipe: RecipeLike, overrides: Sequence[str] = (), model: str | None
             key, _, value = override.partition("=")
             OmegaConf.update(composed, key, yaml.safe_load(value), force_add=key.startswith("stages."))
     except OmegaConfBaseException as error:
-        raise config_error(error) from None
+        raise config_error(error, schema=RunConfig) from None
     return build_run_config(composed)

@@ -17,16 +17,11 @@ USAGE = __doc__.split(":", 1)[0].strip("`")
 def search_spec(overrides: list[str]):
     """``search.<key>=<value>`` overrides (without the prefix) over ``SearchSpec``'s defaults, type-checked."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
-    from compress.config import config_error
     from compress.search import SearchSpec
+    from compress.typed import typed
 
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(SearchSpec), OmegaConf.from_dotlist(overrides))
-        spec = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as error:
-        raise config_error(error, "search") from None
+    spec = typed(SearchSpec, OmegaConf.from_dotlist(overrides), "search")
     spec.check()
     return spec
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compress.errors import CompressError
+from compress.typed import typed
 
 LAYER_ORDER = ["perplexity", "kl", "lm_eval", "json", "needle", "long_context", "latency"]
 
@@ -132,14 +133,7 @@ class GatePolicy:
 
 def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
     """``policy`` (e.g. ``cfg.gate``) over the defaults; unknown keys and wrong types are user errors."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(GatePolicy), policy or {})
-        resolved = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as error:
-        raise CompressError(f"bad gate policy: {error}".splitlines()[0] + " (see recipes/gate/default.yaml)") from error
+    resolved = typed(GatePolicy, policy, "gate")
     if resolved.models_in_memory not in (1, 2):
         raise CompressError(f"gate.models_in_memory={resolved.models_in_memory}; use 1 (one model at a time) or 2")
     unknown = [layer for layer in resolved.layers if layer not in LAYER_ORDER]

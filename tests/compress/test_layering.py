@@ -42,6 +42,7 @@ EVALS_ALLOWED = RUNTIME_ALLOWED | {
     "compress.calibration",
     "compress.memory",
     "compress.data",
+    "compress.typed",
     "lm_eval",
     "matplotlib",
     "jsonschema",
@@ -57,6 +58,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         {
             "compress.errors",
             "compress.paths",
+            "compress.typed",
             "compress.memory",
             "compress.distributed",
             "compress.quant",

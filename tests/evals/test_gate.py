@@ -157,7 +157,16 @@ def test_unknown_policy_key_is_a_usage_error(checkpoints, capsys):
         [f"checkpoint={checkpoints['base']}", f"baseline={checkpoints['base']}", "gate.perplexity.max_ratoi=1.1"]
     )
     assert code == 2
-    assert "max_ratoi" in capsys.readouterr().err
+    assert "gate.perplexity: unknown key 'max_ratoi' (did you mean 'max_ratio'?)" in capsys.readouterr().err
+
+
+def test_a_policy_passed_to_the_library_is_refused_in_the_cli_s_words(checkpoints, tmp_path):
+    """run_gate reads a policy mapping with the same one-line key and type errors as the command line."""
+    texts = load_corpus(DataSpec()).evaluation
+    with pytest.raises(CompressError, match=r"^gate.needle.trials='many' has the wrong type: give an integer$"):
+        run_gate(
+            checkpoints["base"], checkpoints["base"], {"needle": {"trials": "many"}}, tmp_path, evaluation_texts=texts
+        )
 
 
 @pytest.mark.usefixtures("made_store")
