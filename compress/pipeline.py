@@ -55,7 +55,7 @@ def run(config: RunConfig) -> RunResult | None:
     distributed.main_first(lambda: resolve_model_path(config.model))  # convert the default model once
     if not distributed.is_main():  # calibrate this rank's shard, nothing else
         torch.manual_seed(config.seed)
-        model, _, _, samples = _load(config, stages, Timer())
+        model, _, _, samples, _ = _load(config, stages, Timer())
         compress_model(model, stages, samples, device, config.calibration_batch_size)
         return None
     uri = tracking_uri(config.tracking.uri) if config.tracking.enabled else None
@@ -70,13 +70,13 @@ def run(config: RunConfig) -> RunResult | None:
         try:
             if uri is not None:
                 run_log = _open_run_log(config, uri, run_id, stages)
-            report = _execute(config, stages, device, staging, timer)
+            report, evaluation_texts = _execute(config, stages, device, staging, timer)
             report.update(run_id=run_id)
             report["checkpoint"]["path"] = str(final / "checkpoint")
             if config.gate.enabled:
                 with timer.phase("gate"):
                     release_freed_memory()  # what the evaluations freed, before the gate loads its models
-                    report["gate"] = _gate(config, staging, final, run_log, _measured(report))
+                    report["gate"] = _gate(config, staging, final, run_log, _measured(report), evaluation_texts)
             report.update(
                 wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb(), timings_s=timer.seconds,
                 peak_rss_rise_mb=timer.peak_rise_mb,
@@ -97,7 +97,8 @@ def run(config: RunConfig) -> RunResult | None:
 
 
 def _load(config: RunConfig, stages: list[Stage], timer: Timer) -> tuple:
-    """``(model, tokenizer, evaluation ids, calibration samples)``, the stages prepared on the model."""
+    """``(model, tokenizer, evaluation ids, calibration samples, evaluation texts)``, the stages prepared on the model;
+    the corpus is read once, and the gate gets the same evaluation texts."""
     with timer.phase("data"):
         corpus = load_corpus(config.data)  # before the model: a bad data source fails in seconds
     with timer.phase("load_model"):
@@ -110,11 +111,12 @@ def _load(config: RunConfig, stages: list[Stage], timer: Timer) -> tuple:
         check_evaluation_length(int(eval_ids.numel()), config)
         calibration_ids = tokenize(tokenizer, corpus.calibration_text)
         samples = calibration_samples(calibration_ids, config.data.num_samples, config.data.seq_len, config.seed)
-    return model, tokenizer, eval_ids, samples
+    return model, tokenizer, eval_ids, samples, corpus.evaluation
 
 
-def _execute(config: RunConfig, stages: list[Stage], device: torch.device, staging: Path, timer: Timer) -> dict:
-    model, tokenizer, eval_ids, samples = _load(config, stages, timer)
+def _execute(config: RunConfig, stages: list[Stage], device: torch.device, staging: Path, timer: Timer) -> tuple:
+    """``(report, evaluation texts)``."""
+    model, tokenizer, eval_ids, samples, evaluation_texts = _load(config, stages, timer)
     passes = RunEvaluation(config, eval_ids, device)
     if config.eval.perplexity:
         with timer.phase("eval_baseline"):
@@ -133,7 +135,7 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
         if config.eval.reference == "rtn":
             with timer.phase("eval_reference"):
                 passes.rtn_reference(stages, samples)
-    return {
+    report = {
         "recipe": config.recipe,
         "model": config.model.path,
         "data": {
@@ -146,9 +148,10 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
         "perplexity": {name: result.to_dict() for name, result in passes.results.items()},
         "checkpoint": summary.to_dict(),
     }
+    return report, evaluation_texts
 
 
-def _gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None, measured: dict | None) -> dict:
+def _gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None, measured: dict | None, texts) -> dict:
     """The release gate on the saved checkpoint against the original model; its verdict is recorded in this run's
     MLflow store (the same ``tracking.uri``) under ``gate.*`` and a pass registers ``runs:/<run>/checkpoint``.
     ``measured``: the run's own perplexity passes of both sides, which the gate judges instead of measuring again."""
@@ -156,7 +159,7 @@ def _gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None,
 
     verdict = run_gate(
         staging / "checkpoint", resolve_model_path(config.model), config.gate, staging / "gate",
-        evaluation_texts=load_corpus(config.data).evaluation, candidate_label=str(final / "checkpoint"),
+        evaluation_texts=texts, candidate_label=str(final / "checkpoint"),
         measured=measured,
     )  # fmt: skip
     if run_log is not None:

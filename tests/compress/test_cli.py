@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from compress.__main__ import main
+from compress.data import load_corpus
 
 SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "stages.0.group_size=32"]
 FAST = [*SMALL, "gate=none"]  # the release gate has its own test below
@@ -113,8 +114,13 @@ def test_corrupt_model_weights_fail_cleanly(tiny_model_dir, artifacts, tmp_path,
 
 @pytest.mark.usefixtures("default_mlflow_store")
 @pytest.mark.parametrize(("max_ratio", "enforce", "code"), [(100.0, True, 0), (0.5, False, 0), (0.5, True, 1)])
-def test_run_ends_with_the_release_gate(tiny_model_dir, artifacts, max_ratio, enforce, code):
-    """A block fails the command only with gate.enforce=true; the report records the verdict either way."""
+def test_run_ends_with_the_release_gate(tiny_model_dir, artifacts, max_ratio, enforce, code, monkeypatch):
+    """A block fails the command only with gate.enforce=true; the report records the verdict either way. The corpus
+    is read once: the gate gets the evaluation texts the run scored."""
+    from compress import pipeline
+
+    reads = []
+    monkeypatch.setattr(pipeline, "load_corpus", lambda spec: reads.append(spec) or load_corpus(spec))
     args = [
         "run",
         "recipe=rtn_int4",
@@ -127,6 +133,7 @@ def test_run_ends_with_the_release_gate(tiny_model_dir, artifacts, max_ratio, en
         f"gate.enforce={enforce}",
     ]
     assert main(args) == code
+    assert len(reads) == 1
     [run_dir] = (artifacts / "runs").iterdir()
     report = json.loads((run_dir / "report.json").read_text())
     passed = max_ratio > 1
