@@ -30,6 +30,7 @@ from kernels.configs import (
     pick_config,
 )
 from kernels.dequant import dequantize_packed
+from kernels.tiling import grouped_tile_offsets
 
 KERNEL_BITS = (2, 4, 8)  # bit widths whose codes never straddle an int32 word
 
@@ -296,16 +297,7 @@ def _gemm_kernel(
     GROUP_M: tl.constexpr,
 ):
     """Prefill path: classic tiled GEMM, weight tile dequantized in registers right before the dot."""
-    pid = tl.program_id(0)
-    blocks_m = tl.cdiv(M, BLOCK_M)
-    blocks_n = tl.cdiv(N, BLOCK_N)
-    programs_per_group = GROUP_M * blocks_n
-    first_m = (pid // programs_per_group) * GROUP_M
-    group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % programs_per_group) % group_rows
-    pid_n = (pid % programs_per_group) // group_rows
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = grouped_tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(0, tl.cdiv(K, BLOCK_K)):
         offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kernels.configs import ACT_QUANT, SCALED_MM, launch_options, m_bucket, pick_config, supports_native_fp8
 from kernels.dtypes import QUANT_MAX
+from kernels.tiling import grouped_tile_offsets
 
 SCALE_EPS = 1e-10  # keeps an all-zero row's scale finite; its codes are all zero anyway
 ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (v + M) - M rounds fp32 |v| < 2**22 to nearest, ties to even
@@ -188,16 +189,7 @@ def _scaled_mm_kernel(
     GROUP_M: tl.constexpr,
 ):
     """Tiled ``a @ b.T`` on 8-bit operands; ``b`` is the ``[N, K]`` weight, read K-major."""
-    pid = tl.program_id(0)
-    blocks_m = tl.cdiv(M, BLOCK_M)
-    blocks_n = tl.cdiv(N, BLOCK_N)
-    programs_per_group = GROUP_M * blocks_n
-    first_m = (pid // programs_per_group) * GROUP_M
-    group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % programs_per_group) % group_rows
-    pid_n = (pid % programs_per_group) // group_rows
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = grouped_tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if INT8 else tl.float32)
     for tile in range(0, tl.cdiv(K, BLOCK_K)):
         offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
