@@ -65,7 +65,7 @@ def test_save_refuses_existing_folder_and_leaves_no_partial_output(tmp_path, mon
     def disk_full(*_args, **_kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("compress.checkpoint.shutil.copyfileobj", disk_full)
+    monkeypatch.setattr("compress.checkpoint.writer.shutil.copyfileobj", disk_full)
     with pytest.raises(OSError, match="No space left"):
         save_checkpoint(model, None, tmp_path / "new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
@@ -108,7 +108,7 @@ def test_shards_are_plain_safetensors_and_several_hold_what_one_does(tmp_path, m
     """Our streaming shard writer writes safetensors files that safetensors itself reads back exactly."""
     from safetensors.torch import load_file
 
-    import compress.checkpoint as checkpoint
+    import compress.checkpoint.writer as checkpoint
 
     model = _quantized(symmetric=False)
     save_checkpoint(model, None, tmp_path / "one", dtype=torch.bfloat16)

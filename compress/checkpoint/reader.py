@@ -1,0 +1,228 @@
+"""Reading a compressed-tensors folder back: its tensors rebuilt into the quantized linears (and KV scales) that
+the engine and the evaluations run."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from compress.checkpoint.description import READABLE_FORMATS, source_dtype, torch_dtype
+from compress.errors import CompressError
+from compress.moe import checkpoint_name, model_name, unfuse_experts
+from compress.qlinear import Fp4Linear, Fp8BlockLinear, Fp8Linear, Int8Linear, QuantizedLinear
+from kernels.packing import unpack_int32
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CompressError(f"{folder} holds no *.safetensors weights; is it a compress checkpoint?")
+    tensors = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    tensors[key] = handle.get_tensor(key)
+        except (SafetensorError, OSError, ValueError) as error:
+            raise CompressError(
+                f"checkpoint file {file} is corrupt or truncated ({error}); re-create the checkpoint"
+            ) from error
+    return tensors
+
+
+def _module_group(name: str, qconfig: dict) -> dict | None:
+    """The config group that targets module ``name`` (None if ignored or untargeted)."""
+    if name in qconfig.get("ignore", []):
+        return None
+    for group in qconfig["config_groups"].values():
+        for target in group["targets"]:
+            if target == "Linear" or (target.startswith("re:") and re.search(target[3:], name)):
+                return group
+    return None
+
+
+def _module_scheme(name: str, qconfig: dict) -> dict | None:
+    group = _module_group(name, qconfig)
+    return None if group is None else group["weights"]
+
+
+def _quantized_module(name: str, weights: dict, tensors: dict[str, torch.Tensor], dense: nn.Linear) -> QuantizedLinear:
+    out_features, in_features = (int(v) for v in tensors.pop(f"{name}.weight_shape"))
+    bits = weights["num_bits"]
+    group_size = weights.get("group_size") or in_features
+    zero = tensors.pop(f"{name}.weight_zero_point", None)
+    if zero is not None:
+        zero = unpack_int32(zero, bits, out_features, dim=0)
+    g_idx = tensors.pop(f"{name}.weight_g_idx", None)
+    bias = tensors.pop(f"{name}.bias", None)
+    scale = tensors.pop(f"{name}.weight_scale")
+    module = QuantizedLinear(
+        in_features,
+        out_features,
+        bits,
+        group_size,
+        symmetric=zero is None,
+        bias=bias is not None,
+        dtype=scale.dtype,
+        act_order=g_idx is not None,
+    )
+    module.weight_packed.copy_(tensors.pop(f"{name}.weight_packed"))
+    module.weight_scale.copy_(scale)
+    if zero is not None:
+        module.weight_zero_point.copy_(zero)
+    if g_idx is not None:
+        module.weight_g_idx.copy_(g_idx)
+    if bias is not None:
+        module.bias.data.copy_(bias)
+    if (out_features, in_features) != (dense.out_features, dense.in_features):
+        raise CompressError(f"{name}: stored shape {(out_features, in_features)} does not match the model config")
+    return module
+
+
+def _replace_activation_quantized(model: nn.Module, name: str, dense: nn.Linear, tensors: dict) -> None:
+    """An empty Int8Linear/Fp8Linear (chosen by the stored weight dtype) in place of ``dense``; load_state_dict
+    fills its buffers."""
+    stored = tensors[f"{name}.weight"].dtype
+    if stored == torch.int8:
+        module = Int8Linear(dense.in_features, dense.out_features, dense.bias is not None, dense.weight.dtype)
+    elif stored == torch.float8_e4m3fn:
+        module = Fp8Linear(
+            dense.in_features,
+            dense.out_features,
+            dense.bias is not None,
+            dense.weight.dtype,
+            static_input_scale=f"{name}.input_scale" in tensors,
+        )
+    else:
+        raise CompressError(f"{name}: weight_scale stored with a {stored} weight; expected int8 or float8_e4m3fn")
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+def _is_float_weight(name: str, qconfig: dict, tensors: dict) -> bool:
+    """FP4 (uint8 ``weight_packed``) or FP8-block (``strategy: block``) weights: the formats ``FLOAT_WEIGHTS`` hold."""
+    packed = tensors.get(f"{name}.weight_packed")
+    if packed is not None:
+        return packed.dtype == torch.uint8
+    weights = _module_scheme(name, qconfig) if f"{name}.weight_scale" in tensors else None
+    return weights is not None and weights.get("strategy") == "block"
+
+
+def _replace_float_weight(model: nn.Module, name: str, dense: nn.Linear, qconfig: dict, tensors: dict) -> None:
+    """An empty Fp8BlockLinear/Fp4Linear shaped and typed like the stored tensors in place of ``dense``;
+    load_state_dict fills its buffers."""
+    bias, dtype = dense.bias is not None, dense.weight.dtype
+    if f"{name}.weight_packed" in tensors:
+        group = _module_group(name, qconfig)
+        fmt = "nvfp4" if tensors[f"{name}.weight_scale"].dtype == torch.float8_e4m3fn else "mxfp4"
+        activations = group is not None and group.get("input_activations") is not None
+        module = Fp4Linear(dense.in_features, dense.out_features, fmt, bias, dtype, activations)
+    else:
+        scale_dtype = tensors[f"{name}.weight_scale"].dtype
+        module = Fp8BlockLinear(dense.in_features, dense.out_features, bias, dtype, scale_dtype)
+    for key, buffer in module.state_dict().items():
+        stored = tensors.get(f"{name}.{key}")
+        if stored is not None and stored.shape != buffer.shape:
+            raise CompressError(
+                f"{name}.{key}: stored shape {tuple(stored.shape)} does not match the model config "
+                f"({tuple(buffer.shape)}); the checkpoint belongs to another model"
+            )
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+def _attach_kv_scales(model: nn.Module, block: dict | None, tensors: dict, folder: Path) -> None:
+    """``k_scale``/``v_scale`` buffers on every attention module, with K/V quantized as a runtime would."""
+    if block is None:
+        return
+    from compress.kv_quant import KVCacheScheme, attention_modules, route_attention, set_scales
+
+    scheme = KVCacheScheme.from_dict(block)
+    for name, attention in attention_modules(model).items():
+        if f"{name}.k_scale" not in tensors or f"{name}.v_scale" not in tensors:
+            raise CompressError(f"{folder}: kv_cache_scheme is set but {name}.k_scale/v_scale are missing")
+        set_scales(attention, tensors[f"{name}.k_scale"], tensors[f"{name}.v_scale"], scheme)
+    route_attention(model)
+
+
+def read_quantization_config(folder: Path) -> dict:
+    """The ``quantization_config`` of a model folder's config.json; empty when it has none (a plain HF folder)."""
+    config_file = Path(folder) / "config.json"
+    if not config_file.is_file():
+        return {}
+    return json.loads(config_file.read_text()).get("quantization_config") or {}
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside hold their parameters on the meta device (no memory, no random initialization) and their
+    buffers for real: the file fills every parameter, but non-persistent buffers (rotary frequencies) exist only as
+    the model computes them when built."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def load_compressed(folder: Path, qconfig: dict, dtype: str) -> nn.Module:
+    """A compressed-tensors checkpoint with our quantized modules in place, in the dtype it was saved in."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if qconfig.get("format") not in READABLE_FORMATS:
+        raise CompressError(
+            f"{folder}: quantization compressed-tensors/{qconfig.get('format')} is not readable here; "
+            f"compress loads compressed-tensors {', '.join(READABLE_FORMATS)}"
+        )
+    config = AutoConfig.from_pretrained(folder)
+    del config.quantization_config
+    saved = source_dtype(config)
+    if dtype != "auto" and torch_dtype(dtype) != saved:
+        raise CompressError(
+            f"{folder} is a quantized checkpoint saved in {saved}; it loads in that dtype only: use dtype=auto"
+        )
+    model_type = getattr(config, "model_type", None)
+    tensors = {model_name(model_type, key): value for key, value in _read_tensors(folder).items()}
+    with parameters_on_meta():  # the quantized modules replace most of them: never allocate the dense weights
+        model = AutoModelForCausalLM.from_config(config, dtype=saved)
+    unfuse_experts(model)  # the checkpoint stores one linear per expert
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and _is_float_weight(name, qconfig, tensors):
+            _replace_float_weight(model, name, module, qconfig, tensors)
+        elif type(module) is nn.Linear and f"{name}.weight_packed" in tensors:
+            weights = _module_scheme(checkpoint_name(model_type, name), qconfig)
+            if weights is None:
+                raise CompressError(f"{folder}: {name} is packed but no config group targets it")
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, _quantized_module(name, weights, tensors, module))
+        elif type(module) is nn.Linear and f"{name}.weight_scale" in tensors:
+            _replace_activation_quantized(model, name, module, tensors)
+    _attach_kv_scales(model, qconfig.get("kv_cache_scheme"), tensors, folder)
+    expected = model.state_dict()  # the file's tensors take the modules' dtypes, as a copy into them would
+    tensors = {key: value.to(expected[key].dtype) if key in expected else value for key, value in tensors.items()}
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    allowed_missing = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    # QuantizedLinear buffers were filled directly above; everything else must come from the file.
+    quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    missing = [k for k in missing if k not in allowed_missing and k.rpartition(".")[0] not in quantized]
+    if missing or unexpected:
+        raise CompressError(
+            f"{folder}: weights do not match the model config (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    if allowed_missing:
+        model.tie_weights()
+    return model
