@@ -1,0 +1,169 @@
+"""What a search leaves behind: its trials, the result and its one line, ``search.json``/``search.md``, and the
+MLflow parent run with one child run per trial."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from compress.search.frontier import Allocation, Frontier
+from compress.search.spec import SearchSpec
+
+
+@dataclass
+class Trial:
+    number: int
+    point: int  # frontier index
+    bits_per_weight: float  # as stored (size.json linear_bits_per_weight)
+    predicted_cost: float
+    passed: bool
+    ppl_ratio: float | None
+    reasons: list[str]
+    checkpoint: str
+    size_mb: float
+    schemes: dict[str, int]  # scheme → units
+    mlflow_run_id: str | None = None
+    verdict: str = "block"  # the gate's: pass | block | inconclusive (still undecided after gate.decide's windows)
+    ppl_interval: tuple[float, float] | None = None  # the gate's interval of the perplexity ratio
+
+
+@dataclass
+class SearchResult:
+    outcome: str  # passed | budget | max_trials
+    line: str  # the one line the command prints last
+    trials: list[Trial]
+    best: Trial | None
+    folder: Path
+    mlflow_run_id: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.best is not None else 1
+
+
+def outcome_line(outcome: str, trials: list[Trial], best: Trial | None, spec: SearchSpec) -> str:
+    if best is not None:
+        return (
+            f"search: PASSED — smallest passing checkpoint {best.checkpoint} ({best.bits_per_weight:.3f} bits/weight, "
+            f"{best.size_mb:.1f} MB, trial {best.number} of {len(trials)})"
+        )
+    worst = max(trials, key=lambda t: t.point)
+    why = "; ".join(worst.reasons) or "blocked"
+    if outcome == "budget":
+        return (
+            f"search: BLOCKED — budget limit: the best allocation within search.budget_bits={spec.budget_bits:g} "
+            f"({worst.bits_per_weight:.3f} bits/weight, trial {worst.number}) was blocked ({why}); "
+            f"{len(trials)} trials recorded; raise search.budget_bits or relax the gate"
+        )
+    return (
+        f"search: BLOCKED — trial limit: search.max_trials={spec.max_trials} trials ran, none passed (largest "
+        f"{worst.bits_per_weight:.3f} bits/weight: {why}); raise search.max_trials"
+    )
+
+
+def write_summary(result: SearchResult, spec: SearchSpec, frontier: Frontier) -> None:
+    data = {
+        "outcome": result.outcome,
+        "line": result.line,
+        "spec": asdict(spec),
+        "frontier_points": len(frontier),
+        "best": asdict(result.best) if result.best else None,
+        "trials": [asdict(trial) for trial in result.trials],
+    }
+    (result.folder / "search.json").write_text(json.dumps(data, indent=2))
+    lines = [
+        "# compress search",
+        "",
+        f"budget {spec.budget_bits:g} bits/weight, candidates {', '.join(spec.candidates)}",
+        "",
+        "| trial | bits/weight | size MB | ppl ratio | 95% interval | predicted error | schemes (units) | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for t in result.trials:
+        ratio = "–" if t.ppl_ratio is None else f"{t.ppl_ratio:.4f}"
+        interval = "–" if t.ppl_interval is None else f"{t.ppl_interval[0]:.4f}–{t.ppl_interval[1]:.4f}"
+        schemes = ", ".join(f"{name} ×{count}" for name, count in t.schemes.items())
+        verdict = "pass" if t.passed else f"{t.verdict.upper()}: " + "; ".join(t.reasons)
+        lines.append(
+            f"| {t.number} | {t.bits_per_weight:.3f} | {t.size_mb:.2f} | {ratio} | {interval} | {t.predicted_cost:.4g} "
+            f"| {schemes} | {verdict} |"
+        )
+    lines += ["", result.line, ""]
+    (result.folder / "search.md").write_text("\n".join(lines))
+
+
+class Tracker:
+    """The search's MLflow parent run and one child run per trial (``mlflow.parentRunId``); nothing when tracking
+    is off."""
+
+    def __init__(self, config, spec: SearchSpec, folder: Path):
+        from compress.tracking import RunLog, check_writable, flatten, tracking_uri
+
+        self.parent = None
+        self.children: dict[int, object] = {}
+        self.config = config
+        if not config.tracking.enabled:
+            return
+        uri = tracking_uri(config.tracking.uri)
+        check_writable(uri, "set tracking.uri=<a writable store> or tracking.enabled=false")
+        tags = {"compress.kind": "search", "compress.recipe": config.recipe, "compress.model": config.model.path}
+        self.parent = RunLog(uri, config.tracking.experiment, folder.name, tags=tags)
+        self.parent.params({**flatten(asdict(spec), "search."), "recipe": config.recipe})
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self.parent is None else self.parent.run_id
+
+    def trial(self, trial: Trial, verdict, checkpoint: Path, allocation: Allocation) -> None:
+        from compress.tracking import RunLog, record_verdict
+
+        if self.parent is None:
+            return
+        tags = {
+            "compress.kind": "search-trial",
+            "compress.recipe": f"{self.config.recipe} search #{trial.number}",
+            "compress.model": self.config.model.path,
+        }
+        child = RunLog(
+            self.parent.uri, self.config.tracking.experiment, f"trial-{trial.number}", tags, self.parent.run_id
+        )
+        child.params({f"schemes.{name}": str(count) for name, count in trial.schemes.items()})
+        child.metrics(
+            {
+                "size_mb": trial.size_mb,
+                "bits_per_weight": trial.bits_per_weight,
+                "predicted_bits_per_weight": allocation.bits_per_weight,
+                "predicted_error": trial.predicted_cost,
+            }
+        )
+        record_verdict(child, verdict, verdict.files, checkpoint, own_run=False)
+        child.artifact(checkpoint / "recipe.yaml")
+        child.finish()
+        trial.mlflow_run_id = child.run_id
+        self.children[trial.number] = child
+
+    def finish(self, result: SearchResult, policy) -> None:
+        from compress.tracking import register_checkpoint, registered_name
+
+        if self.parent is None:
+            return
+        self.parent.metrics({"trials": len(result.trials), "passed": float(result.best is not None)})
+        self.parent.tag("compress.search.outcome", result.line)
+        if result.best is not None:
+            self.parent.metrics({"best_bits_per_weight": result.best.bits_per_weight, "size_mb": result.best.size_mb})
+            self.parent.tag("compress.search.best_trial_run", str(result.best.mlflow_run_id))
+            if policy.registry.register:
+                name = policy.registry.name or registered_name(self.config.model.path)
+                tags = {"bits_per_weight": f"{result.best.bits_per_weight:.4f}"}
+                registry = register_checkpoint(
+                    self.children[result.best.number], Path(result.best.checkpoint), name, tags, policy.registry.promote
+                )
+                self.parent.tag("compress.search.registered", f"{registry['name']} v{registry['version']}")
+        for name in ("search.json", "search.md"):
+            self.parent.artifact(result.folder / name)
+        self.parent.finish()
+
+    def fail(self, error: BaseException) -> None:
+        if self.parent is not None:
+            self.parent.fail(error)
