@@ -70,7 +70,26 @@ class QuantizedLinear(nn.Module):
         g_idx: torch.Tensor | None = None,
     ) -> QuantizedLinear:
         """Build from int8 codes ``[out, in]`` and per-group ``scale``/``zero_point`` ``[out, groups]``."""
-        out_features, in_features = codes.shape
+        packed = pack_int32(codes.to(torch.int8), num_bits)
+        zero_point = None if zero_point is None else zero_point.to(torch.int8)
+        return cls.from_packed(packed, scale, zero_point, num_bits, group_size, tuple(codes.shape), bias, g_idx)
+
+    @classmethod
+    def from_packed(
+        cls,
+        packed: torch.Tensor,
+        scale: torch.Tensor,
+        zero_point: torch.Tensor | None,
+        num_bits: int,
+        group_size: int,
+        shape: tuple[int, int],
+        bias: torch.Tensor | None = None,
+        g_idx: torch.Tensor | None = None,
+    ) -> QuantizedLinear:
+        """Build from codes packed as the checkpoint stores them (int32 words along the input dim) and the unpacked
+        int8 ``zero_point``; ``shape`` is the dense weight's ``(out, in)``. The one constructor of a packed layer:
+        the compression builds through ``from_codes``, the checkpoint reader straight from the stored tensors."""
+        out_features, in_features = shape
         with torch.device(scale.device):  # build where the codes live: no host round trip for large models
             module = cls(
                 in_features,
@@ -82,10 +101,10 @@ class QuantizedLinear(nn.Module):
                 dtype=scale.dtype,
                 act_order=g_idx is not None,
             )
-        module.weight_packed.copy_(pack_int32(codes.to(torch.int8), num_bits))
+        module.weight_packed.copy_(packed)
         module.weight_scale.copy_(scale)
         if zero_point is not None:
-            module.weight_zero_point.copy_(zero_point.to(torch.int8))
+            module.weight_zero_point.copy_(zero_point)
         if g_idx is not None:
             module.weight_g_idx.copy_(g_idx)
         if bias is not None:

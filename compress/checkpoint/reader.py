@@ -63,27 +63,10 @@ def _quantized_module(name: str, weights: dict, tensors: dict[str, torch.Tensor]
     g_idx = tensors.pop(f"{name}.weight_g_idx", None)
     bias = tensors.pop(f"{name}.bias", None)
     scale = tensors.pop(f"{name}.weight_scale")
-    module = QuantizedLinear(
-        in_features,
-        out_features,
-        bits,
-        group_size,
-        symmetric=zero is None,
-        bias=bias is not None,
-        dtype=scale.dtype,
-        act_order=g_idx is not None,
-    )
-    module.weight_packed.copy_(tensors.pop(f"{name}.weight_packed"))
-    module.weight_scale.copy_(scale)
-    if zero is not None:
-        module.weight_zero_point.copy_(zero)
-    if g_idx is not None:
-        module.weight_g_idx.copy_(g_idx)
-    if bias is not None:
-        module.bias.data.copy_(bias)
     if (out_features, in_features) != (dense.out_features, dense.in_features):
         raise CompressError(f"{name}: stored shape {(out_features, in_features)} does not match the model config")
-    return module
+    packed = tensors.pop(f"{name}.weight_packed")
+    return QuantizedLinear.from_packed(packed, scale, zero, bits, group_size, (out_features, in_features), bias, g_idx)
 
 
 def _replace_activation_quantized(model: nn.Module, name: str, dense: nn.Linear, tensors: dict) -> None:
