@@ -158,16 +158,15 @@ def _run_layers(result: GateResult, context: GateContext, subjects: dict[str, Su
         verdicts.add(run, context, result, [])
     pending = runs[known:]
     backend, engine_options = result.backend, dict(context.policy.engine)
-    if pending and context.policy.models_in_memory == 1 and not verdicts.blocked:
+    one_at_a_time = context.policy.models_in_memory == 1
+    together = [candidate] if one_at_a_time else [candidate, baseline]
+    if pending and one_at_a_time and not verdicts.blocked:
         baseline_runs = [run for run in pending if _needs(run.name, context, baseline)]
         if baseline_runs and _loading(verdicts.blocked, baseline, backend, engine_options):
             for run in baseline_runs:
                 log.info("gate: %s (baseline)", run.name)
                 run.measure(context, [baseline])
             baseline.unload()
-        together = [candidate]
-    else:
-        together = [candidate, baseline]
     for side in together:
         if pending and not verdicts.blocked and any(_needs(run.name, context, side) for run in pending):
             _loading(verdicts.blocked, side, backend, engine_options)
