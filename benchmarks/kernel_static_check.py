@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import configs, w4a16, w8a8
+from kernels import configs, w4a16_kernels, w8a8
 
 SHARED_MEMORY_LIMIT = 232448  # bytes of dynamic shared memory per block on sm90 (227 KiB)
 UNIT_STRIDES = ("stride_xk", "stride_pn", "stride_sn", "stride_zn", "stride_on", "stride_ak", "stride_bk", "stride_bsn")
@@ -71,15 +71,15 @@ def kernel_cases(table: str, dtype: str) -> tuple[triton.JITFunction, dict[str, 
         out_ptr="bf16",
     )
     if table == "W4A16_SKINNY":
-        return w4a16._skinny_kernel, w4, dict(W4A16_FLAGS, BLOCK_M=16)
+        return w4a16_kernels.skinny_kernel, w4, dict(W4A16_FLAGS, BLOCK_M=16)
     if table == "W4A16_GEMV":
         flags = {k: v for k, v in W4A16_FLAGS.items() if k not in ("HAS_G_IDX", "DOT_PRECISION")}
-        return w4a16._gemv_kernel, w4, flags
+        return w4a16_kernels.gemv_kernel, w4, flags
     if table == "W4A16_GEMM":
-        return w4a16._gemm_kernel, w4, dict(W4A16_FLAGS)
+        return w4a16_kernels.gemm_kernel, w4, dict(W4A16_FLAGS)
     if table == "W4A16_DEQUANT":
         flags = {k: v for k, v in W4A16_FLAGS.items() if k not in ("HAS_BIAS", "DOT_PRECISION")}
-        return w4a16._dequantize_kernel, w4, flags
+        return w4a16_kernels.dequantize_kernel, w4, flags
     operand = "fp8e4nv" if dtype == "fp8" else "i8"
     pointers = dict(
         a_ptr=operand, b_ptr=operand, a_scale_ptr="fp32", b_scale_ptr="fp32", bias_ptr="bf16", out_ptr="bf16"
