@@ -2,7 +2,8 @@
 against ``scaled_dot_product_attention`` bf16, measured in one run.
 
 For Llama-8B/70B-like weights ``[N, K]`` and row counts M it times each op (median of CUDA-graph replays, L2
-flushed, see ``kernels.timing``; baselines are timed the same way) and reports TFLOP/s, GB/s of the bytes the op
+flushed, see ``compress.kernels.timing``; baselines are timed the same way) and reports TFLOP/s, GB/s of the bytes
+the op
 must move (weight + scales + activations + output), that bandwidth as a share of a device-to-device copy measured
 in the same run, the speedup over the dense bf16 baseline in the same run, and the float64 relative error. Writes
 ``benchmarks/results/kernels-<device>.{json,md}``. Needs a CUDA GPU; ``--smoke`` runs tiny shapes on whatever
@@ -25,14 +26,14 @@ from typing import Literal
 
 import torch
 import triton
+from compress.kernels import ops
+from compress.kernels.accuracy import relative_error
+from compress.kernels.packing import pack_int32
+from compress.kernels.timing import graph_time_ms
+from compress.kernels.w4a16 import repack_n_contiguous
 
 from compress.commands.args import parse_options, usage, wants_help
 from compress.errors import CompressError
-from kernels import ops
-from kernels.accuracy import relative_error
-from kernels.packing import pack_int32
-from kernels.timing import graph_time_ms
-from kernels.w4a16 import repack_n_contiguous
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]  # weight [N, K]
 ROWS = [1, 4, 16, 64, 128, 1024, 4096]
@@ -250,8 +251,8 @@ def run(args: BenchOptions, device: torch.device) -> tuple[list[Row], float]:
 def attention_rows(args: BenchOptions, device: torch.device, measure, copy_gbps: float) -> list[Row]:
     """Decode attention (one query per sequence) over ``args.context`` cached tokens per sequence, blocks
     scattered in the pool. Baseline: ``scaled_dot_product_attention`` in bf16 on a contiguous cache."""
-    from kernels.kv_cache import QUANT_MAX, quantize_reference
-    from kernels.paged_attention import paged_attention, paged_attention_reference
+    from compress.kernels.kv_cache import QUANT_MAX, quantize_reference
+    from compress.kernels.paged_attention import paged_attention, paged_attention_reference
 
     heads, kv_heads, dim, block = (ATTENTION_SHAPE[k] for k in ("heads", "kv_heads", "head_dim", "block_size"))
     context = args.context

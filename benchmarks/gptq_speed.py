@@ -86,7 +86,7 @@ def main() -> None:
     corpus = load_corpus(DataSpec(num_samples=args.num_samples, seq_len=args.seq_len))
     samples = calibration_samples(tokenize(tokenizer, corpus.calibration_text), args.num_samples, args.seq_len, 0)
     eval_ids = tokenize(tokenizer, corpus.evaluation_text)
-    from evals.perplexity import perplexity
+    from compress.evals.perplexity import perplexity
 
     baseline = perplexity(model, eval_ids, args.seq_len, 4, args.max_windows, progress=False)
     del model

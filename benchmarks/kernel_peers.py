@@ -1,5 +1,5 @@
 """``python -m compress bench peers``: our quantized GEMMs against the peers an H100 user would reach for, in one
-run, every implementation timed the same way (CUDA-graph replays, L2 flushed: ``kernels.timing``).
+run, every implementation timed the same way (CUDA-graph replays, L2 flushed: ``compress.kernels.timing``).
 
 Per format, on the same random weight (``benchmarks.bench_kernels.quantized_weight``):
 
@@ -33,6 +33,9 @@ from typing import Literal
 import torch
 import triton
 import triton.testing
+from compress.kernels.accuracy import relative_error
+from compress.kernels.timing import NotCapturable, graph_time_ms
+from compress.kernels.w8a8 import quantize_per_token_reference
 
 from benchmarks.bench_kernels import (
     GROUP_SIZE,
@@ -45,9 +48,6 @@ from benchmarks.bench_kernels import (
 )
 from compress.commands.args import parse_options, usage, wants_help
 from compress.errors import CompressError
-from kernels.accuracy import relative_error
-from kernels.timing import NotCapturable, graph_time_ms
-from kernels.w8a8 import quantize_per_token_reference
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # weight [N, K]
 ROWS = [1, 16, 128, 1024, 4096]

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from compress.evals.perplexity import perplexity
 
 from compress import oneshot
 from compress.checkpoint import load_checkpoint
@@ -24,7 +25,6 @@ from compress.compression import compress_model
 from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
 from compress.models import default_model_dir, load
 from compress.quant import WeightScheme, fake_quantize
-from evals.perplexity import perplexity
 
 RESULTS = Path(__file__).parent / "results"
 INT4 = {"bits": 4, "group_size": 64, "symmetric": True, "ignore": ["lm_head"]}

@@ -20,10 +20,10 @@ from typing import Any, TypeVar
 
 from compress.data import DataSpec
 from compress.errors import CompressError, unknown_key_error
+from compress.evals.gate import GatePolicy
 from compress.models import ModelSpec
 from compress.paths import artifacts_dir
 from compress.typed import config_error, typed
-from evals.gate import GatePolicy
 
 T = TypeVar("T")
 
@@ -178,7 +178,7 @@ def check_gate(gate: GatePolicy) -> None:
     """What the gate policy's types cannot say (its engine options, its layer names), now rather than after the
     compression."""
     from compress.engine.config import EngineConfig
-    from evals.gate import resolve_policy
+    from compress.evals.gate import resolve_policy
 
     try:
         build_section(EngineConfig, gate.engine, "gate.engine")

@@ -1,6 +1,7 @@
 """The run's perplexity passes: the baseline (recording its top-k distributions when the gate judges the KL), the
 candidate from its checkpoint (its KL from the baseline measured in the same pass) and the RTN reference, all on the
-same windows of the evaluation text (``evals.perplexity``). The gate judges these numbers instead of measuring again.
+same windows of the evaluation text (``compress.evals.perplexity``). The gate judges these numbers instead of
+measuring again.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from compress.checkpoint import load_checkpoint
 from compress.compression import compress_model
 from compress.config import RunConfig
 from compress.errors import CompressError
+from compress.evals.divergence import DivergenceMeter
+from compress.evals.gate.windows import keep_reference, reference_recorder
+from compress.evals.perplexity import PerplexityResult, can_stream, stored_model_perplexity
 from compress.models import load, resolve_model_path
 from compress.stages import Stage
 from compress.stages.rtn import rtn_reference
-from evals.divergence import DivergenceMeter
-from evals.gate.windows import keep_reference, reference_recorder
-from evals.perplexity import PerplexityResult, can_stream, stored_model_perplexity
 
 
 class RunEvaluation:

@@ -11,7 +11,7 @@ Every step replays compressed-tensors 0.20's arithmetic for an fp32, bf16 or fp1
   minus 2``, clamped to 0..255, stored as uint8; ``code = e2m1(clamp(w / 2**(e-127), ±6))``.
 
 e2m1 rounding is to nearest, ties to the even code, keeping the sign (a small negative becomes -0.0, code 0x8,
-exactly as compressed-tensors emits). The layout itself (packing, decoding) lives in :mod:`kernels.fp4`.
+exactly as compressed-tensors emits). The layout itself (packing, decoding) lives in :mod:`compress.kernels.fp4`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from compress.errors import CompressError
-from kernels.fp4 import (
+from compress.kernels.fp4 import (
     E2M1_GRID,
     E2M1_MAX,
     E8M0_BIAS,

@@ -23,8 +23,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
 from compress.errors import CompressError
-from kernels.dtypes import KV_CACHE_DTYPES, QUANT_MAX, is_quantized, kv_cache_dtype_name
-from kernels.kv_cache import dequantize_reference, per_token_scale, quantize_reference
+from compress.kernels.dtypes import KV_CACHE_DTYPES, QUANT_MAX, is_quantized, kv_cache_dtype_name
+from compress.kernels.kv_cache import dequantize_reference, per_token_scale, quantize_reference
 
 ATTENTION_NAME = "compress_kv_quant"
 EAGER_ATTENTION_NAME = "compress_kv_quant_eager"  # logit soft-capping (Gemma-2), which SDPA cannot do
@@ -83,7 +83,7 @@ class KVCacheScheme:
 
 def fake_quantize_kv(states: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``states [..., head_dim]`` after a round trip through a ``dtype`` KV cache, rounded by the engine's own
-    reference code (``kernels.kv_cache``), so the KV-cache stage, the gate and the engine round alike.
+    reference code (``compress.kernels.kv_cache``), so the KV-cache stage, the gate and the engine round alike.
 
     ``scale`` broadcasts against ``states``: ``[1]`` per tensor or ``[kv_heads, 1, 1]`` per KV head (calibrated);
     None computes one per token and head, as the engine does without calibrated scales. A float ``dtype`` is a plain

@@ -155,7 +155,7 @@ def _gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None,
     """The release gate on the saved checkpoint against the original model; its verdict is recorded in this run's
     MLflow store (the same ``tracking.uri``) under ``gate.*`` and a pass registers ``runs:/<run>/checkpoint``.
     ``measured``: the run's own perplexity passes of both sides, which the gate judges instead of measuring again."""
-    from evals.gate import run_gate
+    from compress.evals.gate import run_gate
 
     verdict = run_gate(
         staging / "checkpoint", resolve_model_path(config.model), config.gate, staging / "gate",

@@ -11,13 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.fp4 import fake_quantize_fp4_activations
-from kernels import fp4, fp8_block, ops
-from kernels.backend import requested_backend
-from kernels.dequant import dequantize_packed
-from kernels.dtypes import FP8_MAX, INT8_MAX
-from kernels.packing import pack_int32, packed_width
-from kernels.w4a16 import repack_n_contiguous
-from kernels.w8a8 import SCALE_EPS
+from compress.kernels import fp4, fp8_block, ops
+from compress.kernels.backend import requested_backend
+from compress.kernels.dequant import dequantize_packed
+from compress.kernels.dtypes import FP8_MAX, INT8_MAX
+from compress.kernels.packing import pack_int32, packed_width
+from compress.kernels.w4a16 import repack_n_contiguous
+from compress.kernels.w8a8 import SCALE_EPS
 
 
 class QuantizedLinear(nn.Module):

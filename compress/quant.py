@@ -40,7 +40,7 @@ class WeightScheme:
         return f"int{self.bits} {'sym' if self.symmetric else 'asym'} {group}"
 
 
-FP4_GROUP_SIZES = {"nvfp4": 16, "mxfp4": 32}  # fixed by each format (compress.fp4 / kernels.fp4)
+FP4_GROUP_SIZES = {"nvfp4": 16, "mxfp4": 32}  # fixed by each format (compress.fp4 / compress.kernels.fp4)
 
 
 def validate_scheme(scheme: WeightScheme) -> None:
@@ -125,7 +125,7 @@ def quantize(
 def fake_quantize(weight: torch.Tensor, scheme: WeightScheme, clip: torch.Tensor | float = 1.0) -> torch.Tensor:
     """Quantize then dequantize in fp32: the weight the quantized layer will compute with.
 
-    Same arithmetic as ``kernels.dequant.dequantize_codes(*quantize(...), group)`` (the one dequantization
+    Same arithmetic as ``compress.kernels.dequant.dequantize_codes(*quantize(...), group)`` (the one dequantization
     reference) with fp32 scales, without the int8 round trip: searches call this hundreds of times per layer.
     """
     group = scheme.group_for(weight.shape[1])

@@ -1,7 +1,8 @@
 """What a run reports: phase timings, the metrics it logs, and the one-screen summary (``report.md``, the CLI).
 
 The run's own perplexity is logged as ``ppl_baseline`` / ``ppl_candidate`` / ``ppl_ratio``; the release gate's
-numbers live under ``gate.*`` (see ``evals.gate.summary_metrics``), so the two never overwrite each other in MLflow.
+numbers live under ``gate.*`` (see ``compress.evals.gate.summary_metrics``), so the two never overwrite each other in
+MLflow.
 """
 
 from __future__ import annotations

@@ -92,8 +92,8 @@ def enforce_mask(module: nn.Module, keep: torch.Tensor) -> None:
     """Zero the pruned weights of a dense, 8-bit or packed-quantized linear. A packed weight is zero where its code
     is the zero point (0 when symmetric), so that is what pruned codes are set to: exact, no rounding."""
     if hasattr(module, "weight_packed"):
-        from kernels.dequant import group_index
-        from kernels.packing import pack_int32, unpack_int32
+        from compress.kernels.dequant import group_index
+        from compress.kernels.packing import pack_int32, unpack_int32
 
         codes = unpack_int32(module.weight_packed.cpu(), module.num_bits, module.in_features).to(torch.int8)
         zero = torch.zeros_like(codes)

@@ -235,13 +235,13 @@ def register_checkpoint(run: RunLog, checkpoint: Path, name: str, tags: dict[str
 
 
 def record_verdict(run: RunLog, verdict, files: list[Path], checkpoint: Path | None, own_run: bool) -> None:
-    """Log a release-gate verdict (``evals.gate.GateResult``) into ``run`` and register the checkpoint on pass.
+    """Log a release-gate verdict (``compress.evals.gate.GateResult``) into ``run`` and register the checkpoint on pass.
 
     Fails closed: a verdict MLflow could not record is not a release, so the verdict turns into a block and the gate's
     report files are rewritten to say why. ``own_run``: the run exists for this verdict alone (``compress gate``),
     so it also takes the policy as params and the checkpoint size.
     """
-    from evals.gate import summary_metrics, write_report
+    from compress.evals.gate import summary_metrics, write_report
 
     metrics = summary_metrics(verdict)
     if own_run and checkpoint is not None and checkpoint.is_dir():

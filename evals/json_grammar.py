@@ -212,7 +212,8 @@ class JsonVocabulary:
 
 
 class JsonConstraint:
-    """One generation's constraint (see ``evals.generation.TokenConstraint``): a complete JSON object, then EOS."""
+    """One generation's constraint (see ``compress.evals.generation.TokenConstraint``): a complete JSON object, then
+    EOS."""
 
     def __init__(self, vocabulary: JsonVocabulary):
         self.vocabulary = vocabulary

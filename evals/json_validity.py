@@ -2,7 +2,8 @@
 
 Each prompt carries a JSON Schema. Validity: the reply contains a JSON object that parses (from its first ``{``;
 chatter around it is tolerated, a truncated or malformed object is not). Compliance: that object also satisfies the
-schema. In constrained mode decoding is restricted to valid JSON (``evals.json_grammar``), so validity must be 100%:
+schema. In constrained mode decoding is restricted to valid JSON (``compress.evals.json_grammar``), so validity must
+be 100%:
 it tests the constraint, not the model.
 """
 
@@ -11,8 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from evals.generation import Generator
-from evals.json_grammar import JsonConstraint, JsonVocabulary
+from compress.evals.generation import Generator
+from compress.evals.json_grammar import JsonConstraint, JsonVocabulary
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,7 @@ say more about the machine than about the checkpoint.
 from __future__ import annotations
 
 import numpy as np
-
-from evals.generation import Generator
+from compress.evals.generation import Generator
 
 
 def _summary(samples: list[tuple[float, float]]) -> dict:

@@ -1,6 +1,7 @@
 """Long-context layer: RULER-style synthetic tasks that need more than finding one needle.
 
-Why: a KV-cache recipe can keep single pass-key retrieval (``evals.needle``) at 100% while tasks that combine several
+Why: a KV-cache recipe can keep single pass-key retrieval (``compress.evals.needle``) at 100% while tasks that
+combine several
 facts spread over the context fall apart: published 3-4-bit KV schemes did exactly that, and multi-step reasoning lost
 18 points. RULER (NVIDIA) answers this with tasks generated from a seed at any context length and scored by exact
 match; this module is our own version of three of them, hidden in held-out evaluation text like the needle:
@@ -35,7 +36,7 @@ import string
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from evals.generation import Generator
+from compress.evals.generation import Generator
 
 TASKS = ("variable_tracking", "multi_key", "frequent_words")
 

@@ -13,7 +13,7 @@ import random
 import re
 from pathlib import Path
 
-from evals.generation import Generator
+from compress.evals.generation import Generator
 
 NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 INTRO = "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n"

@@ -4,7 +4,7 @@ Protocol: the evaluation split is tokenized as one stream without special tokens
 of ``seq_len`` tokens (the incomplete tail is dropped); every window is scored independently from its first token;
 perplexity is ``exp`` of the mean negative log-likelihood over all predicted tokens (``seq_len - 1`` per window).
 Each window's mean NLL is kept too (``window_nll``): the gate's interval is over per-window differences. An
-``observer`` (``evals.divergence``) sees every position's logits in the same pass: the baseline's top of the
+``observer`` (``compress.evals.divergence``) sees every position's logits in the same pass: the baseline's top of the
 distribution is recorded there, and the candidate's KL divergence from it measured.
 """
 

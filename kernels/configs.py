@@ -16,8 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from kernels.backend import interpreter_active
+from compress.kernels.backend import interpreter_active
 
 Config = dict[str, int | str]  # block sizes, num_warps/num_stages, and KIND for kernel variants
 
@@ -191,7 +190,7 @@ def pick_config(
         return candidates[0]
     cache_key = (id(table), family, key)
     if cache_key not in _chosen:
-        from kernels.timing import graph_time_ms
+        from compress.kernels.timing import graph_time_ms
 
         timings = []
         for config in candidates:

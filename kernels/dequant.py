@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from kernels.packing import unpack_int32
+from compress.kernels.packing import unpack_int32
 
 
 def group_index(in_features: int, group_size: int, g_idx: torch.Tensor | None, device=None) -> torch.Tensor:

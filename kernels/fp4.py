@@ -16,10 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.configs import Config, launch_options, m_bucket, pick_config
-from kernels.tiling import grouped_tile_offsets
-from kernels.w8a8 import _e4m3_bits_to_fp16
+from compress.kernels.configs import Config, launch_options, m_bucket, pick_config
+from compress.kernels.tiling import grouped_tile_offsets
+from compress.kernels.w8a8 import _e4m3_bits_to_fp16
 
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """Magnitudes of the eight non-negative e2m1 codes, in code order."""

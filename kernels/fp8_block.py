@@ -13,11 +13,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.configs import Config, launch_options, m_bucket, pick_config
-from kernels.dtypes import FP8_MAX
-from kernels.tiling import grouped_tile_offsets
-from kernels.w8a8 import SCALE_EPS, _e4m3_bits_to_fp16, _round_to_e4m3_grid, fp8_needs_decode
+from compress.kernels.configs import Config, launch_options, m_bucket, pick_config
+from compress.kernels.dtypes import FP8_MAX
+from compress.kernels.tiling import grouped_tile_offsets
+from compress.kernels.w8a8 import SCALE_EPS, _e4m3_bits_to_fp16, _round_to_e4m3_grid, fp8_needs_decode
 
 FP8 = torch.float8_e4m3fn
 BLOCK = (128, 128)

@@ -19,8 +19,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from kernels.dtypes import QUANT_MAX, is_quantized
+from compress.kernels.dtypes import QUANT_MAX, is_quantized
 
 # Floor on a per-token absolute maximum, so an all-zero token gets a usable scale instead of dividing by zero.
 MIN_AMAX = 1e-6

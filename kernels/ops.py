@@ -1,5 +1,5 @@
 """Entry points the quantized modules call. Each runs the Triton kernel or the plain-torch reference of the
-same function, chosen by :mod:`kernels.backend` (CUDA -> Triton, CPU -> reference; ``COMPRESS_KERNELS`` or
+same function, chosen by :mod:`compress.kernels.backend` (CUDA -> Triton, CPU -> reference; ``COMPRESS_KERNELS`` or
 ``use_backend`` force one; forcing Triton on CPU needs ``TRITON_INTERPRET=1``). Inputs may have any leading
 dimensions; the last one is the input features.
 """
@@ -7,9 +7,8 @@ dimensions; the last one is the input features.
 from __future__ import annotations
 
 import torch
-
-from kernels import fp4, fp8_block, w4a16, w8a8
-from kernels.backend import choose_backend
+from compress.kernels import fp4, fp8_block, w4a16, w8a8
+from compress.kernels.backend import choose_backend
 
 
 def weight_only_linear(
@@ -25,7 +24,7 @@ def weight_only_linear(
     packed_n_contiguous: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` group-quantized in the pack-quantized layout (W4A16 and friends).
-    ``packed_n_contiguous``: optional cached :func:`kernels.w4a16.repack_n_contiguous` of ``weight_packed``;
+    ``packed_n_contiguous``: optional cached :func:`compress.kernels.w4a16.repack_n_contiguous` of ``weight_packed``;
     without it the kernels read the on-disk words through a transposed view."""
     why_not = w4a16.check_kernel_input(num_bits, x)
     if choose_backend(x.device, not why_not, why_not) == "reference":

@@ -1,6 +1,7 @@
 """W4A16 (and W8A16/W2A16) weight-only GEMM: group-quantized packed weights, 16-bit activations, fp32 sums.
 
-Three paths chosen by M (thresholds in :mod:`kernels.configs`): a split-K skinny kernel for decode (M <= 16) whose
+Three paths chosen by M (thresholds in :mod:`compress.kernels.configs`): a split-K skinny kernel for decode (M <= 16)
+whose
 many programs keep the weight stream at full bandwidth, a tiled GEMM that dequantizes in registers for mid-size M,
 and, for large M, one dequantization pass into a scratch weight in the activation dtype followed by cuBLAS
 (``torch.matmul``), since cuBLAS's GEMM outruns ours by more than the pass costs. All read the packed weight through a
@@ -15,8 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 import triton
-
-from kernels.configs import (
+from compress.kernels.configs import (
     GEMV_MAX_M,
     SKINNY_MAX_M,
     W4A16_DEQUANT,
@@ -28,8 +28,8 @@ from kernels.configs import (
     m_bucket,
     pick_config,
 )
-from kernels.dequant import dequantize_packed
-from kernels.w4a16_kernels import dequantize_kernel, gemm_kernel, gemv_kernel, skinny_kernel
+from compress.kernels.dequant import dequantize_packed
+from compress.kernels.w4a16_kernels import dequantize_kernel, gemm_kernel, gemv_kernel, skinny_kernel
 
 KERNEL_BITS = (2, 4, 8)  # bit widths whose codes never straddle an int32 word
 

@@ -1,5 +1,5 @@
 """The W4A16 Triton kernels, one per access pattern, all reading the packed weight through a ``[K / codes_per_word,
-N]`` view with arbitrary strides (see :mod:`kernels.w4a16`, which picks one by M and launches it):
+N]`` view with arbitrary strides (see :mod:`compress.kernels.w4a16`, which picks one by M and launches it):
 
 - ``skinny_kernel``: decode (M <= 16), one 16-row dot tile, split-K so that many programs keep the weight stream at
   full bandwidth;
@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from kernels.tiling import grouped_tile_offsets
+from compress.kernels.tiling import grouped_tile_offsets
 
 
 @triton.jit

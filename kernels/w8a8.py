@@ -12,10 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.configs import ACT_QUANT, SCALED_MM, launch_options, m_bucket, pick_config, supports_native_fp8
-from kernels.dtypes import QUANT_MAX
-from kernels.tiling import grouped_tile_offsets
+from compress.kernels.configs import ACT_QUANT, SCALED_MM, launch_options, m_bucket, pick_config, supports_native_fp8
+from compress.kernels.dtypes import QUANT_MAX
+from compress.kernels.tiling import grouped_tile_offsets
 
 SCALE_EPS = 1e-10  # keeps an all-zero row's scale finite; its codes are all zero anyway
 ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (v + M) - M rounds fp32 |v| < 2**22 to nearest, ties to even

@@ -15,13 +15,13 @@ import torch
 
 # (module, function) pairs that launch Triton kernels or dispatch to them.
 ENTRY_POINTS = {
-    "kernels.ops": ["weight_only_linear", "quantize_per_token", "scaled_mm", "int8_linear", "fp8_linear"],
-    "kernels.w4a16": ["weight_only_matmul"],
-    "kernels.w8a8": ["quantize_per_token", "scaled_mm"],
-    "kernels.kv_cache": ["write_kv", "write_kv_triton"],
-    "kernels.paged_attention": ["paged_attention", "paged_attention_triton"],
-    "kernels.fp8_block": ["quantize_per_token_group", "fp8_block_matmul", "fp8_block_linear"],
-    "kernels.fp4": ["fp4_linear"],
+    "compress.kernels.ops": ["weight_only_linear", "quantize_per_token", "scaled_mm", "int8_linear", "fp8_linear"],
+    "compress.kernels.w4a16": ["weight_only_matmul"],
+    "compress.kernels.w8a8": ["quantize_per_token", "scaled_mm"],
+    "compress.kernels.kv_cache": ["write_kv", "write_kv_triton"],
+    "compress.kernels.paged_attention": ["paged_attention", "paged_attention_triton"],
+    "compress.kernels.fp8_block": ["quantize_per_token_group", "fp8_block_matmul", "fp8_block_linear"],
+    "compress.kernels.fp4": ["fp4_linear"],
 }
 
 

@@ -16,10 +16,10 @@ from torch import nn
 
 from compress.checkpoint.description import ACTIVATION_QUANTIZED, DENSE, FLOAT_WEIGHTS, quantization_config
 from compress.errors import CompressError
+from compress.kernels.packing import pack_int32
 from compress.moe import checkpoint_name
 from compress.qlinear import Fp4Linear, QuantizedLinear
 from compress.sparsity import sparsity_config
-from kernels.packing import pack_int32
 
 MAX_SHARD_BYTES = 2 * 1024**3
 

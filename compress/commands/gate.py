@@ -53,8 +53,8 @@ def main(argv: list[str]) -> int:
         print(usage(GateOptions, SYNOPSIS) + "\n  gate.<key>=<value>  (any key of recipes/gate/default.yaml)")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from compress.evals.gate import resolve_policy, run_gate
     from compress.tracking import RunLog, check_writable, record_verdict, tracking_uri
-    from evals.gate import resolve_policy, run_gate
 
     try:
         options, overrides = parse_options(GateOptions, argv, SYNOPSIS, passthrough="gate")

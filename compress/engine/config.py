@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dtypes import KV_CACHE_DTYPES
+from compress.kernels.dtypes import KV_CACHE_DTYPES
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 

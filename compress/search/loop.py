@@ -58,7 +58,7 @@ def next_point(frontier: Frontier, trials: list[Trial], spec: SearchSpec, max_ra
 
 def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchResult:
     """Sensitivity → frontier → trials for the composed base recipe ``config`` (a ``RunConfig``)."""
-    from evals.gate import resolve_policy
+    from compress.evals.gate import resolve_policy
 
     candidates = spec.check()
     position, quantizer = _weight_quantizer(config.stages)
@@ -137,7 +137,7 @@ def _mixed_stage(quantizer: dict, schemes: dict[str, str]) -> dict:
 def _trial(config, number: int, point: int, allocation: Allocation, stage_args: list[dict], samples, device,
            texts: list[str], folder: Path, tracker: Tracker) -> Trial:  # fmt: skip
     """Compress a fresh copy of the model with this allocation, save it, gate it, record it."""
-    from evals.gate import run_gate
+    from compress.evals.gate import run_gate
 
     model, tokenizer = load(config.model)
     stages = build_chain(stage_args)

@@ -26,9 +26,9 @@ from compress.fp4 import (
     quantize_to_grid,
     stored_group_scales,
 )
+from compress.kernels.fp4 import e2m1_to_float, pack_fp4
 from compress.qlinear import Fp4Linear
 from compress.stages.base import LayerContext
-from kernels.fp4 import e2m1_to_float, pack_fp4
 
 # Range ratios tried per group: an e4m3 or power-of-two scale is coarse, so a slightly smaller range often rounds
 # the group's bulk better (the Hessian-weighted error decides, per row).

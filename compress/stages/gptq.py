@@ -25,6 +25,7 @@ from torch import nn
 
 from compress import distributed
 from compress.errors import CompressError
+from compress.kernels.dequant import dequantize_codes
 from compress.memory import release_freed_memory
 from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme
@@ -39,7 +40,6 @@ from compress.stages.hessian import (
     without_dead_channels,
 )
 from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, replace_module, target_linears
-from kernels.dequant import dequantize_codes
 
 CLIP_RATIOS = tuple(1.0 - step / 20 for step in range(8))  # 1.0 ... 0.65
 

@@ -23,13 +23,13 @@ from torch import nn
 
 from compress.calibration import decoder_layers
 from compress.errors import CompressError
+from compress.kernels.packing import packed_width
 from compress.qlinear import Fp8Linear
 from compress.quant import WeightScheme, check_group_size, matches, validate_scheme
 from compress.stages.base import LayerContext
 from compress.stages.gptq import GPTQConfig, GPTQStage
 from compress.stages.hessian import collect_hessians, input_groups
 from compress.stages.weights import replace_module, target_linears
-from kernels.packing import packed_width
 
 INT_SCHEME = re.compile(r"int(?P<bits>[2-8])(?:_g(?P<group>\d+))?")
 FP8_SCALE_BITS = 32  # Fp8Linear keeps fp32 per-channel scales

@@ -34,8 +34,8 @@ class RTNStage(WeightQuantizerStage):
 
     def quantized_copies(self, model: nn.Module) -> Callable[[int, nn.Module], nn.Module] | None:
         """``(index, decoder layer) -> its quantized copy``, for an evaluation that streams ``model`` layer by layer
-        (``evals.perplexity.streamed_perplexity``): the model stays as on disk and the quantized model never exists
-        whole. None for FP4 formats, whose W4A4 input scales need calibration inputs."""
+        (``compress.evals.perplexity.streamed_perplexity``): the model stays as on disk and the quantized model never
+        exists whole. None for FP4 formats, whose W4A4 input scales need calibration inputs."""
         self.prepare(model)
         if self.fp4 is not None:
             return None

@@ -3,7 +3,8 @@
 Layers run cheapest first (perplexity and KL in one pass, lm-eval accuracy, JSON validity, needle, multi-hop long
 context, latency); each compares the candidate with the baseline on the same items under limits from
 ``recipes/gate/*.yaml`` and reads its verdict from a paired interval: PASS, BLOCK or INCONCLUSIVE
-(``evals.gate.stats``). The first BLOCK stops the gate; an evaluator that raises blocks too (fail closed). Outputs:
+(``compress.evals.gate.stats``). The first BLOCK stops the gate; an evaluator that raises blocks too (fail closed).
+Outputs:
 ``gate.json``, ``gate.md`` and plots. The gate only judges: recording the verdict in MLflow and registering the
 checkpoint is the caller's job (``compress.tracking.record_verdict``), so this package never imports the CLI, pipeline
 or tracking layers.
@@ -12,10 +13,10 @@ Modules, in import order: ``stats`` (intervals, verdicts) → ``policy`` → ``c
 (perplexity, KL) → ``layers`` → ``result`` → ``report`` (gate.json, gate.md) → ``run`` (orchestration).
 """
 
-from evals.gate.policy import LAYER_ORDER, GatePolicy, resolve_policy
-from evals.gate.report import summary_metrics, write_report
-from evals.gate.result import GateResult, LayerResult
-from evals.gate.run import run_gate
+from compress.evals.gate.policy import LAYER_ORDER, GatePolicy, resolve_policy
+from compress.evals.gate.report import summary_metrics, write_report
+from compress.evals.gate.result import GateResult, LayerResult
+from compress.evals.gate.run import run_gate
 
 __all__ = [
     "LAYER_ORDER",

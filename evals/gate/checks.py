@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from evals.gate import stats
-from evals.gate.stats import INCONCLUSIVE, PASS, Interval
+from compress.evals.gate import stats
+from compress.evals.gate.stats import INCONCLUSIVE, PASS, Interval
 
 
 @dataclass

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from compress.evals import generation, loading
+from compress.evals.gate.policy import GatePolicy
 
 from compress.memory import release_freed_memory
-from evals import generation, loading
-from evals.gate.policy import GatePolicy
 
 
 @dataclass
@@ -51,10 +51,10 @@ class GateContext:
     out_dir: Path
     selected: list[str] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
-    # per side ("candidate", "baseline"): the perplexity pass (evals.perplexity.PerplexityResult as a dict), shared by
-    # the perplexity and KL layers; given by the caller when it already measured both (``compress run``)
+    # per side ("candidate", "baseline"): the perplexity pass (compress.evals.perplexity.PerplexityResult as a dict),
+    # shared by the perplexity and KL layers; given by the caller when it already measured both (``compress run``)
     scores: dict[str, dict] = field(default_factory=dict)
     scores_source: str = "gate"  # "gate", or who measured them ("run")
-    reference: dict[str, torch.Tensor] | None = None  # the baseline's top-k distributions (evals.divergence)
+    reference: dict[str, torch.Tensor] | None = None  # the baseline's top-k distributions (compress.evals.divergence)
     reference_cached: str | None = None  # the cache file the baseline's pass was read from, if it was
     window_confidence: float = 0.95  # per look: lowered when gate.decide may look several times (Bonferroni)

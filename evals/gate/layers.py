@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from compress.evals import generation, latency, long_context, needle
+from compress.evals.gate import checks as gate_checks
+from compress.evals.gate.checks import Check
+from compress.evals.gate.context import GateContext, Subject
+from compress.evals.gate.windows import judge_kl, judge_perplexity, measure_windows
+from compress.evals.json_validity import evaluate_json
+
 from compress.errors import CompressError
-from evals import generation, latency, long_context, needle
-from evals.gate import checks as gate_checks
-from evals.gate.checks import Check
-from evals.gate.context import GateContext, Subject
-from evals.gate.windows import judge_kl, judge_perplexity, measure_windows
-from evals.json_validity import evaluate_json
 
 
 class CannotJudge(Exception):
@@ -54,7 +55,7 @@ def _judged(metrics: dict, checks: list[Check], notes: list[str]) -> tuple[dict,
 
 
 def measure_lm_eval(context: GateContext, subjects: list[Subject]) -> dict:
-    from evals.lm_eval_tasks import CHOICE_TASK, run_lm_eval, write_choice_task
+    from compress.evals.lm_eval_tasks import CHOICE_TASK, run_lm_eval, write_choice_task
 
     policy = context.policy.lm_eval
     tasks, include_paths = list(policy.tasks), []

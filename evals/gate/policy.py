@@ -1,7 +1,7 @@
 """What a gate checks and where its limits lie: the typed form of ``recipes/gate/*.yaml``.
 
 Every limit is judged against a 95% interval (``GatePolicy.confidence``), so each layer also says how many items it
-scores: a limit its item count cannot decide turns every verdict INCONCLUSIVE (``evals.gate.stats``).
+scores: a limit its item count cannot decide turns every verdict INCONCLUSIVE (``compress.evals.gate.stats``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class KLPolicy:
 
     enabled: bool = True
     blocking: bool = True
-    top_k: int = 32  # baseline log-probabilities kept per position (evals.divergence: the truncation's error)
+    top_k: int = 32  # baseline log-probabilities kept per position (compress.evals.divergence: the truncation's error)
     max_mean: float | None = 0.05  # mean KL(baseline ‖ candidate) in nats per token
     min_same_top: float | None = None  # share of positions where both rank the same token first
 
@@ -76,7 +76,7 @@ class NeedlePolicy:
 
 @dataclass
 class LongContextPolicy:
-    """Multi-hop synthetic tasks (``evals.long_context``), run with the candidate's KV-cache dtype."""
+    """Multi-hop synthetic tasks (``compress.evals.long_context``), run with the candidate's KV-cache dtype."""
 
     enabled: bool = True
     blocking: bool = True
@@ -139,7 +139,7 @@ def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
     unknown = [layer for layer in resolved.layers if layer not in LAYER_ORDER]
     if unknown:
         raise CompressError(f"gate.layers has unknown layers {unknown}; choose from {LAYER_ORDER}")
-    from evals.long_context import TASKS
+    from compress.evals.long_context import TASKS
 
     unknown_tasks = sorted(set(resolved.long_context.tasks) - set(TASKS))
     if unknown_tasks:

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from evals.gate.result import GateResult
+from compress.evals.gate.result import GateResult
 
 TITLES = {"pass": "PASSED", "block": "BLOCKED", "inconclusive": "INCONCLUSIVE"}
 

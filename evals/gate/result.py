@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from evals.gate.checks import Check
-from evals.gate.stats import BLOCK, PASS
+from compress.evals.gate.checks import Check
+from compress.evals.gate.stats import BLOCK, PASS
 
 
 @dataclass

@@ -14,15 +14,16 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from compress.evals import generation, loading
+from compress.evals.gate.context import GateContext, Subject
+from compress.evals.gate.layers import LAYERS, CannotJudge
+from compress.evals.gate.policy import GatePolicy, policy_dict, resolve_policy
+from compress.evals.gate.report import write_report
+from compress.evals.gate.result import GateResult, LayerResult
+from compress.evals.gate.stats import BLOCK, INCONCLUSIVE, PASS
+from compress.evals.gate.windows import cached_baseline
+
 from compress.data import tokenize
-from evals import generation, loading
-from evals.gate.context import GateContext, Subject
-from evals.gate.layers import LAYERS, CannotJudge
-from evals.gate.policy import GatePolicy, policy_dict, resolve_policy
-from evals.gate.report import write_report
-from evals.gate.result import GateResult, LayerResult
-from evals.gate.stats import BLOCK, INCONCLUSIVE, PASS
-from evals.gate.windows import cached_baseline
 
 log = logging.getLogger(__name__)
 

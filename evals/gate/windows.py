@@ -1,6 +1,7 @@
 """The perplexity and KL layers: one pass per side over the same windows of the evaluation text.
 
-The baseline's pass records the top of its distribution at every position (``evals.divergence``), cached on disk by
+The baseline's pass records the top of its distribution at every position (``compress.evals.divergence``), cached on
+disk by
 model, tokens and protocol; the candidate's pass measures its perplexity and its KL divergence from that reference at
 once. Both layers judge the same windows, item by item: the interval of the perplexity ratio is over per-window NLL
 differences, the KL's over per-window means.
@@ -17,8 +18,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from compress.paths import artifacts_dir
-from evals.divergence import (
+from compress.evals.divergence import (
     DivergenceMeter,
     ReferenceRecorder,
     load_reference,
@@ -26,12 +26,14 @@ from evals.divergence import (
     reference_summary,
     save_reference,
 )
-from evals.gate import checks as gate_checks
-from evals.gate.checks import Check
-from evals.gate.context import GateContext, Subject
-from evals.gate.policy import GatePolicy
-from evals.gate.stats import INCONCLUSIVE
-from evals.perplexity import PerplexityResult, available_windows, evaluation_windows, resident_perplexity
+from compress.evals.gate import checks as gate_checks
+from compress.evals.gate.checks import Check
+from compress.evals.gate.context import GateContext, Subject
+from compress.evals.gate.policy import GatePolicy
+from compress.evals.gate.stats import INCONCLUSIVE
+from compress.evals.perplexity import PerplexityResult, available_windows, evaluation_windows, resident_perplexity
+
+from compress.paths import artifacts_dir
 
 
 def window_plan(context: GateContext) -> tuple[int, int]:

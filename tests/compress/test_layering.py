@@ -35,9 +35,9 @@ RUNTIME_COMPRESS = {
     "compress.fp4",
     "compress.errors",
 }
-RUNTIME_ALLOWED = RUNTIME_THIRD_PARTY | RUNTIME_COMPRESS | {"kernels"}
+RUNTIME_ALLOWED = RUNTIME_THIRD_PARTY | RUNTIME_COMPRESS | {"compress.kernels"}
 EVALS_ALLOWED = RUNTIME_ALLOWED | {
-    "evals",
+    "compress.evals",
     "compress.models",
     "compress.calibration",
     "compress.memory",
@@ -65,11 +65,11 @@ LAYERS: list[tuple[str, set[str]]] = [
             "compress.data",
         },
     ),  # fmt: skip
-    ("kernels", {"kernels"}),
+    ("kernels", {"compress.kernels"}),
     ("formats", {"compress.fp4", "compress.kv_quant", "compress.sparsity", "compress.qlinear", "compress.moe"}),
     ("model", {"compress.calibration", "compress.checkpoint", "compress.models", "compress.engine"}),
     ("stages", {"compress.stages", "compress.compression", "compress.saving"}),
-    ("evals", {"evals"}),
+    ("evals", {"compress.evals"}),
     (
         "app",
         {
@@ -95,6 +95,7 @@ def project_modules(root: Path) -> dict[str, Path]:
     for folder in ("compress", "evals", "kernels"):
         for path in sorted((root / folder).rglob("*.py")):
             name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            name = name if folder == "compress" else f"compress.{name}"  # installed inside the package (pyproject)
             found[name] = path
     return found
 

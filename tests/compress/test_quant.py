@@ -1,9 +1,9 @@
 import pytest
 import torch
+from compress.kernels.dequant import dequantize_codes
 
 from compress.errors import CompressError
 from compress.quant import WeightScheme, check_group_size, fake_quantize, matches, quantize
-from kernels.dequant import dequantize_codes
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -51,7 +51,8 @@ def test_ignore_patterns():
 @pytest.mark.parametrize("error_rows", [1024, 10], ids=["whole", "rows-in-chunks"])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_one_dequantization_reference_for_codes_packed_layers_and_gptq(symmetric, error_rows, monkeypatch):
-    """kernels.dequant.dequantize_codes is the only codes → float arithmetic: the packed layer, fake quantization,
+    """compress.kernels.dequant.dequantize_codes is the only codes → float arithmetic: the packed layer, fake
+    quantization,
     a g_idx naming the plain groups, and GPTQ's own error report (whole or a few rows at a time) agree with it."""
     from compress.qlinear import QuantizedLinear
     from compress.stages import gptq

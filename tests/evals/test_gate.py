@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from compress.evals.gate import run_gate
 from helpers import pydoc_tokenizer, save, scale_by_noise, tiny_model_for
 
 from compress.commands import gate as gate_command
 from compress.data import DataSpec, load_corpus
 from compress.errors import CompressError
 from compress.tracking import tracking_uri
-from evals.gate import run_gate
 
 
 def client():
@@ -223,7 +223,7 @@ def test_the_gate_holds_as_many_models_as_its_policy_allows(checkpoints, tmp_pat
     import gc
     import weakref
 
-    from evals import loading
+    from compress.evals import loading
 
     alive, most_alive = [], [0]
     real_load = loading.load_for_eval

@@ -6,12 +6,8 @@ import os
 
 import pytest
 import torch
-from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor
-from compressed_tensors.quantization import preset_name_to_scheme
-from compressed_tensors.quantization.utils import calculate_qparams
-
-from kernels.accuracy import relative_error
-from kernels.fp8_block import (
+from compress.kernels.accuracy import relative_error
+from compress.kernels.fp8_block import (
     dequantize_fp8_blocks,
     fp8_block_linear,
     fp8_block_linear_reference,
@@ -20,6 +16,9 @@ from kernels.fp8_block import (
     quantize_per_token_group_reference,
     quantize_weight_fp8_blocks,
 )
+from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor
+from compressed_tensors.quantization import preset_name_to_scheme
+from compressed_tensors.quantization.utils import calculate_qparams
 
 pytestmark = pytest.mark.gpu  # also run against the compiled kernels: COMPRESS_TEST_DEVICE=cuda pytest -m gpu
 

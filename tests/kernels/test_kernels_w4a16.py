@@ -4,14 +4,13 @@ import os
 
 import pytest
 import torch
-
-from kernels import ops
-from kernels.accuracy import float64_linear, relative_error
-from kernels.backend import use_backend
-from kernels.configs import W4A16_DEQUANT_MIN_M
-from kernels.dequant import dequantize_codes, dequantize_packed
-from kernels.packing import pack_int32
-from kernels.w4a16 import (
+from compress.kernels import ops
+from compress.kernels.accuracy import float64_linear, relative_error
+from compress.kernels.backend import use_backend
+from compress.kernels.configs import W4A16_DEQUANT_MIN_M
+from compress.kernels.dequant import dequantize_codes, dequantize_packed
+from compress.kernels.packing import pack_int32
+from compress.kernels.w4a16 import (
     dequantize_weight_kn,
     repack_n_contiguous,
     weight_only_linear_reference,

@@ -4,12 +4,11 @@ import os
 
 import pytest
 import torch
-
-from kernels import ops
-from kernels.accuracy import relative_error
-from kernels.backend import use_backend
-from kernels.dtypes import FP8_MAX
-from kernels.w8a8 import (
+from compress.kernels import ops
+from compress.kernels.accuracy import relative_error
+from compress.kernels.backend import use_backend
+from compress.kernels.dtypes import FP8_MAX
+from compress.kernels.w8a8 import (
     quantize_per_token,
     quantize_per_token_reference,
     scaled_mm,

@@ -3,9 +3,8 @@ references against plain dense causal attention."""
 
 import pytest
 import torch
-
-from kernels.kv_cache import QUANT_MAX, write_kv_reference, write_kv_triton
-from kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from compress.kernels.kv_cache import QUANT_MAX, write_kv_reference, write_kv_triton
+from compress.kernels.paged_attention import paged_attention_reference, paged_attention_triton
 
 pytestmark = pytest.mark.gpu  # also run against the compiled kernels: COMPRESS_TEST_DEVICE=cuda pytest -m gpu
 

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from compress.kernels.backend import use_backend
+from compress.kernels.fp4 import pack_fp4
 from compressed_tensors.quantization import preset_name_to_scheme
 from helpers import build_tiny_llama
 from transformers import AutoModelForCausalLM
@@ -19,8 +21,6 @@ from compress.quant import WeightScheme
 from compress.stages import build_chain
 from compress.stages.fp4 import Fp4Grid, rtn_fp4
 from compress.stages.gptq import gptq_quantize
-from kernels.backend import use_backend
-from kernels.fp4 import pack_fp4
 
 CPU = torch.device("cpu")
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
