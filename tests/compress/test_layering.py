@@ -124,12 +124,10 @@ def project_imports(root: Path) -> dict[str, set[str]]:
 
     graph = {}
     for name, path in modules.items():
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets |= {known(alias.name) for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets |= {known(f"{node.module}.{alias.name}") or known(node.module) for alias in node.names}
+        targets = {
+            known(f"{module}.{imported}") or known(module) if imported else known(module)
+            for module, imported in import_statements(path)
+        }
         graph[name] = targets - {None, name}
     return graph
 
@@ -204,15 +202,21 @@ def test_the_order_and_cycle_checks_catch_what_they_should(tmp_path):
     assert import_cycles(graph) == [["compress.commands.run", "compress.errors"]]
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every absolute module name ``path`` imports, at any depth (``from x import y`` counts as ``x``)."""
-    modules = set()
+def import_statements(path: Path) -> list[tuple[str, str | None]]:
+    """``(module, name)`` for every absolute import in ``path`` at any depth: ``import x`` gives ``("x", None)``,
+    ``from x import y`` gives ``("x", "y")``."""
+    found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            modules |= {alias.name for alias in node.names}
+            found += [(alias.name, None) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
-            modules.add(node.module)
-    return modules
+            found += [(node.module, alias.name) for alias in node.names]
+    return found
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every absolute module name ``path`` imports (``from x import y`` counts as ``x``)."""
+    return {module for module, _ in import_statements(path)}
 
 
 def allowed(module: str, rules: set[str]) -> bool:
