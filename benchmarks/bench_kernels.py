@@ -2,13 +2,12 @@
 against ``scaled_dot_product_attention`` bf16, measured in one run.
 
 For Llama-8B/70B-like weights ``[N, K]`` and row counts M it times each op (median of CUDA-graph replays, L2
-flushed, see ``compress.kernels.timing``; baselines are timed the same way) and reports TFLOP/s, GB/s of the bytes
-the op
-must move (weight + scales + activations + output), that bandwidth as a share of a device-to-device copy measured
-in the same run, the speedup over the dense bf16 baseline in the same run, and the float64 relative error. Writes
-``benchmarks/results/kernels-<device>.{json,md}``. Needs a CUDA GPU; ``--smoke`` runs tiny shapes on whatever
-device exists (CPU: torch references, or the interpreter with ``COMPRESS_KERNELS=triton TRITON_INTERPRET=1``)
-to check the script itself.
+flushed, see ``compress.kernels.timing``; baselines are timed the same way) and reports TFLOP/s, GB/s of the bytes the
+op must move (weight + scales + activations + output), that bandwidth as a share of a device-to-device copy measured in
+the same run, the speedup over the dense bf16 baseline in the same run, and the float64 relative error. Writes
+``benchmarks/results/kernels-<device>.{json,md}``. Needs a CUDA GPU; ``--smoke`` runs tiny shapes on whatever device
+exists (CPU: torch references, or the interpreter with ``COMPRESS_KERNELS=triton TRITON_INTERPRET=1``) to check the
+script itself.
 """
 
 from __future__ import annotations
@@ -26,14 +25,14 @@ from typing import Literal
 
 import torch
 import triton
+
+from compress.commands.args import parse_options, usage, wants_help
+from compress.errors import CompressError
 from compress.kernels import ops
 from compress.kernels.accuracy import relative_error
 from compress.kernels.packing import pack_int32
 from compress.kernels.timing import graph_time_ms
 from compress.kernels.w4a16 import repack_n_contiguous
-
-from compress.commands.args import parse_options, usage, wants_help
-from compress.errors import CompressError
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]  # weight [N, K]
 ROWS = [1, 4, 16, 64, 128, 1024, 4096]

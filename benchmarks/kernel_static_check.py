@@ -22,9 +22,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import triton
-from compress.kernels import configs, w4a16_kernels, w8a8
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from compress.kernels import configs, w4a16_kernels, w8a8
 
 SHARED_MEMORY_LIMIT = 232448  # bytes of dynamic shared memory per block on sm90 (227 KiB)
 UNIT_STRIDES = ("stride_xk", "stride_pn", "stride_sn", "stride_zn", "stride_on", "stride_ak", "stride_bk", "stride_bsn")

@@ -30,10 +30,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from compress.evals.perplexity import perplexity  # noqa: E402
-
 from compress.checkpoint import load_checkpoint  # noqa: E402
 from compress.data import DataSpec, calibration_samples, load_corpus, tokenize  # noqa: E402
+from compress.evals.perplexity import perplexity  # noqa: E402
 from compress.models import ModelSpec, load, resolve_model_path  # noqa: E402
 
 # scheme → (our recipe, what llm-compressor runs: see peer_llmcompressor.recipe)

@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 import torch
-from compress.evals.perplexity import perplexity
 
 from compress import oneshot
 from compress.checkpoint import load_checkpoint
 from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
+from compress.evals.perplexity import perplexity
 from compress.models import default_model_dir, load
 from compress.stages.lora import save_adapter
 

@@ -1,7 +1,7 @@
 """The run's perplexity passes: the baseline (recording its top-k distributions when the gate judges the KL), the
 candidate from its checkpoint (its KL from the baseline measured in the same pass) and the RTN reference, all on the
-same windows of the evaluation text (``compress.evals.perplexity``). The gate judges these numbers instead of
-measuring again.
+same windows of the evaluation text (``compress.evals.perplexity``). The gate judges these numbers instead of measuring
+again.
 """
 
 from __future__ import annotations

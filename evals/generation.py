@@ -16,9 +16,9 @@ from contextlib import nullcontext
 from typing import Protocol
 
 import torch
-from compress.kernels.dtypes import KV_CACHE_DTYPES
 
 from compress.errors import CompressError
+from compress.kernels.dtypes import KV_CACHE_DTYPES
 from compress.kv_quant import calibrated_kv_cache_dtype, calibrated_kv_unused, fake_quantize_kv, resolve_kv_cache_dtype
 
 

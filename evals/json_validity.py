@@ -2,9 +2,8 @@
 
 Each prompt carries a JSON Schema. Validity: the reply contains a JSON object that parses (from its first ``{``;
 chatter around it is tolerated, a truncated or malformed object is not). Compliance: that object also satisfies the
-schema. In constrained mode decoding is restricted to valid JSON (``compress.evals.json_grammar``), so validity must
-be 100%:
-it tests the constraint, not the model.
+schema. In constrained mode decoding is restricted to valid JSON (``compress.evals.json_grammar``), so validity must be
+100%: it tests the constraint, not the model.
 """
 
 from __future__ import annotations

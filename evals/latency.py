@@ -9,6 +9,7 @@ say more about the machine than about the checkpoint.
 from __future__ import annotations
 
 import numpy as np
+
 from compress.evals.generation import Generator
 
 

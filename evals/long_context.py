@@ -1,10 +1,9 @@
 """Long-context layer: RULER-style synthetic tasks that need more than finding one needle.
 
-Why: a KV-cache recipe can keep single pass-key retrieval (``compress.evals.needle``) at 100% while tasks that
-combine several
-facts spread over the context fall apart: published 3-4-bit KV schemes did exactly that, and multi-step reasoning lost
-18 points. RULER (NVIDIA) answers this with tasks generated from a seed at any context length and scored by exact
-match; this module is our own version of three of them, hidden in held-out evaluation text like the needle:
+Why: a KV-cache recipe can keep single pass-key retrieval (``compress.evals.needle``) at 100% while tasks that combine
+several facts spread over the context fall apart: published 3-4-bit KV schemes did exactly that, and multi-step
+reasoning lost 18 points. RULER (NVIDIA) answers this with tasks generated from a seed at any context length and scored
+by exact match; this module is our own version of three of them, hidden in held-out evaluation text like the needle:
 
 * ``variable_tracking``: a chain of assignments ("VAR QXJ = 48213." ... "VAR PLM = VAR QXJ." ...) and a distractor
   chain with another value, scattered through the filler; the question asks which number the chain's last variable

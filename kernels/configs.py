@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from compress.kernels.backend import interpreter_active
 
 Config = dict[str, int | str]  # block sizes, num_warps/num_stages, and KIND for kernel variants

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from compress.kernels.packing import unpack_int32
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from compress.kernels.configs import Config, launch_options, m_bucket, pick_config
 from compress.kernels.tiling import grouped_tile_offsets
 from compress.kernels.w8a8 import _e4m3_bits_to_fp16

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from compress.kernels.configs import Config, launch_options, m_bucket, pick_config
 from compress.kernels.dtypes import FP8_MAX
 from compress.kernels.tiling import grouped_tile_offsets

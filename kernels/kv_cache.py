@@ -19,6 +19,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+
 from compress.kernels.dtypes import QUANT_MAX, is_quantized
 
 # Floor on a per-token absolute maximum, so an all-zero token gets a usable scale instead of dividing by zero.

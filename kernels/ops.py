@@ -7,6 +7,7 @@ dimensions; the last one is the input features.
 from __future__ import annotations
 
 import torch
+
 from compress.kernels import fp4, fp8_block, w4a16, w8a8
 from compress.kernels.backend import choose_backend
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
 from compress.kernels.kv_cache import dequantize_reference, scale_mode, use_triton
 
 # Masked scores start from a finite floor, so a row with nothing to attend to yields zeros instead of NaN.

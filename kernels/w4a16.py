@@ -1,14 +1,13 @@
 """W4A16 (and W8A16/W2A16) weight-only GEMM: group-quantized packed weights, 16-bit activations, fp32 sums.
 
 Three paths chosen by M (thresholds in :mod:`compress.kernels.configs`): a split-K skinny kernel for decode (M <= 16)
-whose
-many programs keep the weight stream at full bandwidth, a tiled GEMM that dequantizes in registers for mid-size M,
+whose many programs keep the weight stream at full bandwidth, a tiled GEMM that dequantizes in registers for mid-size M,
 and, for large M, one dequantization pass into a scratch weight in the activation dtype followed by cuBLAS
 (``torch.matmul``), since cuBLAS's GEMM outruns ours by more than the pass costs. All read the packed weight through a
 ``[K / codes_per_word, N]`` view with arbitrary strides, so they run on the on-disk pack-quantized tensor
-(``weight_packed.t()``, a view) or on the N-contiguous copy made once by :func:`repack_n_contiguous`.
-Weight ``[n, k]`` is ``(u - 2**(b-1) - z[n, g(k)]) * s[n, g(k)]``, ``u`` the unsigned code at word
-``k // (32 / b)``, shift ``b * (k % (32 / b))``.
+(``weight_packed.t()``, a view) or on the N-contiguous copy made once by :func:`repack_n_contiguous`. Weight ``[n, k]``
+is ``(u - 2**(b-1) - z[n, g(k)]) * s[n, g(k)]``, ``u`` the unsigned code at word ``k // (32 / b)``, shift ``b * (k % (32
+/ b))``.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 import triton
+
 from compress.kernels.configs import (
     GEMV_MAX_M,
     SKINNY_MAX_M,

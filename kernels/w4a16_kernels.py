@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
 from compress.kernels.tiling import grouped_tile_offsets
 
 

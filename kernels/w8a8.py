@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from compress.kernels.configs import ACT_QUANT, SCALED_MM, launch_options, m_bucket, pick_config, supports_native_fp8
 from compress.kernels.dtypes import QUANT_MAX
 from compress.kernels.tiling import grouped_tile_offsets

@@ -4,8 +4,7 @@ Layers run cheapest first (perplexity and KL in one pass, lm-eval accuracy, JSON
 context, latency); each compares the candidate with the baseline on the same items under limits from
 ``recipes/gate/*.yaml`` and reads its verdict from a paired interval: PASS, BLOCK or INCONCLUSIVE
 (``compress.evals.gate.stats``). The first BLOCK stops the gate; an evaluator that raises blocks too (fail closed).
-Outputs:
-``gate.json``, ``gate.md`` and plots. The gate only judges: recording the verdict in MLflow and registering the
+Outputs: ``gate.json``, ``gate.md`` and plots. The gate only judges: recording the verdict in MLflow and registering the
 checkpoint is the caller's job (``compress.tracking.record_verdict``), so this package never imports the CLI, pipeline
 or tracking layers.
 

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from compress.evals import generation, loading
 from compress.evals.gate.policy import GatePolicy
-
 from compress.memory import release_freed_memory
 
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from compress.errors import CompressError
 from compress.evals import generation, latency, long_context, needle
 from compress.evals.gate import checks as gate_checks
 from compress.evals.gate.checks import Check
 from compress.evals.gate.context import GateContext, Subject
 from compress.evals.gate.windows import judge_kl, judge_perplexity, measure_windows
 from compress.evals.json_validity import evaluate_json
-
-from compress.errors import CompressError
 
 
 class CannotJudge(Exception):

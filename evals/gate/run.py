@@ -14,6 +14,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from compress.data import tokenize
 from compress.evals import generation, loading
 from compress.evals.gate.context import GateContext, Subject
 from compress.evals.gate.layers import LAYERS, CannotJudge
@@ -22,8 +23,6 @@ from compress.evals.gate.report import write_report
 from compress.evals.gate.result import GateResult, LayerResult
 from compress.evals.gate.stats import BLOCK, INCONCLUSIVE, PASS
 from compress.evals.gate.windows import cached_baseline
-
-from compress.data import tokenize
 
 log = logging.getLogger(__name__)
 

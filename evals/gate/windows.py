@@ -1,10 +1,9 @@
 """The perplexity and KL layers: one pass per side over the same windows of the evaluation text.
 
 The baseline's pass records the top of its distribution at every position (``compress.evals.divergence``), cached on
-disk by
-model, tokens and protocol; the candidate's pass measures its perplexity and its KL divergence from that reference at
-once. Both layers judge the same windows, item by item: the interval of the perplexity ratio is over per-window NLL
-differences, the KL's over per-window means.
+disk by model, tokens and protocol; the candidate's pass measures its perplexity and its KL divergence from that
+reference at once. Both layers judge the same windows, item by item: the interval of the perplexity ratio is over
+per-window NLL differences, the KL's over per-window means.
 
 ``gate.decide=true``: while a perplexity or KL check is INCONCLUSIVE, the candidate scores more windows (at least
 twice as many each look, or as many as the interval says would decide it) up to ``perplexity.decide_max_windows``.
@@ -32,7 +31,6 @@ from compress.evals.gate.context import GateContext, Subject
 from compress.evals.gate.policy import GatePolicy
 from compress.evals.gate.stats import INCONCLUSIVE
 from compress.evals.perplexity import PerplexityResult, available_windows, evaluation_windows, resident_perplexity
-
 from compress.paths import artifacts_dir
 
 

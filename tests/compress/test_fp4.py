@@ -3,7 +3,6 @@ compressed-tensors 0.20 writes for the same weight (so our checkpoints load in v
 
 import pytest
 import torch
-from compress.kernels.fp4 import E2M1_GRID, e2m1_to_float, effective_group_scales, pack_fp4, unpack_fp4
 from compressed_tensors.compressors.mxfp4 import MXFP4PackedCompressor
 from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
 from compressed_tensors.quantization import preset_name_to_scheme
@@ -22,6 +21,7 @@ from compress.fp4 import (
     quantize_nvfp4,
     quantize_to_grid,
 )
+from compress.kernels.fp4 import E2M1_GRID, e2m1_to_float, effective_group_scales, pack_fp4, unpack_fp4
 
 ALL_CODES = torch.arange(16, dtype=torch.uint8)
 SIGNED_GRID = [*E2M1_GRID, *(-v for v in E2M1_GRID)]  # code order: sign bit 3

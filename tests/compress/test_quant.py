@@ -1,8 +1,8 @@
 import pytest
 import torch
-from compress.kernels.dequant import dequantize_codes
 
 from compress.errors import CompressError
+from compress.kernels.dequant import dequantize_codes
 from compress.quant import WeightScheme, check_group_size, fake_quantize, matches, quantize
 
 
@@ -52,8 +52,8 @@ def test_ignore_patterns():
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_one_dequantization_reference_for_codes_packed_layers_and_gptq(symmetric, error_rows, monkeypatch):
     """compress.kernels.dequant.dequantize_codes is the only codes → float arithmetic: the packed layer, fake
-    quantization,
-    a g_idx naming the plain groups, and GPTQ's own error report (whole or a few rows at a time) agree with it."""
+    quantization, a g_idx naming the plain groups, and GPTQ's own error report (whole or a few rows at a time) agree
+    with it."""
     from compress.qlinear import QuantizedLinear
     from compress.stages import gptq
     from compress.stages.gptq import gptq_quantize

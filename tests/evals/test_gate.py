@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from compress.evals.gate import run_gate
 from helpers import pydoc_tokenizer, save, scale_by_noise, tiny_model_for
 
 from compress.commands import gate as gate_command
 from compress.data import DataSpec, load_corpus
 from compress.errors import CompressError
+from compress.evals.gate import run_gate
 from compress.tracking import tracking_uri
 
 

@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
+from helpers import pydoc_tokenizer, tiny_model_for
+
 from compress.evals.generation import TransformersGenerator
 from compress.evals.json_grammar import DONE, completion, parse_prefix
 from compress.evals.json_validity import PROMPTS, evaluate_json, extract_object
 from compress.evals.needle import NEEDLE, haystack, retrieved
-from helpers import pydoc_tokenizer, tiny_model_for
-
 from compress.kv_quant import fake_quantize_kv
 
 VALID = ['{"a": [1, -2.5e+3, true, null, {"b": "x\\u00e9\\n"}], "c": {}}', "{}", '{ "k" : [ ] }', '{"n": 0.5E-2}']

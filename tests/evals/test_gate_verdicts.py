@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import pydoc_tokenizer, save, scale_by_noise, tiny_model_for
+
+from compress.commands.gate import load_policy
+from compress.data import DataSpec, load_corpus
 from compress.evals import loading
 from compress.evals.divergence import DivergenceMeter, ReferenceRecorder, coarse_kl
 from compress.evals.gate import run_gate, stats
 from compress.evals.gate.checks import drop_check, ratio_check
 from compress.evals.perplexity import perplexity
-from helpers import pydoc_tokenizer, save, scale_by_noise, tiny_model_for
-
-from compress.commands.gate import load_policy
-from compress.data import DataSpec, load_corpus
 
 WINDOW_LAYERS = {"layers": ["perplexity", "kl"], "backend": "transformers"}
 
@@ -241,9 +241,9 @@ def test_the_gate_command_exits_3_on_inconclusive_and_says_why(pair, tmp_path, m
 def test_the_policy_defaults_are_the_default_gate():
     """quick.yaml changes sizes over the dataclass defaults, so those must be default.yaml's limits (the quick gate's
     KL limit was 0.1 where default.yaml says 0.05)."""
-    from compress.evals.gate.policy import GatePolicy, policy_dict, resolve_policy
     from omegaconf import OmegaConf
 
+    from compress.evals.gate.policy import GatePolicy, policy_dict, resolve_policy
     from compress.paths import recipes_dir
 
     default = OmegaConf.to_container(OmegaConf.load(recipes_dir() / "gate" / "default.yaml"))

@@ -10,10 +10,10 @@ from itertools import pairwise
 
 import pytest
 import yaml
-from compress.evals.lm_eval_tasks import CHOICE_TASK, _task_result, choice_items, run_lm_eval, write_choice_task
 from helpers import pydoc_tokenizer, tiny_model_for
 
 from compress.errors import CompressError
+from compress.evals.lm_eval_tasks import CHOICE_TASK, _task_result, choice_items, run_lm_eval, write_choice_task
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,12 @@ import re
 from collections import Counter
 
 import pytest
+from helpers import pydoc_tokenizer, tiny_model_for
+
 from compress.evals import long_context
 from compress.evals.generation import TransformersGenerator
 from compress.evals.long_context import TASKS, WORDS, build_item, evaluate_long_context, minimum_length, score
 from compress.evals.needle import haystack
-from helpers import pydoc_tokenizer, tiny_model_for
 
 ASSIGNMENT = re.compile(r"\nVAR ([A-Z]+) = (?:VAR ([A-Z]+)|(\d+))\.\n")
 OPENINGS = {

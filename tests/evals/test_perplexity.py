@@ -3,10 +3,10 @@ whole batch's logits."""
 
 import pytest
 import torch
-from compress.evals.perplexity import HEAD_CHUNK, perplexity
 from helpers import build_tiny_llama, build_tiny_model, build_tiny_moe, build_tiny_tokenizer
 
 from compress.calibration import decoder_layers, fp32_compute, restore_dtypes, upcast
+from compress.evals.perplexity import HEAD_CHUNK, perplexity
 
 
 def test_fp32_compute_one_layer_at_a_time_equals_widening_the_whole_model():
@@ -75,7 +75,6 @@ def test_a_lazily_loaded_model_is_scored_layer_by_layer_as_the_whole_model_score
     """The streamed evaluation holds one decoder layer at a time, leaves the model lazy for the walk after it, and
     gives the perplexity of the whole model computed in fp32 (gemma2: soft-capped logits; bf16 storage widened)."""
     from compress.evals.perplexity import can_stream, stored_model_perplexity
-
     from compress.models import load
 
     build_tiny_model(family).to(dtype).save_pretrained(tmp_path, safe_serialization=True)
@@ -100,9 +99,8 @@ def test_a_lazily_loaded_model_is_scored_layer_by_layer_as_the_whole_model_score
 def test_a_lazy_model_compressed_in_place_is_scored_with_its_layers_kept_and_stays_usable(tmp_path):
     """A lazily loaded model quantized by the walk (the RTN reference off the streamed path): its layers are no longer
     the file's, so they must not be dropped (that would lose them, and re-reading would bring back dense weights)."""
-    from compress.evals.perplexity import can_stream, stored_model_perplexity
-
     from compress.compression import compress_model
+    from compress.evals.perplexity import can_stream, stored_model_perplexity
     from compress.models import load
 
     build_tiny_llama(seed=5).save_pretrained(tmp_path, safe_serialization=True)
@@ -120,9 +118,8 @@ def test_a_reference_quantized_layer_by_layer_as_streamed_scores_as_the_whole_qu
     """The run's round-to-nearest reference: each layer is quantized on a copy as the streamed evaluation reads it.
     Its perplexity is the whole RTN-compressed model's, and neither the compressed model nor any read layer is left
     in memory (the model stays lazy)."""
-    from compress.evals.perplexity import stored_model_perplexity
-
     from compress.compression import compress_model
+    from compress.evals.perplexity import stored_model_perplexity
     from compress.models import load
     from compress.stages.rtn import RTNConfig, RTNStage
 
@@ -145,10 +142,9 @@ def test_a_reference_quantized_layer_by_layer_as_streamed_scores_as_the_whole_qu
 def test_a_checkpoint_in_memory_is_scored_layer_by_layer_as_its_whole_forward_scores(tmp_path):
     """The run's candidate, loaded whole from its checkpoint: evaluated layer-major (never a whole-model forward,
     whose per-batch heap use cost ~300 MB more on the default model), with the whole forward's perplexity."""
-    from compress.evals.perplexity import stored_model_perplexity
-
     from compress.checkpoint import load_checkpoint, save_checkpoint
     from compress.compression import compress_model
+    from compress.evals.perplexity import stored_model_perplexity
 
     model = build_tiny_llama(seed=4)
     ids = torch.randint(0, 320, (6 * 32,), generator=torch.Generator().manual_seed(0))

@@ -6,6 +6,10 @@ import os
 
 import pytest
 import torch
+from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor
+from compressed_tensors.quantization import preset_name_to_scheme
+from compressed_tensors.quantization.utils import calculate_qparams
+
 from compress.kernels.accuracy import relative_error
 from compress.kernels.fp8_block import (
     dequantize_fp8_blocks,
@@ -16,9 +20,6 @@ from compress.kernels.fp8_block import (
     quantize_per_token_group_reference,
     quantize_weight_fp8_blocks,
 )
-from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor
-from compressed_tensors.quantization import preset_name_to_scheme
-from compressed_tensors.quantization.utils import calculate_qparams
 
 pytestmark = pytest.mark.gpu  # also run against the compiled kernels: COMPRESS_TEST_DEVICE=cuda pytest -m gpu
 

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+
 from compress.kernels import ops
 from compress.kernels.accuracy import float64_linear, relative_error
 from compress.kernels.backend import use_backend

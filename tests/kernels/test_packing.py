@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from compress.kernels.packing import pack_int32, unpack_int32
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+from compress.kernels.packing import pack_int32, unpack_int32
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

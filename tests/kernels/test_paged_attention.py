@@ -3,6 +3,7 @@ references against plain dense causal attention."""
 
 import pytest
 import torch
+
 from compress.kernels.kv_cache import QUANT_MAX, write_kv_reference, write_kv_triton
 from compress.kernels.paged_attention import paged_attention_reference, paged_attention_triton
 

@@ -3,14 +3,14 @@ checkpoint's own KV-cache dtype."""
 
 import pytest
 import torch
-from compress.evals.generation import TransformersGenerator
-from compress.evals.loading import kv_cache_dtype_of
-from compress.kernels.dtypes import KV_CACHE_DTYPES
 from helpers import wide_init_model
 
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.engine import LLM, SamplingParams
 from compress.errors import CompressError
+from compress.evals.generation import TransformersGenerator
+from compress.evals.loading import kv_cache_dtype_of
+from compress.kernels.dtypes import KV_CACHE_DTYPES
 from compress.kv_quant import KVCacheScheme, calibrated_kv_cache_dtype, calibrated_kv_unused, set_scales
 from tests.compress.engine.test_engine import GREEDY, engine, prompts
 

@@ -7,8 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from compress.kernels.backend import use_backend
-from compress.kernels.fp4 import pack_fp4
 from compressed_tensors.quantization import preset_name_to_scheme
 from helpers import build_tiny_llama
 from transformers import AutoModelForCausalLM
@@ -16,6 +14,8 @@ from transformers import AutoModelForCausalLM
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.compression import compress_model
 from compress.errors import CompressError
+from compress.kernels.backend import use_backend
+from compress.kernels.fp4 import pack_fp4
 from compress.qlinear import Fp4Linear, Fp8BlockLinear
 from compress.quant import WeightScheme
 from compress.stages import build_chain
