@@ -5,7 +5,8 @@
 # Usage on the GPU machine: bash benchmarks/gpu_session.sh [step ...]  (default: all). Logs and results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/gpu-session}
-RESULTS=$OUT/results  # tarred at the end: the device tool returns at most 8 files
+RESULTS=$OUT/results  # tarred after every step: the device tool returns at most 8 files, and a call cut short
+                      # by its time limit still returns the steps that finished
 mkdir -p "$RESULTS"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_INTERPRET=0 TOKENIZERS_PARALLELISM=false
 for sdist in .whl/gemlite-*.tar.gz; do  # from benchmarks/fetch_gemlite.sh, carried as `.whl`: gemlite columns of `peers`
@@ -21,19 +22,23 @@ run_step() {  # name, time limit (s), command...
   timeout "$limit" "$@" >"$RESULTS/$name.log" 2>&1
   echo "=== $name: exit $? after $((SECONDS - start))s"
   tail -n "${TAIL_LINES:-12}" "$RESULTS/$name.log"
+  tar -C "$OUT" -czf "$OUT/session.tgz" results
 }
 
-steps=${*:-info tests check kernels peers decode serve}
+steps=${*:-info check tests peers decode kernels serve}
+# Only the modules that carry the gpu mark: the others import packages the GPU image lacks (compressed-tensors).
+gpu_test_files=$(grep -rl "mark.gpu" tests | sort)
 for step in $steps; do
   case $step in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv
           python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)";;
     tests) run_step tests ${LIMIT_TESTS:-300} env COMPRESS_TEST_DEVICE=cuda COMPRESS_AUTOTUNE=0 \
-             python3 -m pytest -q -rfE -n 8 -p no:cacheprovider -m gpu tests;;
+             python3 -m pytest -q -rfE -n ${TEST_WORKERS:-12} -p no:cacheprovider -m gpu $gpu_test_files;;
     check) run_step check ${LIMIT_CHECK:-180} python3 -m benchmarks.engine_gpu_check;;
     kernels) run_step kernels ${LIMIT_KERNELS:-420} python3 -m compress bench kernels out="$RESULTS" ${KERNEL_ARGS:-};;
     peers) run_step peers ${LIMIT_PEERS:-480} python3 -m compress bench peers out="$RESULTS" ${PEER_ARGS:-};;
-    decode) run_step decode ${LIMIT_DECODE:-300} python3 -m compress bench engine checkpoint=random:llama-8b mode=decode out="$RESULTS";;
+    decode) run_step decode ${LIMIT_DECODE:-300} python3 -m compress bench engine checkpoint=random:llama-8b mode=decode \
+              out="$RESULTS" ${DECODE_ARGS:-};;
     serve) run_step serve ${LIMIT_SERVE:-300} python3 -m compress bench engine checkpoint=random:smollm2-135m out="$RESULTS";;
     *) echo "unknown step $step"; exit 2;;
   esac
