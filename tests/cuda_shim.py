@@ -16,7 +16,7 @@ import torch
 # (module, function) pairs that launch Triton kernels or dispatch to them.
 ENTRY_POINTS = {
     "compress.kernels.ops": ["weight_only_linear", "quantize_per_token", "scaled_mm", "int8_linear", "fp8_linear"],
-    "compress.kernels.w4a16": ["weight_only_matmul"],
+    "compress.kernels.w4a16": ["weight_only_matmul", "dequantize_weight_kn"],
     "compress.kernels.w8a8": ["quantize_per_token", "scaled_mm"],
     "compress.kernels.kv_cache": ["write_kv", "write_kv_triton"],
     "compress.kernels.paged_attention": ["paged_attention", "paged_attention_triton"],
