@@ -120,7 +120,7 @@ def random_model(preset: str, device: str, dtype: torch.dtype):
 def convert_linears(model, weights: str, group_size: int) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
     """Replace every decoder ``nn.Linear`` with our quantized module (round to nearest). For speed measurements:
     quality comes from the pipeline's stages. Returns ``(parent, name, dense)`` so :func:`restore` can undo it."""
-    from compress.qlinear import Fp8Linear, Int8Linear, QuantizedLinear
+    from compress.formats import Fp8Linear, Int8Linear, QuantizedLinear
     from compress.quant import WeightScheme, quantize
 
     if weights not in ("w4a16", "int8", "fp8"):

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
-from compress.qlinear import Fp8Linear, Int8Linear, QuantizedLinear
+from compress.formats import Fp8Linear, Int8Linear, QuantizedLinear
 
 
 @dataclass(frozen=True)

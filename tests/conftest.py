@@ -5,7 +5,6 @@ import os
 import shutil
 
 
-
 def interpreter_default(environ) -> str:
     """TRITON_INTERPRET unless set: the interpreter on CI, the compiled kernels when the tests are pointed at a GPU
     (COMPRESS_TEST_DEVICE=cuda); the interpreter on CUDA tensors fails most kernel tests (seen on an H200)."""

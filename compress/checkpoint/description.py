@@ -10,28 +10,37 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
+from compress.formats import (
+    Fp4Linear,
+    Fp8BlockLinear,
+    Fp8Linear,
+    Int8Linear,
+    QuantizedLinear,
+    fp4,
+    fp8_block,
+    w4a16,
+    w8a8,
+)
 from compress.moe import checkpoint_name, router_names
-from compress.qlinear import Fp4Linear, Fp8BlockLinear, Fp8Linear, Int8Linear, QuantizedLinear
 
-FORMAT = "pack-quantized"
-INT_FORMAT = "int-quantized"  # W8A8 int8: int8 `weight`, `weight_scale [out, 1]`, activations quantized per token
-FLOAT_FORMAT = "float-quantized"  # FP8 e4m3 `weight`, `weight_scale [out, 1]`, optional static `input_scale`
-NVFP4_FORMAT = "nvfp4-pack-quantized"  # uint8 `weight_packed`, fp8 `weight_scale`, fp32 `weight_global_scale`
-MXFP4_FORMAT = "mxfp4-pack-quantized"  # uint8 `weight_packed`, uint8 e8m0 `weight_scale`
-MIXED_FORMAT = "mixed-precision"  # several of the above; each config group names its own format
+MIXED_FORMAT = "mixed-precision"  # several formats; each config group names its own
+DENSE = "dense"  # a pruned but unquantized model: plain weights
 ACTIVATION_QUANTIZED = (Int8Linear, Fp8Linear)
-DENSE = "dense"  # a pruned but unquantized model: plain weights, sparsity recorded in sparsity_config
 FLOAT_WEIGHTS = (Fp8BlockLinear, Fp4Linear)  # FP8_BLOCK / NVFP4 / MXFP4 modules, described by _float_weight_groups
-READABLE_FORMATS = (FORMAT, INT_FORMAT, FLOAT_FORMAT, NVFP4_FORMAT, MXFP4_FORMAT, MIXED_FORMAT, DENSE)
-
-
-def _scheme_key(module: QuantizedLinear) -> tuple:
-    channel = module.group_size == module.in_features
-    return (module.num_bits, module.symmetric, None if channel else module.group_size, module.weight_g_idx is not None)
+READABLE_FORMATS = (
+    w4a16.FORMAT,
+    w8a8.INT_FORMAT,
+    w8a8.FLOAT_FORMAT,
+    fp4.NVFP4_FORMAT,
+    fp4.MXFP4_FORMAT,
+    MIXED_FORMAT,
+    DENSE,
+)
 
 
 def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -> dict | None:
-    """The ``quantization_config`` block describing the model's ``QuantizedLinear`` modules."""
+    """The ``quantization_config`` block describing the model's quantized modules, one config group per scheme (each
+    format module writes its own group): packed integer groups first, then W8A8, then FP8-block and FP4."""
     model_type = getattr(model.config, "model_type", None)
     quantized = {checkpoint_name(model_type, n): m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     activation_groups = _activation_groups(model) + _float_weight_groups(model)
@@ -39,26 +48,12 @@ def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -
         return None
     schemes: dict[tuple, list[str]] = {}
     for name, module in quantized.items():
-        schemes.setdefault(_scheme_key(module), []).append(name)
+        schemes.setdefault(w4a16.scheme_key(module), []).append(name)
     groups = {}
-    for index, ((bits, symmetric, group_size, act_order), names) in enumerate(sorted(schemes.items(), key=str)):
+    for index, (key, names) in enumerate(sorted(schemes.items(), key=str)):
         alone = len(schemes) == 1 and not activation_groups  # "Linear" would also match the W8A8 modules
         targets = ["Linear"] if alone else [f"re:^{re.escape(n)}$" for n in names]
-        groups[f"group_{index}"] = {
-            "targets": targets,
-            "weights": {
-                "num_bits": bits,
-                "type": "int",
-                "symmetric": symmetric,
-                "strategy": "channel" if group_size is None else "group",
-                "group_size": group_size,
-                "dynamic": False,
-                "actorder": "group" if act_order else None,
-            },
-            "input_activations": None,
-            "output_activations": None,
-            "format": FORMAT,
-        }
+        groups[f"group_{index}"] = {"targets": targets, **w4a16.config_group(*key)}
     for index, group in enumerate(activation_groups, start=len(groups)):
         groups[f"group_{index}"] = group
     formats = sorted({group["format"] for group in groups.values()})
@@ -82,56 +77,12 @@ def _activation_groups(model: nn.Module) -> list[dict]:
     model_type = getattr(model.config, "model_type", None)
     for name, module in model.named_modules():
         if isinstance(module, ACTIVATION_QUANTIZED):
-            kind = "int" if isinstance(module, Int8Linear) else "float"
-            static = getattr(module, "input_scale", None) is not None
-            by_scheme.setdefault((kind, static), []).append(checkpoint_name(model_type, name))
+            by_scheme.setdefault(w8a8.scheme_key(module), []).append(checkpoint_name(model_type, name))
     single = len(by_scheme) == 1 and not any(isinstance(m, QuantizedLinear) for m in model.modules())
-    groups = []
-    for (kind, static), names in sorted(by_scheme.items()):
-        groups.append(
-            {
-                "targets": ["Linear"] if single else [f"re:^{re.escape(n)}$" for n in names],
-                "weights": {
-                    "num_bits": 8,
-                    "type": kind,
-                    "symmetric": True,
-                    "strategy": "channel",
-                    "group_size": None,
-                    "dynamic": False,
-                    "actorder": None,
-                },
-                "input_activations": {
-                    "num_bits": 8,
-                    "type": kind,
-                    "symmetric": True,
-                    "strategy": "tensor" if static else "token",
-                    "group_size": None,
-                    "dynamic": not static,
-                    "actorder": None,
-                },
-                "output_activations": None,
-                "format": INT_FORMAT if kind == "int" else FLOAT_FORMAT,
-            }
-        )
-    return groups
-
-
-def _float_scheme(module: nn.Module) -> dict:
-    """``weights`` and ``input_activations`` of an FP8-block or FP4 module, exactly as compressed-tensors 0.20 writes
-    its ``FP8_BLOCK``, ``NVFP4A16``, ``NVFP4``, ``MXFP4A16`` and ``MXFP4`` presets, and the group's format."""
-    if isinstance(module, Fp8BlockLinear):
-        weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "block"}
-        weights.update(block_structure=[128, 128], dynamic=False)
-        inputs = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": 128, "strategy": "group"}
-        return {"weights": weights, "input_activations": {**inputs, "dynamic": True}, "format": FLOAT_FORMAT}
-    nv = module.fmt == "nvfp4"
-    args = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16 if nv else 32}
-    args.update(strategy="tensor_group" if nv else "group", dynamic=False)
-    args["scale_dtype"] = "torch.float8_e4m3fn" if nv else "torch.uint8"
-    inputs = None
-    if module.quantize_activations:
-        inputs = {**args, "dynamic": "local", "observer": "static_minmax"} if nv else {**args, "dynamic": True}
-    return {"weights": args, "input_activations": inputs, "format": NVFP4_FORMAT if nv else MXFP4_FORMAT}
+    return [
+        {"targets": ["Linear"] if single else [f"re:^{re.escape(n)}$" for n in names], **w8a8.config_group(*key)}
+        for key, names in sorted(by_scheme.items())
+    ]
 
 
 def _float_weight_groups(model: nn.Module) -> list[dict]:
@@ -139,7 +90,7 @@ def _float_weight_groups(model: nn.Module) -> list[dict]:
     by_scheme: dict[str, tuple[dict, list[str]]] = {}
     for name, module in model.named_modules():
         if isinstance(module, FLOAT_WEIGHTS):
-            scheme = _float_scheme(module)
+            scheme = (fp8_block if isinstance(module, Fp8BlockLinear) else fp4).config_group(module)
             by_scheme.setdefault(json.dumps(scheme, sort_keys=True), (scheme, []))[1].append(name)
     others = (QuantizedLinear, *ACTIVATION_QUANTIZED)
     single = len(by_scheme) == 1 and not any(isinstance(m, others) for m in model.modules())

@@ -15,9 +15,9 @@ from torch import nn
 
 from compress.checkpoint.description import READABLE_FORMATS, source_dtype, torch_dtype
 from compress.errors import CompressError
+from compress.formats import Fp4Linear, Fp8BlockLinear, Fp8Linear, Int8Linear, QuantizedLinear
 from compress.kernels.packing import unpack_int32
 from compress.moe import checkpoint_name, model_name, unfuse_experts
-from compress.qlinear import Fp4Linear, Fp8BlockLinear, Fp8Linear, Int8Linear, QuantizedLinear
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:

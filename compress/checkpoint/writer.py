@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compress.checkpoint.description import ACTIVATION_QUANTIZED, DENSE, FLOAT_WEIGHTS, quantization_config
+from compress.checkpoint.description import ACTIVATION_QUANTIZED, DENSE, quantization_config
 from compress.errors import CompressError
+from compress.formats import QUANTIZED_LINEARS, Fp4Linear, QuantizedLinear
 from compress.kernels.packing import pack_int32
 from compress.moe import checkpoint_name
-from compress.qlinear import Fp4Linear, QuantizedLinear
 from compress.sparsity import sparsity_config
 
 MAX_SHARD_BYTES = 2 * 1024**3
@@ -230,25 +230,9 @@ def save_checkpoint(
 
 def summarize(model: nn.Module, folder: Path) -> CheckpointSummary:
     size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
-    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    quantized = [m for m in model.modules() if isinstance(m, QUANTIZED_LINEARS)]
     quantized_params = sum(m.in_features * m.out_features for m in quantized)
-    stored_bits = 0
-    for m in quantized:
-        stored_bits += m.weight_packed.numel() * 32 + m.weight_scale.numel() * m.weight_scale.element_size() * 8
-        if m.weight_zero_point is not None:
-            stored_bits += m.weight_zero_point.numel() * m.num_bits
-    eight_bit = [m for m in model.modules() if isinstance(m, ACTIVATION_QUANTIZED)]
-    for m in eight_bit:
-        stored_bits += m.weight.numel() * 8 + m.weight_scale.numel() * m.weight_scale.element_size() * 8
-    quantized_params += sum(m.in_features * m.out_features for m in eight_bit)
-    quantized += eight_bit
-    float_weights = [m for m in model.modules() if isinstance(m, FLOAT_WEIGHTS)]
-    for m in float_weights:
-        stored = (m.weight_packed if isinstance(m, Fp4Linear) else m.weight, m.weight_scale)
-        stored += tuple(t for t in (getattr(m, "weight_global_scale", None),) if t is not None)
-        stored_bits += sum(t.numel() * t.element_size() * 8 for t in stored)
-    quantized_params += sum(m.in_features * m.out_features for m in float_weights)
-    quantized += float_weights
+    stored_bits = sum(m.stored_bits() for m in quantized)
     total = sum(p.numel() for p in model.parameters()) + quantized_params
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     dense = [m.weight for m in model.modules() if type(m) is nn.Linear and m is not head]

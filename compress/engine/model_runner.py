@@ -21,8 +21,8 @@ from transformers import AttentionInterface
 
 from compress.engine.config import EngineConfig
 from compress.engine.scheduler import ScheduledBatch
+from compress.formats import QuantizedLinear
 from compress.kernels import kv_cache, paged_attention
-from compress.qlinear import QuantizedLinear
 
 log = logging.getLogger(__name__)
 

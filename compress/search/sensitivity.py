@@ -11,9 +11,9 @@ from torch import nn
 
 from compress.compression import compress_model
 from compress.errors import CompressError
+from compress.formats import Fp8Linear
 from compress.models import materialize_all
 from compress.moe import unfuse_experts
-from compress.qlinear import Fp8Linear
 from compress.quant import fake_quantize
 from compress.search.spec import DEFAULT_CANDIDATES
 from compress.stages.base import LayerContext, Stage

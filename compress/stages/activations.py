@@ -15,9 +15,9 @@ from torch import nn
 
 from compress.calibration import input_absmax
 from compress.errors import CompressError
+from compress.formats import Fp8BlockLinear, Fp8Linear, Int8Linear
 from compress.kernels.dtypes import FP8_MAX
 from compress.moe import check_weights_handled
-from compress.qlinear import Fp8BlockLinear, Fp8Linear, Int8Linear
 from compress.quant import WeightScheme, quantize
 from compress.stages.base import LayerContext
 from compress.stages.gptq import GPTQStage

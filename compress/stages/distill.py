@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 
 from compress.calibration import decoder_layers
 from compress.errors import CompressError
+from compress.formats import QuantizedLinear
 from compress.kernels.dequant import group_index
-from compress.qlinear import QuantizedLinear
 from compress.sparsity import mask_of
 from compress.stages.base import Stage
 from compress.stages.weights import replace_module

@@ -17,6 +17,7 @@ from torch import nn
 
 from compress.calibration import input_absmax
 from compress.errors import CompressError
+from compress.formats import Fp4Linear
 from compress.fp4 import (
     effective_group_scales,
     mxfp4_scales,
@@ -27,7 +28,6 @@ from compress.fp4 import (
     stored_group_scales,
 )
 from compress.kernels.fp4 import e2m1_to_float, pack_fp4
-from compress.qlinear import Fp4Linear
 from compress.stages.base import LayerContext
 
 # Range ratios tried per group: an e4m3 or power-of-two scale is coarse, so a slightly smaller range often rounds

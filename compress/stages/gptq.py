@@ -25,9 +25,9 @@ from torch import nn
 
 from compress import distributed
 from compress.errors import CompressError
+from compress.formats import QuantizedLinear
 from compress.kernels.dequant import dequantize_codes
 from compress.memory import release_freed_memory
-from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme
 from compress.stages.base import LayerContext
 from compress.stages.fp4 import Fp4Grid

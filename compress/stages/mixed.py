@@ -23,8 +23,7 @@ from torch import nn
 
 from compress.calibration import decoder_layers
 from compress.errors import CompressError
-from compress.kernels.packing import packed_width
-from compress.qlinear import Fp8Linear
+from compress.formats import Fp8Linear, w4a16, w8a8
 from compress.quant import WeightScheme, check_group_size, matches, validate_scheme
 from compress.stages.base import LayerContext
 from compress.stages.gptq import GPTQConfig, GPTQStage
@@ -32,7 +31,6 @@ from compress.stages.hessian import collect_hessians, input_groups
 from compress.stages.weights import replace_module, target_linears
 
 INT_SCHEME = re.compile(r"int(?P<bits>[2-8])(?:_g(?P<group>\d+))?")
-FP8_SCALE_BITS = 32  # Fp8Linear keeps fp32 per-channel scales
 
 
 @dataclass(frozen=True)
@@ -54,9 +52,9 @@ class Candidate:
         if self.kind == "dense":
             return out_features * in_features * dtype_bits
         if self.kind == "fp8":
-            return out_features * (in_features * 8 + FP8_SCALE_BITS)
-        groups = in_features // self.weight_scheme.group_for(in_features)
-        return out_features * (packed_width(in_features, self.bits) * 32 + groups * dtype_bits)
+            return w8a8.stored_bits(out_features, in_features)
+        group_size = self.weight_scheme.group_for(in_features)
+        return w4a16.stored_bits(out_features, in_features, self.bits, group_size, dtype_bits)
 
 
 def candidate(name: str) -> Candidate:

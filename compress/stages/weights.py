@@ -9,8 +9,8 @@ from torch import nn
 
 from compress.calibration import decoder_layers
 from compress.errors import CompressError
+from compress.formats import QuantizedLinear
 from compress.moe import ROUTERS, check_weights_handled
-from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, check_group_size, matches, quantize, validate_scheme
 from compress.sparsity import carry_mask
 from compress.stages.base import LayerContext, Stage

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.qlinear import QuantizedLinear
+from compress.formats import QuantizedLinear
 
 
 def _quantized(symmetric: bool, bits: int = 4):

@@ -6,10 +6,10 @@ The third-party rules on top of the order:
 
 * ``kernels/`` and ``compress/engine/`` are the runtime a bare GPU box installs: they import the standard library,
   torch, triton, transformers, safetensors, numpy, each other, and the runtime modules ``compress.checkpoint``,
-  ``compress.qlinear``, ``compress.quant``, ``compress.fp4`` and ``compress.kv_quant`` (the quantized layers and KV
+  ``compress.formats``, ``compress.quant``, ``compress.fp4`` and ``compress.kv_quant`` (the quantized layers and KV
   scheme a checkpoint loads into); never Hydra, MLflow, lm-eval, the pipeline or the gate.
 * ``evals/`` may add the gate's own libraries (lm-eval, matplotlib, jsonschema, omegaconf for its policy schema,
-  tqdm) and the runtime side of ``compress`` (engine, checkpoint, models, errors, data, qlinear, quant, and the
+  tqdm) and the runtime side of ``compress`` (engine, checkpoint, models, errors, data, formats, quant, and the
   layer-walk and memory helpers ``compress.models`` itself uses: calibration, memory), but never
   ``compress.pipeline``, ``compress.commands``, ``compress.tracking``, ``compress.config``, nor MLflow: the app layer
   records the gate's verdict.
@@ -28,7 +28,7 @@ RUNTIME_THIRD_PARTY = {"torch", "triton", "transformers", "safetensors", "numpy"
 RUNTIME_COMPRESS = {
     "compress.engine",
     "compress.checkpoint",
-    "compress.qlinear",
+    "compress.formats",
     "compress.quant",
     "compress.kv_quant",
     "compress.moe",
@@ -66,7 +66,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),  # fmt: skip
     ("kernels", {"compress.kernels"}),
-    ("formats", {"compress.fp4", "compress.kv_quant", "compress.sparsity", "compress.qlinear", "compress.moe"}),
+    ("formats", {"compress.fp4", "compress.kv_quant", "compress.sparsity", "compress.formats", "compress.moe"}),
     ("model", {"compress.calibration", "compress.checkpoint", "compress.models", "compress.engine"}),
     ("stages", {"compress.stages", "compress.compression", "compress.saving"}),
     ("evals", {"compress.evals"}),

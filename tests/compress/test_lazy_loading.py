@@ -15,8 +15,8 @@ from compress.__main__ import main
 from compress.calibration import decoder_layers
 from compress.compression import compress_model
 from compress.errors import CompressError
+from compress.formats import QuantizedLinear
 from compress.models import load, materialize_all
-from compress.qlinear import QuantizedLinear
 from compress.quant import WeightScheme, quantize
 from compress.stages import LayerContext, Stage, build_chain
 

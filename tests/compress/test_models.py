@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 from compress.checkpoint import save_checkpoint
 from compress.compression import compress_model
 from compress.errors import CompressError
+from compress.formats import QuantizedLinear
 from compress.kv_quant import calibrated_kv_cache_dtype
 from compress.models import (
     VERIFY_TEXT,
@@ -18,7 +19,6 @@ from compress.models import (
     resolve_model_path,
     smollm2_gguf_path,
 )
-from compress.qlinear import QuantizedLinear
 
 
 def test_pickle_weights_refused_unless_allowed(tmp_path):

@@ -54,7 +54,7 @@ def test_one_dequantization_reference_for_codes_packed_layers_and_gptq(symmetric
     """compress.kernels.dequant.dequantize_codes is the only codes → float arithmetic: the packed layer, fake
     quantization, a g_idx naming the plain groups, and GPTQ's own error report (whole or a few rows at a time) agree
     with it."""
-    from compress.qlinear import QuantizedLinear
+    from compress.formats import QuantizedLinear
     from compress.stages import gptq
     from compress.stages.gptq import gptq_quantize
 

@@ -7,9 +7,9 @@ import torch
 from helpers import build_tiny_llama
 from torch import nn
 
+from compress.formats import Fp8Linear, Int8Linear, QuantizedLinear
 from compress.kernels.accuracy import relative_error
 from compress.kernels.backend import use_backend
-from compress.qlinear import Fp8Linear, Int8Linear, QuantizedLinear
 
 pytestmark = pytest.mark.gpu  # also run against the compiled kernels: COMPRESS_TEST_DEVICE=cuda pytest -m gpu
 

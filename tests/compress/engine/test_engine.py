@@ -203,7 +203,7 @@ def test_cpu_dense_weights_off_keeps_no_dense_copy_and_decodes_the_same(dense_co
     """``cpu_dense_weights=false`` (the quick gate's setting): the quantized linears dequantize per call instead of
     keeping a dense copy (the dense model's memory), with the same greedy tokens."""
     from compress.compression import compress_model
-    from compress.qlinear import QuantizedLinear
+    from compress.formats import QuantizedLinear
 
     model = wide_init_model()
     compress_model(model, [{"type": "rtn", "bits": 4, "group_size": 32}], torch.zeros(1, 8, dtype=torch.long))

@@ -14,7 +14,7 @@ from compress import oneshot
 from compress.checkpoint import load_checkpoint
 from compress.engine import LLM, SamplingParams
 from compress.engine.model_runner import rope_recomputed_on_host
-from compress.qlinear import QuantizedLinear
+from compress.formats import QuantizedLinear
 
 VOCAB = 320
 NEW_TOKENS = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -8,7 +8,7 @@ from helpers import build_tiny_llama, build_tiny_tokenizer
 
 from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.qlinear import QuantizedLinear
+from compress.formats import QuantizedLinear
 from compress.sparsity import mask_of
 from compress.stages import build_chain
 from compress.stages.distill import mean_kl

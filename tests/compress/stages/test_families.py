@@ -14,7 +14,7 @@ from compress.calibration import decoder_layers
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.qlinear import QuantizedLinear
+from compress.formats import QuantizedLinear
 from compress.stages import LayerContext, build_chain
 from compress.stages.lora import read_adapter, save_adapter
 from compress.stages.mappings import previous_width

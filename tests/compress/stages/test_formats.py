@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.compression import compress_model
 from compress.errors import CompressError
+from compress.formats import Fp4Linear, Fp8BlockLinear
 from compress.kernels.backend import use_backend
 from compress.kernels.fp4 import pack_fp4
-from compress.qlinear import Fp4Linear, Fp8BlockLinear
 from compress.quant import WeightScheme
 from compress.stages import build_chain
 from compress.stages.fp4 import Fp4Grid, rtn_fp4

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.qlinear import Fp8Linear
+from compress.formats import Fp8Linear
 from compress.stages import build_chain
 
 CPU = torch.device("cpu")

@@ -6,7 +6,7 @@ from helpers import build_tiny_llama
 
 from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.qlinear import QuantizedLinear
+from compress.formats import QuantizedLinear
 from compress.quant import WeightScheme, fake_quantize, quantize
 from compress.stages import build_chain
 from compress.stages.gptq import CLIP_RATIOS, _group_params, cholesky_inverse_upper, gptq_quantize

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.compression import compress_model
 from compress.errors import CompressError
+from compress.formats import Fp8Linear, Int8Linear, QuantizedLinear
 from compress.moe import UnfusedExperts, unfuse_experts
-from compress.qlinear import Fp8Linear, Int8Linear, QuantizedLinear
 from compress.sparsity import mask_of
 from compress.stages import LayerContext, build_chain
 from compress.stages.mappings import layer_mappings, previous_width

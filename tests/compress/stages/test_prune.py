@@ -7,7 +7,7 @@ from helpers import build_tiny_llama
 from compress.calibration import decoder_layers
 from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.qlinear import QuantizedLinear
+from compress.formats import QuantizedLinear
 from compress.quant import WeightScheme, quantize
 from compress.sparsity import NMPattern, attach_mask, carry_mask, mask_of, nm_keep_mask
 from compress.stages import build_chain

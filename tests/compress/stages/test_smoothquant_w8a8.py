@@ -9,7 +9,7 @@ from compress.calibration import decoder_layers
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.qlinear import Int8Linear
+from compress.formats import Int8Linear
 from compress.stages import build_chain
 
 CPU = torch.device("cpu")

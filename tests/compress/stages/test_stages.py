@@ -5,7 +5,7 @@ from helpers import build_tiny_llama
 from compress.calibration import capture_first_layer_inputs, decoder_layers
 from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.qlinear import QuantizedLinear
+from compress.formats import QuantizedLinear
 from compress.stages import LayerContext, build_chain
 from compress.stages.mappings import layer_mappings
 
