@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from compress.errors import EXIT_CODES_HELP, ExitCode
+
 COMMANDS = {
     "run": "run a recipe: calibrate, compress, save a checkpoint, evaluate, gate, log to MLflow",
     "search": "the smallest mixed-precision checkpoint within a bits budget that passes the gate",
@@ -22,11 +24,12 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: compress <command> [key=value ...]   (or: python -m compress <command> ...)\n\ncommands:")
         for name, summary in COMMANDS.items():
             print(f"  {name:<10} {summary}")
+        print(f"\n{EXIT_CODES_HELP}")
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
-        return 2
+        return int(ExitCode.USAGE)
     module = importlib.import_module(f"compress.commands.{command}")
     return int(module.main(rest) or 0)
 

@@ -18,7 +18,7 @@ from compress.errors import CompressError
 from compress.memory import release_freed_memory
 from compress.models import materialize_all, materialize_layer
 from compress.moe import expert_token_report, moe_family, unfuse_experts
-from compress.stages import LayerContext, Stage, build_chain, check_chain
+from compress.stages import LayerContext, Stage, build_chain, check_chain, prepare_stages
 
 
 def compress_model(
@@ -49,8 +49,7 @@ def compress_model(
     if distributed.active():
         _check_data_parallel(model, chain)
         samples = distributed.shard(samples, batch_size)
-    for stage in chain:
-        stage.prepare(model)
+    prepare_stages(model, chain)
     streamable = chain[-1].layerwise and not any(stage.prunes_weights for stage in chain)
     apply_stages(model, chain, samples, device, batch_size, layer_done if streamable else None)
     distributed.barrier()  # every rank holds the same compressed model

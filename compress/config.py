@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from compress.data import DataSpec
-from compress.errors import CompressError, unknown_key_error
+from compress.errors import CompressError, EnvironmentFailure, unknown_key_error
 from compress.evals.gate import GatePolicy
 from compress.models import ModelSpec
 from compress.paths import artifacts_dir
@@ -168,7 +168,7 @@ def check_writable(output_dir: str | None) -> None:
     existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         key = "output.dir" if output_dir else "$COMPRESS_ARTIFACTS"
-        raise CompressError(
+        raise EnvironmentFailure(
             f"{key}: cannot write run folders under {folder} ({existing} is not a writable folder); "
             "point it at a folder you can write"
         )

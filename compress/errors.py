@@ -5,10 +5,34 @@ module pattern) suggests the closest valid one the same way.
 """
 
 import difflib
+from enum import IntEnum
 
 
 class CompressError(Exception):
     """Bad input or configuration; the message names the problem and the fix."""
+
+
+class EnvironmentFailure(CompressError):
+    """The input was fine but something it relies on failed (an MLflow store that cannot be written, a full disk):
+    one line like any CompressError, with its own exit code, since fixing the command line will not help."""
+
+
+class ExitCode(IntEnum):
+    """What every command exits with (the README's table, ``compress --help``); CI can branch on it."""
+
+    OK = 0  # done; the gate passed
+    BLOCKED = 1  # the gate blocked; search found no passing checkpoint within its limits
+    USAGE = 2  # bad input (argument, recipe, config, model, data, pattern, baseline): refused, nothing written
+    CANNOT_JUDGE = 3  # the gate could not decide: INCONCLUSIVE when enforced
+    FAILED = 4  # the machine or a store failed, or a bug: the message (and a bug's traceback) says which
+    INTERRUPTED = 130  # Ctrl-C
+    TERMINATED = 143  # SIGTERM
+
+
+EXIT_CODES_HELP = (
+    "exit codes: 0 ok/pass · 1 blocked (search: nothing passed within its limits) · 2 usage or config error · "
+    "3 could not judge (inconclusive, enforced) · 4 failed (machine, store or bug) · 130 Ctrl-C · 143 SIGTERM"
+)
 
 
 def interruption(error: BaseException | None) -> KeyboardInterrupt | None:

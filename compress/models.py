@@ -29,6 +29,7 @@ from compress.checkpoint import (
     load_tokenizer,
     loading_errors,
     parameters_on_meta,
+    read_config_json,
     read_quantization_config,
     source_dtype,
     torch_dtype,
@@ -157,7 +158,9 @@ def check_model_source(spec: ModelSpec) -> None:
         if not (artifacts_dir() / "models" / SMOLLM2_FOLDER / "config.json").is_file():
             smollm2_gguf_path()
         return
-    resolve_model_path(spec)
+    folder = Path(resolve_model_path(spec))
+    if (folder / "config.json").is_file():
+        read_config_json(folder / "config.json")  # a damaged config fails now, before a run folder exists
 
 
 def _check_weight_files(folder: Path, allow_pickle: bool) -> None:

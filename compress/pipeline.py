@@ -28,7 +28,7 @@ from compress.paths import artifacts_dir
 from compress.report import Timer, peak_rss_mb, run_metrics, write_report
 from compress.rundir import sigterm_as_interrupt, staged_run_folder
 from compress.saving import checkpoint_writer, named_summaries, write_checkpoint
-from compress.stages import Stage, build_chain
+from compress.stages import Stage, build_chain, prepare_stages
 from compress.stages.rtn import rtn_reference
 from compress.tracking import RunLog, check_writable, flatten, record_verdict, tracking_uri
 
@@ -104,8 +104,7 @@ def _load(config: RunConfig, stages: list[Stage], timer: Timer) -> tuple:
     with timer.phase("load_model"):
         model, tokenizer = load(config.model)
         unfuse_experts(model)  # MoE: the stages check (and the baseline runs) the per-expert form they compress
-        for stage in stages:
-            stage.prepare(model)  # a model a stage cannot handle fails before the baseline evaluation
+        prepare_stages(model, stages)  # a model a stage cannot handle fails before the baseline evaluation
     with timer.phase("data"):
         eval_ids = tokenize(tokenizer, corpus.evaluation_text)
         check_evaluation_length(int(eval_ids.numel()), config)

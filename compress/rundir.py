@@ -10,24 +10,20 @@ A full disk or a refused write inside the runs folder becomes one line naming th
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import shutil
 import signal
-import socket
-import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from compress.errors import CompressError, interruption
-from compress.tracking import process_alive
+from compress.errors import EnvironmentFailure, interruption
+from compress.staging import make_staging, publish
 
 log = logging.getLogger(__name__)
 
-STAGING_OWNER = "owner.json"  # {"pid", "host"} of the process a staging folder belongs to
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
@@ -67,14 +63,13 @@ def staged_run_folder(runs_dir: Path, run_id: str) -> Iterator[Path]:
     staging = _make_staging(runs_dir, run_id)
     try:
         yield staging
-        (staging / STAGING_OWNER).unlink()
-        os.replace(staging, runs_dir / run_id)
+        publish(staging, runs_dir / run_id)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
         problem = storage_problem(error, runs_dir)
         if problem is not None:
             where = getattr(error, "filename", None) or runs_dir
-            raise CompressError(
+            raise EnvironmentFailure(
                 f"cannot write {where} ({problem}); free space there or set output.dir=<a writable folder>"
             ) from error
         raise
@@ -83,32 +78,11 @@ def staged_run_folder(runs_dir: Path, run_id: str) -> Iterator[Path]:
 def _make_staging(runs_dir: Path, run_id: str) -> Path:
     """A hidden folder for this run's outputs, labelled with its owner; stale ones of dead runs are removed first."""
     try:
-        runs_dir.mkdir(parents=True, exist_ok=True)
-        sweep_stale_staging(runs_dir)
-        staging = Path(tempfile.mkdtemp(prefix=f".{run_id}-", dir=runs_dir))
-        owner = {"pid": os.getpid(), "host": socket.gethostname()}
-        (staging / STAGING_OWNER).write_text(json.dumps(owner))
+        return make_staging(runs_dir, run_id)
     except OSError as error:
-        raise CompressError(
+        raise EnvironmentFailure(
             f"output folder {runs_dir}: cannot write ({error.strerror or error}); set output.dir=<a writable folder>"
         ) from error
-    return staging
-
-
-def sweep_stale_staging(runs_dir: Path) -> list[Path]:
-    """Remove staging folders whose owner process (on this host) is gone: what SIGKILL, an OOM kill or a power loss
-    left behind. Folders of live runs, of other hosts, and without an owner label are left alone."""
-    removed = []
-    for label in runs_dir.glob(f".*/{STAGING_OWNER}"):
-        try:
-            owner = json.loads(label.read_text())
-        except (OSError, ValueError):
-            continue
-        if owner.get("host") == socket.gethostname() and not process_alive(int(owner.get("pid", 0))):
-            shutil.rmtree(label.parent, ignore_errors=True)
-            log.warning("removed %s: staging folder of run process %s, which is gone", label.parent, owner["pid"])
-            removed.append(label.parent)
-    return removed
 
 
 def storage_problem(error: BaseException, runs_dir: Path) -> str | None:

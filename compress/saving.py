@@ -44,8 +44,8 @@ def write_checkpoint(
             **(extra_files or {}),
         },
         kv_cache_scheme=kv_cache_scheme,
+        summary_file="size.json",  # inside the staging folder: the renamed checkpoint is complete or absent
     )
-    (writer.target / "size.json").write_text(json.dumps(summary.to_dict(), indent=2))
     return summary
 
 

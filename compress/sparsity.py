@@ -7,7 +7,9 @@ the mask to their integer codes when they swap the linear for its quantized form
 ``finalize`` checks the final model with :func:`check_masks_held`, so a stage that refills a pruned weight fails the
 run instead of silently shipping a dense model labelled sparse.
 
-Imports only torch: the checkpoint writer uses :func:`sparsity_config`.
+The checkpoint records the pattern in ``sparsity.json`` beside config.json (:func:`sparsity_record`), not as
+compressed-tensors' ``sparsity_config``: current vLLM refuses any checkpoint whose quantization_config carries one.
+Imports only torch.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 from compress.errors import CompressError
 
 MASK = "sparsity_mask"
+SPARSITY_FILE = "sparsity.json"
 STRUCTURE = "sparsity_structure"
 
 
@@ -138,8 +141,9 @@ def check_masks_held(model: nn.Module) -> dict[str, float]:
     return achieved
 
 
-def sparsity_config(model: nn.Module) -> dict | None:
-    """compressed-tensors ``sparsity_config`` (stored dense: zeros are written out, any loader reads them)."""
+def sparsity_record(model: nn.Module) -> dict | None:
+    """What ``sparsity.json`` says of a pruned model, in the fields of compressed-tensors' sparsity config (stored
+    dense: zeros are written out, so any loader reads the weights)."""
     masked = {name: module for name, module in model.named_modules() if mask_of(module) is not None}
     if not masked:
         return None

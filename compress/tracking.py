@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from compress.errors import CompressError, interruption
+from compress.errors import CompressError, EnvironmentFailure, interruption
 from compress.paths import artifacts_dir
+from compress.staging import process_alive
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def check_writable(uri: str, fix: str) -> None:
         return
     problem = _sqlite_problem(path) if uri.startswith("sqlite:") else _folder_problem(path)
     if problem:
-        raise CompressError(f"MLflow store {uri}: cannot write ({problem}); {fix}")
+        raise EnvironmentFailure(f"MLflow store {uri}: cannot write ({problem}); {fix}")
 
 
 def flatten(values, prefix: str = "") -> dict[str, str]:
@@ -107,17 +108,6 @@ def experiment_id(client, name: str) -> str:
         return experiment.experiment_id
     location = (artifacts_dir() / "mlflow-artifacts").resolve().as_uri()
     return client.create_experiment(name, artifact_location=location)
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process with this id exists on this machine (signal 0 checks without sending anything)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by someone else
-        return True
-    return True
 
 
 def mark_orphaned_runs(client, experiment: str) -> list[str]:

@@ -34,6 +34,37 @@ def describe(label: str, source, tokenizer=None) -> tuple[Any, Any, Path | None]
     return tokenizer or load_tokenizer(path), config, folder if folder.is_dir() else None
 
 
+class MismatchedTokenizers(CompressError):
+    """The two sides of a gate do not read text alike: a usage error, raised before any evaluation."""
+
+
+TOKENIZER_PROBE_CHARS = 50_000  # enough text to meet every merge rule that matters, read in well under a second
+
+
+def check_same_tokenization(candidate_tokenizer, baseline_tokenizer, text: str) -> None:
+    """Refuse a baseline whose tokenizer differs from the candidate's: the gate scores both models on one list of
+    token ids, so another vocabulary makes every perplexity and divergence meaningless (and can PASS)."""
+    if candidate_tokenizer is None or baseline_tokenizer is None or candidate_tokenizer is baseline_tokenizer:
+        return
+    probe = text[:TOKENIZER_PROBE_CHARS]
+    sizes = len(candidate_tokenizer), len(baseline_tokenizer)
+    if sizes[0] == sizes[1] and candidate_tokenizer.get_vocab() == baseline_tokenizer.get_vocab():
+        ids = [t(probe, add_special_tokens=False)["input_ids"] for t in (candidate_tokenizer, baseline_tokenizer)]
+        if ids[0] == ids[1]:
+            return
+        why = f"they split the evaluation text into {len(ids[0])} and {len(ids[1])} tokens"
+    else:
+        why = f"their vocabularies differ ({sizes[0]} and {sizes[1]} tokens)"
+    names = [
+        f"{type(t).__name__}({getattr(t, 'name_or_path', '') or 'unnamed'})"
+        for t in (candidate_tokenizer, baseline_tokenizer)
+    ]
+    raise MismatchedTokenizers(
+        f"the baseline's tokenizer {names[1]} is not the candidate's {names[0]}: {why}; judge the candidate against "
+        "the model it was compressed from"
+    )
+
+
 def kv_cache_dtype_of(path: Path | None) -> str | None:
     """The KV-cache storage dtype a checkpoint asks for (``int8``/``fp8``), from its ``kv_cache_scheme``: read the
     way the loader reads it, so the gate and the engine agree."""

@@ -22,7 +22,7 @@ tensors, shards, the staged folder, the size summary) → ``reader`` (tensors ba
 
 from compress.checkpoint.description import quantization_config, source_dtype, torch_dtype
 from compress.checkpoint.loading import load_checkpoint, load_tokenizer, loading_errors
-from compress.checkpoint.reader import parameters_on_meta, read_quantization_config
+from compress.checkpoint.reader import parameters_on_meta, read_config_json, read_quantization_config
 from compress.checkpoint.writer import CheckpointSummary, CheckpointWriter, save_checkpoint, summarize
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "loading_errors",
     "parameters_on_meta",
     "quantization_config",
+    "read_config_json",
     "read_quantization_config",
     "save_checkpoint",
     "source_dtype",

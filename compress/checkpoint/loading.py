@@ -72,6 +72,9 @@ def load_checkpoint(
 
     with loading_errors(source):
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle
+            source,
+            dtype=torch_dtype(dtype),
+            trust_remote_code=trust_remote_code,
+            use_safetensors=None if allow_pickle else True,  # None: safetensors still win where both exist
         )
     return model.to(device).eval(), load_tokenizer(source, trust_remote_code)

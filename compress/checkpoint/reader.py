@@ -140,7 +140,20 @@ def read_quantization_config(folder: Path) -> dict:
     config_file = Path(folder) / "config.json"
     if not config_file.is_file():
         return {}
-    return json.loads(config_file.read_text()).get("quantization_config") or {}
+    return read_config_json(config_file).get("quantization_config") or {}
+
+
+def read_config_json(config_file: Path) -> dict:
+    """A model's config.json, or one line saying it is damaged (a truncated copy, an interrupted download)."""
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CompressError(
+            f"{config_file} is not valid JSON ({error}); restore it from the model's source or re-save the model"
+        ) from None
+    if not isinstance(config, dict):
+        raise CompressError(f"{config_file} holds {type(config).__name__}, not a model config; restore it")
+    return config
 
 
 @contextmanager

@@ -4,9 +4,7 @@ staged beside its target and renamed when complete; and the size summary of what
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -14,12 +12,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compress.checkpoint.description import ACTIVATION_QUANTIZED, DENSE, quantization_config
+from compress.checkpoint.description import ACTIVATION_QUANTIZED, quantization_config
 from compress.errors import CompressError
 from compress.formats import QUANTIZED_LINEARS, Fp4Linear, QuantizedLinear
 from compress.kernels.packing import pack_int32
 from compress.moe import checkpoint_name
-from compress.sparsity import sparsity_config
+from compress.sparsity import SPARSITY_FILE, sparsity_record
+from compress.staging import make_staging, publish
 
 MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -151,8 +150,7 @@ class CheckpointWriter:
         self.target, self.dtype = Path(target), dtype
         if self.target.exists():
             raise CompressError(f"checkpoint folder {self.target} already exists; choose another output or remove it")
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.staging = Path(tempfile.mkdtemp(prefix=f".{self.target.name}-", dir=self.target.parent))
+        self.staging = make_staging(self.target.parent, self.target.name)
         self.shards = ShardWriter(self.staging)
         self.written: list[str] = []  # the modules whose tensors are already in the shards
 
@@ -181,7 +179,10 @@ class CheckpointWriter:
         tokenizer,
         extra_files: dict[str, str] | None = None,
         kv_cache_scheme: dict | None = None,
+        summary_file: str | None = None,
     ) -> CheckpointSummary:
+        """Write the rest of the model, config.json, the tokenizer, ``extra_files`` and (``summary_file``) the size
+        summary into the staging folder, flush every file to disk, and rename it to ``target`` last."""
         for key, value in _tensors(model, self.dtype, skip=tuple(self.written)):
             self.shards.add(key, value)
         self.shards.close()
@@ -191,17 +192,9 @@ class CheckpointWriter:
         if self.dtype is not None:
             config["dtype"] = str(self.dtype).removeprefix("torch.")
         qconfig = quantization_config(model, kv_cache_scheme)
-        sparsity = sparsity_config(model)
-        if sparsity is not None:  # compressed-tensors records sparsity inside quantization_config
-            qconfig = qconfig or {
-                "quant_method": "compressed-tensors",
-                "format": DENSE,
-                "quantization_status": "compressed",
-                "config_groups": {},
-                "ignore": [],
-                "kv_cache_scheme": None,
-            }
-            qconfig["sparsity_config"] = sparsity
+        sparsity = sparsity_record(model)
+        if sparsity is not None:  # beside config.json, not in it: current vLLM refuses any sparsity_config
+            (staging / SPARSITY_FILE).write_text(json.dumps(sparsity, indent=2, sort_keys=True))
         if qconfig is not None:
             config["quantization_config"] = qconfig
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -211,8 +204,12 @@ class CheckpointWriter:
             tokenizer.save_pretrained(staging)
         for name, text in (extra_files or {}).items():
             (staging / name).write_text(text)
-        os.replace(staging, self.target)
-        return summarize(model, self.target)
+        summary = summarize(model, staging)
+        summary.path = str(self.target)
+        if summary_file is not None:
+            (staging / summary_file).write_text(json.dumps(summary.to_dict(), indent=2))
+        publish(staging, self.target)
+        return summary
 
 
 def save_checkpoint(

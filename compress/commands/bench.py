@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from compress.commands.exits import command_exits
+
 TARGETS = {
     "kernels": "benchmarks.bench_kernels",
     "engine": "benchmarks.bench_engine",
@@ -32,6 +34,7 @@ def load_target(name: str) -> ModuleType:
     return importlib.import_module(TARGETS[name])
 
 
+@command_exits
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in TARGETS:
         print(f"usage: python -m compress bench {{{'|'.join(TARGETS)}}} [options]", file=sys.stderr)

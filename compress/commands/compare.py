@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import datetime as dt
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from compress.commands.args import parse_options, usage, wants_help
-from compress.errors import CompressError
+from compress.commands.exits import command_exits
+from compress.errors import EnvironmentFailure
 from compress.paths import artifacts_dir
 
 SYNOPSIS = __doc__.split(":", 1)[0].strip("`").replace("\n", " ")
@@ -93,11 +93,16 @@ def load_rows(model: str | None, recipe: str | None, since: dt.date | None, kind
 
     from compress.tracking import tracking_uri
 
-    tracking = MlflowClient(tracking_uri=tracking_uri())
-    experiment_ids = [experiment.experiment_id for experiment in tracking.search_experiments()]
-    if not experiment_ids:
-        return []
-    runs = tracking.search_runs(experiment_ids, order_by=["attributes.start_time DESC"], max_results=limit)
+    uri = tracking_uri()
+    try:
+        tracking = MlflowClient(tracking_uri=uri)
+        experiment_ids = [experiment.experiment_id for experiment in tracking.search_experiments()]
+        if not experiment_ids:
+            return []
+        runs = tracking.search_runs(experiment_ids, order_by=["attributes.start_time DESC"], max_results=limit)
+    except Exception as error:  # MLflow's own errors and its database driver's: the store, not the command, failed
+        reason = " ".join(str(error).split()).split(" [SQL:")[0][:300]
+        raise EnvironmentFailure(f"MLflow store {uri} cannot be read: {reason}; set MLFLOW_TRACKING_URI") from error
     rows = [_row(run) for run in runs]
     return [
         row
@@ -198,16 +203,13 @@ def plot_pareto(rows: list[Row], path: Path) -> Path | None:
     return path
 
 
+@command_exits
 def main(argv: list[str]) -> int:
     if wants_help(argv):
         print(usage(CompareOptions, SYNOPSIS))
         return 0
-    try:
-        options, _ = parse_options(CompareOptions, argv, SYNOPSIS)
-        rows = load_rows(options.model, options.recipe, options.since, options.kind, options.limit)
-    except CompressError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    options, _ = parse_options(CompareOptions, argv, SYNOPSIS)
+    rows = load_rows(options.model, options.recipe, options.since, options.kind, options.limit)
     if not rows:
         print("no runs match; run `python -m compress run ...` or `python -m compress gate ...` first")
         return 0

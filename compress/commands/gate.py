@@ -5,15 +5,16 @@ interval of a blocking check straddles its limit: gate.decide=true adds windows)
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from compress.commands.args import parse_options, usage, wants_help
+from compress.commands.exits import command_exits
 from compress.errors import CompressError, interruption
 from compress.paths import artifacts_dir, recipes_dir
 from compress.report import VERDICT_EXIT_CODES, verdict_line
+from compress.rundir import sigterm_as_interrupt
 
 SYNOPSIS = __doc__.split(":", 1)[0].strip("`").replace("\n", " ")
 
@@ -48,15 +49,16 @@ def evaluation_texts(policy: dict) -> list[str]:
     return load_corpus(build_section(DataSpec, policy.pop("data", None), "gate.data")).evaluation
 
 
+@command_exits
 def main(argv: list[str]) -> int:
     if wants_help(argv):
         print(usage(GateOptions, SYNOPSIS) + "\n  gate.<key>=<value>  (any key of recipes/gate/default.yaml)")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from compress.evals.gate import resolve_policy, run_gate
+    from compress.evals.gate import describe_sides, resolve_policy, run_gate
     from compress.tracking import RunLog, check_writable, record_verdict, tracking_uri
 
-    try:
+    with sigterm_as_interrupt():  # a killed gate ends its MLflow run KILLED, like Ctrl-C
         options, overrides = parse_options(GateOptions, argv, SYNOPSIS, passthrough="gate")
         if options.promote is not None:
             overrides.append(f"registry.promote={str(options.promote).lower()}")
@@ -66,6 +68,7 @@ def main(argv: list[str]) -> int:
         uri = tracking_uri()
         check_writable(uri, "set MLFLOW_TRACKING_URI=<writable store>")  # before minutes of evaluation, not after
         candidate = options.checkpoint
+        describe_sides(candidate, options.baseline, texts)  # a baseline of another tokenizer: refused, nothing written
         out_dir = options.out or artifacts_dir() / "gates" / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(candidate).name}"
         run = RunLog(uri, experiment, None, tags={"compress.kind": "gate"})
         try:
@@ -76,9 +79,6 @@ def main(argv: list[str]) -> int:
             run.finish("KILLED" if interruption(error) else "FAILED")
             raise
         run.finish()
-    except CompressError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
     print((out_dir / "gate.md").read_text())
     print(f"{verdict_line(result.to_dict() | {'headline': result.headline()})}\nreport in {out_dir}")
     return VERDICT_EXIT_CODES[result.verdict]

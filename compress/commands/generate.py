@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from compress.commands.args import parse_options, usage, wants_help
+from compress.commands.exits import command_exits
 from compress.errors import CompressError
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ def _generate(options: GenerateOptions, params: SamplingParams) -> None:
         raise CompressError(" ".join(str(error).split())) from None
 
 
+@command_exits
 def main(argv: list[str]) -> int:
     if wants_help(argv):
         print(usage(GenerateOptions, SYNOPSIS))
@@ -88,9 +90,5 @@ def main(argv: list[str]) -> int:
     except CompressError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    try:
-        _generate(options, params)
-    except CompressError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    _generate(options, params)
     return 0

@@ -18,8 +18,9 @@ import sys
 import traceback
 from typing import TYPE_CHECKING
 
+from compress.commands.exits import command_exits, exit_code_of
 from compress.commands.launch import Outcome, executor_for, split_launcher, submit
-from compress.errors import CompressError
+from compress.errors import CompressError, ExitCode
 from compress.recipe import available, check_overrides, compose_job, resolve_shortcuts
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def _run_job(config: RunConfig, job: int) -> Outcome:
         result = run(config)
     except CompressError as error:
         print(f"error: {error}", file=sys.stderr)
-        return Outcome(job, 1, f"error: {error}")
+        return Outcome(job, int(exit_code_of(error)), f"error: {error}")
     if result is None:  # a data-parallel rank other than 0: its calibration shard is done
         return Outcome(job, 0, "calibration shard done")
     print("\n" + "\n".join(summary_lines(result.report)))
@@ -124,10 +125,11 @@ def run_jobs(configs: list[RunConfig], multirun: bool, executor=None) -> list[Ou
             outcomes.append(_run_job(config, job))
         except Exception as error:  # noqa: BLE001 - a bug in one job must not stop the others
             traceback.print_exc()
-            outcomes.append(Outcome(job, 1, f"{type(error).__name__}: {error}"))
+            outcomes.append(Outcome(job, int(ExitCode.FAILED), f"{type(error).__name__}: {error}"))
     return outcomes
 
 
+@command_exits
 def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
@@ -162,7 +164,7 @@ def main(argv: list[str]) -> int:
             return 0
     except CompressError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return int(exit_code_of(error))
     outcomes = run_jobs(configs, multirun, executor)
     distributed.shutdown()
     if multirun:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import sys
 
+from compress.commands.exits import command_exits
 from compress.errors import CompressError
+from compress.rundir import sigterm_as_interrupt
 
 USAGE = __doc__.split(":", 1)[0].strip("`")
 
@@ -26,6 +28,7 @@ def search_spec(overrides: list[str]):
     return spec
 
 
+@command_exits
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from compress.commands.run import available, validate
@@ -43,11 +46,8 @@ def main(argv: list[str]) -> int:
         return 2
     from compress.search import run_search
 
-    try:
+    with sigterm_as_interrupt():  # SIGTERM unwinds like Ctrl-C: the MLflow runs end KILLED
         result = run_search(config, spec)
-    except CompressError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
     if result.mlflow_run_id:
         print(f"MLflow run: {result.mlflow_run_id} (one child run per trial)")
     print("\n" + (result.folder / "search.md").read_text().rstrip())  # ends with the one outcome line

@@ -23,6 +23,7 @@ from compress.search.record import SearchResult, Tracker, Trial, outcome_line, w
 from compress.search.sensitivity import measure_sensitivity
 from compress.search.spec import SEARCHABLE, SearchSpec
 from compress.stages import build_chain
+from compress.staging import sweep_stale_staging
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchRe
     folder = Path(folder or (Path(config.output.dir) if config.output.dir else artifacts_dir() / "searches") / stamp)
     if folder.exists():
         raise CompressError(f"search folder {folder} already exists; choose another output.dir")
+    for trial in folder.parent.glob("*/trial-*"):  # checkpoints a killed search was writing
+        sweep_stale_staging(trial)
     device = select_device(config.device)
     corpus = load_corpus(config.data)
     model, tokenizer = load(config.model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from compress.errors import CompressError
 from compress.stages.activations import FP8Stage, W8A8Stage
 from compress.stages.awq import AWQStage
-from compress.stages.base import LayerContext, Stage
+from compress.stages.base import LayerContext, Stage, prepare_stages
 from compress.stages.distill import DistillStage
 from compress.stages.gptq import GPTQStage
 from compress.stages.kv_cache import KVCacheStage
@@ -111,4 +111,5 @@ __all__ = [
     "check_chain",
     "check_compression_order",
     "check_quantization_order",
+    "prepare_stages",
 ]

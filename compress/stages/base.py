@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from compress.calibration import LayerInputs
-from compress.errors import CompressError, unknown_key_error
+from compress.errors import CompressError, did_you_mean, unknown_key_error
+from compress.quant import matches
 
 
 @dataclass
@@ -79,6 +80,11 @@ class Stage(ABC):
         except (TypeError, ValueError) as error:
             raise CompressError(f"stages.{position} ({cls.name}): {error}") from error
 
+    def module_patterns(self) -> dict[str, list[str]]:
+        """The recipe keys of this stage that name modules by pattern (``ignore`` semantics), each of which must
+        match some module: a typo would silently quantize the layer the user meant to keep."""
+        return {"ignore": list(self.config.ignore)} if hasattr(self.config, "ignore") else {}
+
     def prepare(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
         """Fail fast on a model this stage cannot handle."""
 
@@ -96,3 +102,21 @@ class Stage(ABC):
     def finalize(self, model: nn.Module) -> dict:
         """Summary for the report."""
         return {}
+
+
+def prepare_stages(model: nn.Module, stages: list[Stage]) -> None:
+    """Before any work: every module pattern of the chain names something in this model, then each stage's own
+    ``prepare`` checks."""
+    names = [name for name, _ in model.named_modules() if name]
+    short = sorted({".".join(name.split(".")[-depth:]) for name in names for depth in (1, 2)})
+    for position, stage in enumerate(stages):
+        for key, patterns in stage.module_patterns().items():
+            for pattern in patterns:
+                if not any(matches(name, [pattern]) for name in names):
+                    hint = "" if pattern.startswith("re:") else did_you_mean(pattern, short)
+                    raise CompressError(
+                        f"stages.{position} ({stage.name}): {key} pattern {pattern!r} matches no module of this "
+                        f"model{hint}; use a module name, a dotted suffix of one (mlp.down_proj) or re:<regex>"
+                    )
+    for stage in stages:
+        stage.prepare(model)

@@ -96,6 +96,9 @@ class MixedStage(GPTQStage):
         self.needs_calibration = config.method == "gptq"
         self.chosen = {pattern: candidate(name) for pattern, name in config.schemes.items()}  # typos fail here
 
+    def module_patterns(self) -> dict[str, list[str]]:
+        return {**super().module_patterns(), "schemes": list(self.config.schemes)}
+
     def scheme_of(self, full_name: str) -> Candidate:
         for pattern, chosen in self.chosen.items():
             if matches(full_name, [pattern]):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from compress.evals.gate.result import GateResult
@@ -77,8 +78,10 @@ def write_report(result: GateResult, out_dir: Path) -> list[Path]:
         lines += ["", "## Needle in a haystack", "", "![needle accuracy](needle_heatmap.png)"]
     markdown = out_dir / "gate.md"
     markdown.write_text("\n".join(lines) + "\n")
-    data = out_dir / "gate.json"
-    data.write_text(json.dumps(result.to_dict(), indent=2, default=str))
+    data = out_dir / "gate.json"  # last and whole (written aside, renamed): CI reads it as the verdict
+    partial = out_dir / ".gate.json.partial"
+    partial.write_text(json.dumps(result.to_dict(), indent=2, default=str))
+    os.replace(partial, data)
     return [data, markdown]
 
 

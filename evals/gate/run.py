@@ -99,6 +99,10 @@ def run_gate(
     resolved = resolve_policy(policy)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("gate.json", "gate.md"):  # a re-gate killed midway must not leave the previous verdict behind
+        if (out_dir / stale).exists():
+            log.info("gate: removing the previous verdict %s before judging again", out_dir / stale)
+            (out_dir / stale).unlink()
     if candidate_label is None:
         path_like = isinstance(candidate, str | Path)
         candidate_label = str(candidate) if path_like else str(candidate_path or "<in memory>")
@@ -217,6 +221,19 @@ def _setup_failed(what: str, error: Exception) -> str:
     return f"setup: evaluator error (fail closed): {type(error).__name__}: {error}"
 
 
+def describe_sides(candidate, baseline, evaluation_texts: list[str], candidate_tokenizer=None, baseline_tokenizer=None):
+    """``(tokenizer, config, folder)`` of each side, read without loading either model, after checking that both
+    read the evaluation text alike (:class:`loading.MismatchedTokenizers` otherwise): the gate command calls it
+    before it opens an MLflow run, so a wrong baseline writes nothing."""
+    candidate_side = loading.describe("candidate", candidate, candidate_tokenizer)
+    # A baseline folder brings its own tokenizer; a model in memory or a folder saved without one uses the candidate's.
+    own = baseline_tokenizer if isinstance(baseline, str | Path) else baseline_tokenizer or candidate_side[0]
+    tokenizer, config, folder = loading.describe("baseline", baseline, own)
+    tokenizer = tokenizer or candidate_side[0]
+    loading.check_same_tokenization(candidate_side[0], tokenizer, "\n\n".join(evaluation_texts))
+    return candidate_side, (tokenizer, config, folder)
+
+
 def _prepare(
     result, policy, candidate, baseline, candidate_tokenizer, baseline_tokenizer, candidate_path, evaluation_texts,
     out_dir, selected,
@@ -224,11 +241,8 @@ def _prepare(
     """Both sides described (tokenizer, config, KV dtype) without loading either model, and the evaluation ids; a
     failure here blocks like any evaluator error."""
     try:
-        candidate_tokenizer, candidate_config, candidate_dir = loading.describe(
-            "candidate", candidate, candidate_tokenizer
-        )
-        baseline_tokenizer, baseline_config, baseline_dir = loading.describe(
-            "baseline", baseline, baseline_tokenizer or candidate_tokenizer
+        (candidate_tokenizer, candidate_config, candidate_dir), (baseline_tokenizer, baseline_config, baseline_dir) = (
+            describe_sides(candidate, baseline, evaluation_texts, candidate_tokenizer, baseline_tokenizer)
         )
         candidate_dir = candidate_dir or (Path(candidate_path) if candidate_path else None)
         kv_cache_dtype = policy.kv_cache_dtype or loading.kv_cache_dtype_of(candidate_dir)
@@ -245,6 +259,8 @@ def _prepare(
         max_context = min(
             getattr(config, "max_position_embeddings", 2048) for config in (candidate_config, baseline_config)
         )
+    except loading.MismatchedTokenizers:
+        raise  # a usage error: nothing can be judged against that baseline
     except Exception as error:  # fail closed
         result.reasons.append(_setup_failed("prepare its inputs", error))
         return None

@@ -78,7 +78,7 @@ def test_multirun_sweep_composes_each_job_once(tiny_model_dir, artifacts, monkey
     ],
 )
 def test_bad_input_gives_one_clear_error_and_no_output(args, message, artifacts, capsys):
-    assert main(["run", *args]) == 1
+    assert main(["run", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (artifacts / "runs").exists() or not any((artifacts / "runs").iterdir())
@@ -88,14 +88,14 @@ def test_bad_input_gives_one_clear_error_and_no_output(args, message, artifacts,
 def test_empty_calibration_text_fails_cleanly(tiny_model_dir, artifacts, tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
-    assert main(["run", "recipe=rtn_int4", f"model={tiny_model_dir}", f"data={empty}", *FAST]) == 1
+    assert main(["run", "recipe=rtn_int4", f"model={tiny_model_dir}", f"data={empty}", *FAST]) == 2
     assert "calibration split of data source 'file' is empty" in capsys.readouterr().err
     assert [p for p in (artifacts / "runs").iterdir()] == []  # the staging folder is gone too
 
 
 @pytest.mark.usefixtures("default_mlflow_store")
 def test_unknown_dataset_fails_before_the_model_loads(artifacts, capsys):
-    assert main(["run", "recipe=rtn_int4", "data=no-such-dataset", *FAST]) == 1
+    assert main(["run", "recipe=rtn_int4", "data=no-such-dataset", *FAST]) == 2
     assert "cannot load dataset 'no-such-dataset'" in capsys.readouterr().err
     assert not (artifacts / "models").exists()  # the default model was never converted for a doomed run
 
@@ -107,7 +107,7 @@ def test_corrupt_model_weights_fail_cleanly(tiny_model_dir, artifacts, tmp_path,
     for file in tiny_model_dir.iterdir():
         (broken / file.name).write_bytes(file.read_bytes())
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    assert main(["run", "recipe=rtn_int4", f"model={broken}", *FAST]) == 1
+    assert main(["run", "recipe=rtn_int4", f"model={broken}", *FAST]) == 2
     assert "cannot load model" in capsys.readouterr().err
     assert [p for p in (artifacts / "runs").iterdir()] == []
 
@@ -145,7 +145,7 @@ def test_run_ends_with_the_release_gate(tiny_model_dir, artifacts, max_ratio, en
 
 def test_rtn_reference_without_an_integer_quantizer_fails_before_work(tiny_model_dir, artifacts, capsys):
     args = ["run", "recipe=fp8_dynamic", f"model={tiny_model_dir}", *SMALL[:-1], "gate=none", "eval.reference=rtn"]
-    assert main(args) == 1
+    assert main(args) == 2
     assert "eval.reference=rtn needs an integer weight quantizer" in capsys.readouterr().err
     assert not (artifacts / "runs").exists() or not any((artifacts / "runs").iterdir())
 
@@ -177,14 +177,14 @@ def test_cfg_job_prints_each_composed_job_and_runs_nothing(tiny_model_dir, artif
     ],
 )
 def test_hydra_settings_other_than_the_launcher_are_one_line(override, message, capsys):
-    assert main(["run", "recipe=rtn_int4", override, "stages.0.bits=3,4", "-m"]) == 1
+    assert main(["run", "recipe=rtn_int4", override, "stages.0.bits=3,4", "-m"]) == 2
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 1 and errors[0].startswith(f"error: {message}")
 
 
 def test_bad_submitit_parameter_fails_before_any_job(tiny_model_dir, artifacts, capsys):
     args = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", "hydra/launcher=submitit_local", "-m"]
-    assert main([*args, "stages.0.bits=3,4", "hydra.launcher.gpus_per_nodes=1"]) == 1
+    assert main([*args, "stages.0.bits=3,4", "hydra.launcher.gpus_per_nodes=1"]) == 2
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 1 and errors[0].startswith("error: hydra/launcher=submitit_local: ")
     assert "gpus_per_nodes" in errors[0] and not (artifacts / "runs").exists()

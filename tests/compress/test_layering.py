@@ -63,6 +63,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "compress.distributed",
             "compress.quant",
             "compress.data",
+            "compress.staging",
         },
     ),  # fmt: skip
     ("kernels", {"compress.kernels"}),

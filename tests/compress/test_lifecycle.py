@@ -10,19 +10,18 @@ import re
 import shutil
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_support import REPO, cli_env, run_statuses
 
 from compress.__main__ import main
-from compress.rundir import STAGING_OWNER, sweep_stale_staging
+from compress.staging import STAGING_OWNER, sweep_stale_staging
 from compress.tracking import HOST_TAG, PID_TAG, RunLog, experiment_id
 
-REPO = Path(__file__).resolve().parents[2]
 SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "stages.0.group_size=32"]
 PERPLEXITY_GATE = ["gate=quick", "gate.layers=[perplexity]"]
 
@@ -39,24 +38,6 @@ def label_staging(folder: Path, pid: int, host: str | None = None) -> Path:
     (folder / STAGING_OWNER).write_text(json.dumps({"pid": pid, "host": host or socket.gethostname()}))
     (folder / "model.safetensors").write_bytes(b"\0" * 1024)
     return folder
-
-
-def run_statuses(database: Path) -> list[str]:
-    """Read straight from sqlite: the run under test owns the store."""
-    try:
-        connection = sqlite3.connect(database, timeout=1)
-        try:
-            return [status for (status,) in connection.execute("SELECT status FROM runs")]
-        finally:
-            connection.close()
-    except sqlite3.Error:
-        return []
-
-
-def cli_env(artifacts: Path) -> dict[str, str]:
-    env = {**os.environ, "COMPRESS_ARTIFACTS": str(artifacts), "PYTHONPATH": str(REPO)}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    return env
 
 
 def test_sigterm_removes_the_staging_folder_and_marks_the_run_killed(tiny_model_dir, tmp_path, empty_mlflow_db):
@@ -202,6 +183,8 @@ subprocess.run(["mount", "--bind", f"{work}/store", ro], check=True)  # a real M
 subprocess.run(["mount", "-o", "remount,bind,ro", ro], check=True)  # ... seen through a read-only mount
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", full], check=True)  # room for less than the model
 logging.basicConfig(stream=sys.__stderr__)
+from cli_support import REPO, cli_env, run_statuses
+
 from compress.__main__ import main
 
 cases = {  # the first case pays for importing torch and transformers
@@ -255,7 +238,7 @@ def test_unwritable_storage_fails_fast_in_one_line_without_leftovers(tiny_model_
     for name, message in expected.items():
         result = results[name]
         print(name, f"{result['seconds']:.1f} s:", result["stderr"].splitlines()[-1])
-        assert result["code"] == 1, (name, result)
+        assert result["code"] == 4, (name, result)  # the machine refused: ExitCode.FAILED, not a usage error
         assert "Traceback" not in result["stderr"], (name, result["stderr"])
         [line] = [line for line in result["stderr"].splitlines() if line.startswith("error:")]  # beside progress bars
         assert message in line, (name, line)

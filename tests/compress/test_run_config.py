@@ -59,9 +59,10 @@ def compress_cli(monkeypatch, capfd) -> Callable[..., subprocess.CompletedProces
     return run
 
 
-def assert_one_error_line(result: subprocess.CompletedProcess, message: str) -> None:
+def assert_one_error_line(result: subprocess.CompletedProcess, message: str, code: int = 2) -> None:
+    """One ``error:`` line and the table's code: 2 for bad input, 4 for a place that cannot be written."""
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.returncode == code, result.stderr[-2000:]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
 
@@ -187,7 +188,7 @@ def test_unwritable_output_dir_fails_before_work(tiny_model_dir, tmp_path, compr
         f"output.dir={not_a_folder}/runs",
         artifacts=tmp_path / "artifacts",
     )
-    assert_one_error_line(result, f"output.dir: cannot write run folders under {not_a_folder}/runs")
+    assert_one_error_line(result, f"output.dir: cannot write run folders under {not_a_folder}/runs", code=4)
     assert not (tmp_path / "artifacts").exists()
 
 

@@ -258,3 +258,38 @@ def test_models_in_memory_other_than_one_or_two_is_a_policy_error(checkpoints, t
     texts = load_corpus(DataSpec()).evaluation
     with pytest.raises(CompressError, match="models_in_memory=3"):
         run_gate(checkpoints["base"], checkpoints["base"], {"models_in_memory": 3}, tmp_path, evaluation_texts=texts)
+
+
+@pytest.mark.usefixtures("made_store")
+def test_a_baseline_with_another_tokenizer_is_refused_before_any_evaluation(checkpoints, tmp_path, monkeypatch):
+    """Both sides are scored on the candidate's token ids: a baseline of another vocabulary would make perplexity and
+    KL meaningless, and could pass. One line naming both tokenizers, the usage-error code, no model loaded."""
+    from helpers import build_tiny_tokenizer
+
+    from compress.evals import loading
+
+    other = build_tiny_tokenizer(vocab_size=400)
+    baseline = save(tiny_model_for(other), other, tmp_path / "other-family")
+
+    def no_loading(source):
+        raise AssertionError(f"loaded {source} although the baseline could not be judged against")
+
+    monkeypatch.setattr(loading, "load_for_eval", no_loading)
+    texts = load_corpus(DataSpec()).evaluation
+    with pytest.raises(loading.MismatchedTokenizers, match=r"vocabularies differ \(384 and 400 tokens\)"):
+        run_gate(checkpoints["base"], baseline, {"layers": ["perplexity"]}, tmp_path / "d", evaluation_texts=texts)
+    out = tmp_path / "gate"
+    code = gate_command.main([f"checkpoint={checkpoints['base']}", f"baseline={baseline}", "gate=quick", f"out={out}"])
+    assert code == 2
+    assert not (out / "gate.json").exists()
+
+
+def test_tokenizers_with_one_vocabulary_but_other_splits_are_told_apart():
+    from compress.evals.loading import MismatchedTokenizers, check_same_tokenization
+
+    tokenizer = pydoc_tokenizer()
+    check_same_tokenization(tokenizer, pydoc_tokenizer(), "def f(x):\n    return x")
+    reordered = pydoc_tokenizer()
+    reordered.backend_tokenizer.model = type(tokenizer.backend_tokenizer.model)(vocab=tokenizer.get_vocab(), merges=[])
+    with pytest.raises(MismatchedTokenizers, match="split the evaluation text"):
+        check_same_tokenization(tokenizer, reordered, "def f(x):\n    return x")

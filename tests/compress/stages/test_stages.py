@@ -73,6 +73,30 @@ def test_ignored_linears_stay_dense():
     assert summary["quantized_linears"] == 12
 
 
+@pytest.mark.parametrize(
+    ("stage", "message"),
+    [
+        (
+            {"type": "gptq", "ignore": ["lm_head", "mlp.down_prj"]},
+            r"stages.0 \(gptq\): ignore pattern 'mlp.down_prj' matches no module of this model "
+            r"\(did you mean 'mlp.down_proj'\?\)",
+        ),
+        ({"type": "rtn", "ignore": ["re:^decoder\\."]}, r"ignore pattern 're:\^decoder\\\\.' matches no module"),
+        (
+            {"type": "mixed", "method": "rtn", "schemes": {"self_attn.q_proj": "int8", "mlp.gate_prj": "int8"}},
+            r"stages.0 \(mixed\): schemes pattern 'mlp.gate_prj' .* \(did you mean 'mlp.gate_proj'\?\)",
+        ),
+    ],
+)
+def test_a_module_pattern_that_matches_nothing_is_refused_before_any_work(stage, message):
+    """A typo in ignore (or a mixed scheme's pattern) would quantize the layer the user meant to keep."""
+    model = build_tiny_llama()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(CompressError, match=message):
+        compress_model(model, [stage], torch.randint(0, 320, (2, 16)), "cpu")
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+
+
 def test_unknown_stage_key_names_valid_ones():
     message = r"stages.0 \(awq\): unknown key 'gruop_size' \(did you mean 'group_size'\?\)"
     with pytest.raises(CompressError, match=message):

@@ -1,0 +1,141 @@
+"""A fault battery through the real CLI on a tiny model with a real MLflow sqlite store: SIGKILL at seeded points of a
+run, SIGTERM during the gate, damaged and mistaken inputs (one line each, nothing written) and two runs sharing one
+artifacts folder and one store. What it guarantees is stated in the README's "Reliability" section."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cli_support import REPO, cli_env, run_statuses
+from helpers import build_tiny_tokenizer, tiny_model_for
+
+from compress.staging import STAGING_OWNER
+
+SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "stages.0.group_size=32"]
+QUIET = ["gate=none", "tracking.enabled=false"]
+
+
+def compress_process(artifacts: Path, *args: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "compress", *args]
+    return subprocess.Popen(
+        command, cwd=REPO, env=cli_env(artifacts), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for(condition, process: subprocess.Popen, what: str, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert process.poll() is None, (what, process.communicate())
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.02)
+
+
+def finished_runs(runs: Path) -> list[Path]:
+    return [folder for folder in runs.iterdir() if not folder.name.startswith(".")] if runs.exists() else []
+
+
+def test_sigkill_at_seeded_points_leaves_nothing_that_looks_finished(tiny_model_dir, tmp_path):
+    """Killed anywhere between its staging folder appearing and its end, a run leaves either a complete run folder
+    (report, a checkpoint transformers loads) or only a hidden staging folder, which the next run sweeps."""
+    from transformers import AutoModelForCausalLM
+
+    artifacts, runs = tmp_path / "artifacts", tmp_path / "artifacts" / "runs"
+    rng = random.Random(0)
+    args = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", *SMALL, *QUIET]
+    for delay in sorted(rng.uniform(0.0, 4.0) for _ in range(3)):
+        process = compress_process(artifacts, *args)
+        wait_for(lambda: any(runs.glob(f".*/{STAGING_OWNER}")), process, "a staging folder")
+        time.sleep(delay)
+        process.kill()
+        process.wait(timeout=60)
+        for folder in finished_runs(runs):
+            assert (folder / "report.json").is_file() and (folder / "checkpoint" / "size.json").is_file()
+            AutoModelForCausalLM.from_pretrained(folder / "checkpoint")
+    assert subprocess.run([sys.executable, "-m", "compress", *args], cwd=REPO, env=cli_env(artifacts)).returncode == 0
+    assert not any(runs.glob(f".*/{STAGING_OWNER}"))  # the dead runs' staging folders were swept
+
+
+def test_sigterm_during_the_gate_ends_its_mlflow_run_killed_and_writes_no_verdict(tiny_model_dir, tmp_path):
+    artifacts = tmp_path / "artifacts"
+    out = tmp_path / "gate"
+    out.mkdir()
+    (out / "gate.json").write_text(json.dumps({"passed": True}))  # a previous verdict in the reused folder
+    process = compress_process(
+        artifacts, "gate", f"checkpoint={tiny_model_dir}", f"baseline={tiny_model_dir}", "gate=quick", f"out={out}",
+        "gate.backend=transformers", "gate.layers=[perplexity,needle]", "gate.perplexity.max_windows=64",
+    )  # fmt: skip
+    wait_for(lambda: run_statuses(artifacts / "mlflow.db") == ["RUNNING"], process, "the gate's MLflow run")
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == -signal.SIGTERM, err[-3000:]
+    assert run_statuses(artifacts / "mlflow.db") == ["KILLED"]
+    assert not (out / "gate.json").exists()  # CI cannot read the old PASS as this gate's verdict
+
+
+def test_damaged_and_mistaken_inputs_fail_in_one_line_and_write_nothing(tiny_model_dir, tmp_path):
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_model_dir, truncated)
+    (truncated / "config.json").write_text((tiny_model_dir / "config.json").read_text()[:40])
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_model_dir, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\0" * 64)
+    other = build_tiny_tokenizer(vocab_size=400)
+    other_family = tmp_path / "other-family"
+    tiny_model_for(other).save_pretrained(other_family)
+    other.save_pretrained(other_family)
+    run = ["run", "recipe=rtn_int4", *SMALL, *QUIET]
+    cases = {
+        "truncated config.json": ([*run, f"model={truncated}"], "config.json is not valid JSON"),
+        "corrupt safetensors": ([*run, f"model={corrupt}"], "cannot load model"),
+        "recipe key typo": ([*run, f"model={tiny_model_dir}", "stages.0.gruop_size=32"], "did you mean 'group_size'"),
+        "pattern matching nothing": (
+            [*run, f"model={tiny_model_dir}", "stages.0.ignore=[lm_head,mlp.down_prj]"],
+            "ignore pattern 'mlp.down_prj' matches no module",
+        ),
+        "baseline of another tokenizer": (
+            ["gate", f"checkpoint={tiny_model_dir}", f"baseline={other_family}", f"out={tmp_path / 'gate'}"],
+            "is not the candidate's",
+        ),
+    }
+    for name, (args, message) in cases.items():
+        artifacts = tmp_path / f"artifacts-{name.replace(' ', '-')}"
+        result = subprocess.run(
+            [sys.executable, "-m", "compress", *args], cwd=REPO, env=cli_env(artifacts), capture_output=True, text=True
+        )
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2, (name, result.stderr[-2000:])
+        assert len(errors) == 1 and message in errors[0], (name, result.stderr[-2000:])
+        assert "Traceback" not in result.stderr, name
+        assert finished_runs(artifacts / "runs") == [] and not any((artifacts / "runs").glob(".*")), name
+        assert not (tmp_path / "gate" / "gate.json").exists(), name
+
+
+def test_two_runs_into_one_artifacts_folder_and_store_both_complete(tiny_model_dir, tmp_path, empty_mlflow_db):
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    shutil.copy(empty_mlflow_db, artifacts / "mlflow.db")
+    args = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", *SMALL, "gate=none"]
+    processes = [compress_process(artifacts, *args) for _ in range(2)]
+    for process in processes:
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+    runs = finished_runs(artifacts / "runs")
+    assert len(runs) == 2 and all((run / "report.json").is_file() for run in runs)
+    assert run_statuses(artifacts / "mlflow.db") == ["FINISHED", "FINISHED"]
+
+
+def test_ctrl_c_ends_a_run_with_130_and_leaves_nothing(tiny_model_dir, tmp_path):
+    artifacts = tmp_path / "artifacts"
+    process = compress_process(artifacts, "run", "recipe=rtn_int4", f"model={tiny_model_dir}", *SMALL, *QUIET)
+    wait_for(lambda: any((artifacts / "runs").glob(f".*/{STAGING_OWNER}")), process, "a staging folder")
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode in (130, -signal.SIGINT), err[-3000:]
+    assert finished_runs(artifacts / "runs") == [] and not any((artifacts / "runs").glob(".*"))
