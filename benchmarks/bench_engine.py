@@ -105,13 +105,18 @@ def random_model(preset: str, device: str, dtype: torch.dtype):
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset random:{preset}; choose one of {', '.join(PRESETS)}")
-    config = LlamaConfig(max_position_embeddings=8192, **PRESETS[preset])
+    return build_random(LlamaForCausalLM, LlamaConfig(max_position_embeddings=8192, **PRESETS[preset]), device, dtype)
+
+
+def build_random(model_class, config, device: str, dtype: torch.dtype):
+    """``model_class(config)`` with seeded random weights, built directly on ``device`` in ``dtype`` (an 8B model is
+    never materialised in fp32 on the host)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             torch.manual_seed(0)
-            model = LlamaForCausalLM(config)
+            model = model_class(config)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from benchmarks.bench_engine import random_model
+from benchmarks.bench_engine import build_random, random_model
 from compress.engine import LLM, SamplingParams
 
 
@@ -49,15 +49,7 @@ def random_moe(device: str, dtype: torch.dtype):
         num_experts_per_tok=2,
         max_position_embeddings=4096,
     )
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            torch.manual_seed(0)
-            model = MixtralForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
+    return build_random(MixtralForCausalLM, config, device, dtype)
 
 
 MODELS = {

@@ -19,8 +19,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args()
     overrides = [f"calibration_batch_size={args.batch_size}"]
-    oneshot(args.model, args.recipe, data=torch.load(args.samples), output_dir=args.output, overrides=overrides,
-            device="cpu")  # fmt: skip
+    samples = torch.load(args.samples, weights_only=True)
+    oneshot(args.model, args.recipe, data=samples, output_dir=args.output, overrides=overrides, device="cpu")
 
 
 if __name__ == "__main__":

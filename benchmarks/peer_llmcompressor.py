@@ -75,7 +75,7 @@ def main() -> None:
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    samples = torch.load(args.samples)
+    samples = torch.load(args.samples, weights_only=True)
     dataset = Dataset.from_dict({"input_ids": samples.tolist(), "attention_mask": torch.ones_like(samples).tolist()})
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
     tokenizer = AutoTokenizer.from_pretrained(args.model)

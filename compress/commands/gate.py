@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
         print(usage(GateOptions, SYNOPSIS) + "\n  gate.<key>=<value>  (any key of recipes/gate/default.yaml)")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from compress.evals.gate import describe_sides, resolve_policy, run_gate
+    from compress.evals.gate import clear_verdict, describe_sides, resolve_policy, run_gate
     from compress.tracking import RunLog, check_writable, record_verdict, tracking_uri
 
     with sigterm_as_interrupt():  # a killed gate ends its MLflow run KILLED, like Ctrl-C
@@ -70,6 +70,7 @@ def main(argv: list[str]) -> int:
         candidate = options.checkpoint
         describe_sides(candidate, options.baseline, texts)  # a baseline of another tokenizer: refused, nothing written
         out_dir = options.out or artifacts_dir() / "gates" / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(candidate).name}"
+        clear_verdict(out_dir)  # before the MLflow run opens: a kill from here on leaves no verdict at all
         run = RunLog(uri, experiment, None, tags={"compress.kind": "gate"})
         try:
             result = run_gate(candidate, options.baseline, policy, out_dir, evaluation_texts=texts)

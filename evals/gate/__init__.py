@@ -13,11 +13,12 @@ Modules, in import order: ``stats`` (intervals, verdicts) → ``policy`` → ``c
 """
 
 from compress.evals.gate.policy import LAYER_ORDER, GatePolicy, resolve_policy
-from compress.evals.gate.report import summary_metrics, write_report
+from compress.evals.gate.report import clear_verdict, summary_metrics, write_report
 from compress.evals.gate.result import GateResult, LayerResult
 from compress.evals.gate.run import describe_sides, run_gate
 
 __all__ = [
+    "clear_verdict",
     "describe_sides",
     "LAYER_ORDER",
     "GatePolicy",

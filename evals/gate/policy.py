@@ -13,6 +13,7 @@ from compress.errors import CompressError
 from compress.typed import typed
 
 LAYER_ORDER = ["perplexity", "kl", "lm_eval", "json", "needle", "long_context", "latency"]
+BACKENDS = ("auto", "engine", "transformers")  # generation for the needle, JSON and long-context layers
 
 
 @dataclass
@@ -114,7 +115,7 @@ class GatePolicy:
     layers: list[str] = field(default_factory=lambda: list(LAYER_ORDER))
     confidence: float = 0.95  # of every interval a verdict is read from
     decide: bool = False  # an INCONCLUSIVE perplexity/KL verdict scores more windows until decided (up to a cap)
-    backend: str = "auto"  # auto | engine | transformers
+    backend: str = "auto"  # one of BACKENDS
     engine: dict[str, Any] = field(default_factory=dict)  # compress.engine.EngineConfig options
     kv_cache_dtype: str | None = None  # null: the candidate's kv_cache_scheme, else the model dtype
     seed: int = 0
@@ -139,6 +140,14 @@ def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
     unknown = [layer for layer in resolved.layers if layer not in LAYER_ORDER]
     if unknown:
         raise CompressError(f"gate.layers has unknown layers {unknown}; choose from {LAYER_ORDER}")
+    if resolved.backend not in BACKENDS:
+        raise CompressError(f"gate.backend={resolved.backend!r} is unknown; use {', '.join(BACKENDS)}")
+    from compress.engine.config import EngineConfig
+
+    try:
+        typed(EngineConfig, resolved.engine, "gate.engine")  # a typo here is a usage error, not a BLOCK later
+    except (TypeError, ValueError) as error:
+        raise CompressError(f"gate.engine: {error}") from None
     from compress.evals.long_context import TASKS
 
     unknown_tasks = sorted(set(resolved.long_context.tasks) - set(TASKS))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -11,6 +12,8 @@ from compress.evals.gate.result import GateResult
 
 TITLES = {"pass": "PASSED", "block": "BLOCKED", "inconclusive": "INCONCLUSIVE"}
 
+log = logging.getLogger(__name__)
+
 
 def _format(value) -> str:
     if value is None:
@@ -18,6 +21,18 @@ def _format(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+VERDICT_FILES = ("gate.json", "gate.md")
+
+
+def clear_verdict(out_dir: Path) -> None:
+    """Remove a previous verdict from a reused folder before judging again: a gate killed midway must not leave the
+    last one (perhaps a PASS) for CI to read as its own."""
+    for name in VERDICT_FILES:
+        if (Path(out_dir) / name).exists():
+            log.info("gate: removing the previous verdict %s before judging again", Path(out_dir) / name)
+            (Path(out_dir) / name).unlink()
 
 
 def write_report(result: GateResult, out_dir: Path) -> list[Path]:

@@ -19,7 +19,7 @@ from compress.evals import generation, loading
 from compress.evals.gate.context import GateContext, Subject
 from compress.evals.gate.layers import LAYERS, CannotJudge
 from compress.evals.gate.policy import GatePolicy, policy_dict, resolve_policy
-from compress.evals.gate.report import write_report
+from compress.evals.gate.report import clear_verdict, write_report
 from compress.evals.gate.result import GateResult, LayerResult
 from compress.evals.gate.stats import BLOCK, INCONCLUSIVE, PASS
 from compress.evals.gate.windows import cached_baseline
@@ -99,10 +99,7 @@ def run_gate(
     resolved = resolve_policy(policy)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("gate.json", "gate.md"):  # a re-gate killed midway must not leave the previous verdict behind
-        if (out_dir / stale).exists():
-            log.info("gate: removing the previous verdict %s before judging again", out_dir / stale)
-            (out_dir / stale).unlink()
+    clear_verdict(out_dir)
     if candidate_label is None:
         path_like = isinstance(candidate, str | Path)
         candidate_label = str(candidate) if path_like else str(candidate_path or "<in memory>")

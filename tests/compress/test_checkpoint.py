@@ -146,3 +146,15 @@ def test_loading_a_quantized_checkpoint_never_builds_its_dense_weights(tmp_path,
     assert initialised and all(initialised)
     assert not any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()])
     assert model.model.rotary_emb.inv_freq.abs().sum() > 0  # built, not read from the file
+
+
+def test_allow_pickle_still_prefers_safetensors_where_both_exist(tmp_path):
+    """allow_pickle lets a pickle-only folder load; it must not make transformers pick the pickle over safetensors
+    (use_safetensors=False did: the .bin, which can run code, won)."""
+    model = build_tiny_llama()
+    model.save_pretrained(tmp_path)
+    doctored = {name: tensor + 1.0 for name, tensor in model.state_dict().items()}
+    torch.save(doctored, tmp_path / "pytorch_model.bin")
+    loaded, _ = load_checkpoint(tmp_path, allow_pickle=True)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(loaded.state_dict()[name], model.state_dict()[name])

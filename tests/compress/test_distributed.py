@@ -49,7 +49,7 @@ def test_every_rank_ends_with_the_same_weights(checkpoints):
     parallel, _ = checkpoints
     assert sorted(p.name for p in parallel.glob("rank*")) == ["rank0-of-2", "rank1-of-2"]
     for name in RECIPES:
-        first, second = (torch.load(parallel / f"rank{r}-of-2" / f"{name}.pt") for r in (0, 1))
+        first, second = (torch.load(parallel / f"rank{r}-of-2" / f"{name}.pt", weights_only=True) for r in (0, 1))
         assert all(torch.equal(first[key], second[key]) for key in first), name
 
 

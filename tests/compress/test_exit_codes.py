@@ -70,3 +70,18 @@ def test_compare_reports_an_unreadable_store_as_a_failure_not_a_bug(tmp_path, mo
 def test_generate_with_a_checkpoint_that_does_not_exist_is_a_usage_error(tmp_path, capsys):
     assert main(["generate", f"checkpoint={tmp_path / 'missing'}", "prompt=hi"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("gate.backend=engin", "gate.backend='engin' is unknown"),
+        ("gate.engine.max_num_seq=4", "gate.engine: unknown key 'max_num_seq' (did you mean 'max_num_seqs'?)"),
+    ],
+)
+def test_a_gate_policy_typo_is_a_usage_error_not_a_block(override, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    out = tmp_path / "gate"
+    assert main(["gate", f"checkpoint={tmp_path}", f"baseline={tmp_path}", f"out={out}", override]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()

@@ -183,8 +183,6 @@ subprocess.run(["mount", "--bind", f"{work}/store", ro], check=True)  # a real M
 subprocess.run(["mount", "-o", "remount,bind,ro", ro], check=True)  # ... seen through a read-only mount
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", full], check=True)  # room for less than the model
 logging.basicConfig(stream=sys.__stderr__)
-from cli_support import REPO, cli_env, run_statuses
-
 from compress.__main__ import main
 
 cases = {  # the first case pays for importing torch and transformers

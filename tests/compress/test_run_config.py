@@ -244,7 +244,7 @@ def test_model_with_its_own_code_names_our_key(remote_code_model, tmp_path, comp
         (["prompt=hi", "temperature=-1"], "need temperature >= 0", 2),
         (["prompt=hi", "kv_cache_dtype=int4"], "kv_cache_dtype='int4': choose auto or one of", 2),
         (["prompt=hi", "checkpoint=/no/such/checkpoint"], "checkpoint=/no/such/checkpoint: no config.json there", 2),
-        (["prompt=hi", "max_tokens=5000"], "exceeds max_model_len=512", 1),
+        (["prompt=hi", "max_tokens=5000"], "exceeds max_model_len=512", 2),
     ],
 )
 def test_generate_bad_arguments_are_one_line(tiny_model_dir, tmp_path, arguments, message, code, compress_cli):

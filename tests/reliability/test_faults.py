@@ -15,6 +15,7 @@ from pathlib import Path
 
 from cli_support import REPO, cli_env, run_statuses
 from helpers import build_tiny_tokenizer, tiny_model_for
+from safetensors.torch import load_file, save_file
 
 from compress.staging import STAGING_OWNER
 
@@ -86,6 +87,11 @@ def test_damaged_and_mistaken_inputs_fail_in_one_line_and_write_nothing(tiny_mod
     corrupt = tmp_path / "corrupt"
     shutil.copytree(tiny_model_dir, corrupt)
     (corrupt / "model.safetensors").write_bytes(b"\0" * 64)
+    nan = tmp_path / "nan"
+    shutil.copytree(tiny_model_dir, nan)
+    weights = load_file(nan / "model.safetensors")
+    weights["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(weights, nan / "model.safetensors", metadata={"format": "pt"})
     other = build_tiny_tokenizer(vocab_size=400)
     other_family = tmp_path / "other-family"
     tiny_model_for(other).save_pretrained(other_family)
@@ -94,6 +100,7 @@ def test_damaged_and_mistaken_inputs_fail_in_one_line_and_write_nothing(tiny_mod
     cases = {
         "truncated config.json": ([*run, f"model={truncated}"], "config.json is not valid JSON"),
         "corrupt safetensors": ([*run, f"model={corrupt}"], "cannot load model"),
+        "NaN weights": ([*run, f"model={nan}"], "non-finite values (NaN/inf)"),
         "recipe key typo": ([*run, f"model={tiny_model_dir}", "stages.0.gruop_size=32"], "did you mean 'group_size'"),
         "pattern matching nothing": (
             [*run, f"model={tiny_model_dir}", "stages.0.ignore=[lm_head,mlp.down_prj]"],
