@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from compress.data import DataSpec
+from compress.data import SOURCES, DataSpec, out_of_domain
 from compress.errors import CompressError, EnvironmentFailure, unknown_key_error
 from compress.evals.gate import GatePolicy
 from compress.models import ModelSpec
@@ -30,7 +30,6 @@ T = TypeVar("T")
 SAVE_DTYPES = ("float16", "bfloat16", "float32")
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
-DATA_SOURCES = ("pydoc", "file", "hf")
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 
 
@@ -41,6 +40,9 @@ class EvalSpec:
     batch_size: int = 4
     max_windows: int | None = None
     reference: str | None = None  # "rtn": also evaluate round-to-nearest with the recipe's weight scheme
+    # The headline evaluation text: another source than the calibration data, whose held-out split is reported beside
+    # it as the in-domain figure. None: the in-domain split is the only evaluation (labelled so).
+    data: DataSpec | None = field(default_factory=out_of_domain)
 
 
 @dataclass
@@ -141,12 +143,14 @@ def check_values(config: RunConfig) -> None:
     _at_least("eval.max_windows", config.eval.max_windows, 1)
     if not DEVICE.fullmatch(config.device):
         raise CompressError(f"device={config.device!r} is unknown; use auto, cpu, cuda or cuda:N")
-    if config.data.source not in DATA_SOURCES:
-        raise CompressError(f"data.source={config.data.source!r} is unknown; use {', '.join(DATA_SOURCES)}")
-    if not 0.0 < config.data.eval_fraction < 1.0:
-        raise CompressError(f"data.eval_fraction={config.data.eval_fraction} must be between 0 and 1")
-    if config.data.source == "file" and config.data.path and not Path(config.data.path).expanduser().is_file():
-        raise CompressError(f"data.path={config.data.path}: no such file; give a .txt or .jsonl file")
+    _check_data(config.data, "data")
+    if config.eval.data is not None:
+        _check_data(config.eval.data, "eval.data")
+        if _same_text(config.eval.data, config.data):
+            raise CompressError(
+                "eval.data is the calibration source itself: its held-out split is already reported as the in-domain "
+                "figure; give eval.data another source, or eval.data=null for in-domain only"
+            )
     if config.output.save_dtype not in (None, *SAVE_DTYPES):
         raise CompressError(
             f"output.save_dtype={config.output.save_dtype!r} is not supported; "
@@ -205,13 +209,27 @@ def check_model_context(config: RunConfig) -> None:
             )
 
 
-def check_evaluation_length(evaluation_tokens: int, config: RunConfig) -> None:
+def _check_data(spec: DataSpec, key: str) -> None:
+    if spec.source not in SOURCES:
+        raise CompressError(f"{key}.source={spec.source!r} is unknown; use {', '.join(SOURCES)}")
+    if not 0.0 < spec.eval_fraction < 1.0:
+        raise CompressError(f"{key}.eval_fraction={spec.eval_fraction} must be between 0 and 1")
+    if spec.source == "file" and spec.path and not Path(spec.path).expanduser().is_file():
+        raise CompressError(f"{key}.path={spec.path}: no such file; give a .txt or .jsonl file")
+
+
+def _same_text(first: DataSpec, second: DataSpec) -> bool:
+    where = ("source", "path", "name", "subset", "split", "text_field")
+    return all(getattr(first, key) == getattr(second, key) for key in where)
+
+
+def check_evaluation_length(evaluation_tokens: int, config: RunConfig, key: str = "data") -> None:
     """The perplexity protocol needs one window of ``eval.seq_len`` tokens; known once the text is tokenized,
-    which is before the baseline evaluation and the compression."""
+    which is before the baseline evaluation and the compression. ``key``: the data section the text comes from."""
     if config.eval.perplexity and evaluation_tokens < config.eval.seq_len:
         raise CompressError(
-            f"eval.seq_len={config.eval.seq_len} is longer than the evaluation text ({evaluation_tokens} tokens); "
-            f"set eval.seq_len≤{evaluation_tokens}, give more text, or raise data.eval_fraction"
+            f"eval.seq_len={config.eval.seq_len} is longer than the evaluation text of {key} ({evaluation_tokens} "
+            f"tokens); set eval.seq_len≤{evaluation_tokens}, give more text, or raise {key}.eval_fraction"
         )
 
 

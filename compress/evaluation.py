@@ -1,11 +1,13 @@
 """The run's perplexity passes: the baseline (recording its top-k distributions when the gate judges the KL), the
 candidate from its checkpoint (its KL from the baseline measured in the same pass) and the RTN reference, all on the
-same windows of the evaluation text (``compress.evals.perplexity``). The gate judges these numbers instead of measuring
-again.
+same windows of the headline evaluation text (``compress.evals.perplexity``), which comes from another source than the
+calibration data; the gate judges these numbers instead of measuring again. The baseline and the candidate are also
+scored on the calibration source's held-out split, reported beside the headline as the in-domain figure.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,25 +24,50 @@ from compress.stages import Stage
 from compress.stages.rtn import rtn_reference
 
 
-class RunEvaluation:
-    """One run's passes, in ``results`` by name (``baseline``, ``candidate``, ``rtn_reference``)."""
+@dataclass
+class EvaluationText:
+    """One evaluation text of a run: where it comes from, its pieces (what the gate reads) and their token ids."""
 
-    def __init__(self, config: RunConfig, eval_ids: torch.Tensor, device: torch.device):
-        self.config, self.eval_ids, self.device = config, eval_ids, device
+    source: str
+    texts: list[str]
+    ids: torch.Tensor
+    in_domain: bool  # the calibration source's held-out split: flattering, so never the headline when another exists
+
+    def describe(self) -> dict:
+        return {"source": self.source, "tokens": int(self.ids.numel()), "in_domain": self.in_domain}
+
+
+class RunEvaluation:
+    """One run's passes on the headline text, in ``results`` by name (``baseline``, ``candidate``,
+    ``rtn_reference``), and on the in-domain text, when it is another one, in ``in_domain_results``."""
+
+    def __init__(
+        self, config: RunConfig, headline: EvaluationText, in_domain: EvaluationText | None, device: torch.device
+    ):
+        self.config, self.headline, self.in_domain, self.device = config, headline, in_domain, device
+        self.eval_ids = headline.ids
         self.results: dict[str, PerplexityResult] = {}
+        self.in_domain_results: dict[str, PerplexityResult] = {}
         protocol = (config.eval.seq_len, config.eval.max_windows)
-        self.recorder = reference_recorder(config.gate, eval_ids, *protocol) if config.eval.perplexity else None
+        self.recorder = reference_recorder(config.gate, self.eval_ids, *protocol) if config.eval.perplexity else None
 
     def baseline(self, model: torch.nn.Module) -> None:
         self.results["baseline"] = self._evaluate(model, "perplexity [baseline]", observer=self.recorder)
         if self.recorder is not None:  # a later `compress gate` against this model on this text reuses it
             folder = resolve_model_path(self.config.model)
             keep_reference(self.config.gate, folder, self.eval_ids, self.config.eval.seq_len, self.recorder)
+        self._in_domain("baseline", model)
 
     def candidate(self, checkpoint: Path) -> None:
         model, _ = load_checkpoint(checkpoint)
         meter = DivergenceMeter(self.recorder.tensors()) if self.recorder is not None else None
         self.results["candidate"] = self._evaluate(model, f"perplexity [{self.config.recipe}]", observer=meter)
+        self._in_domain("candidate", model)
+
+    def _in_domain(self, side: str, model: torch.nn.Module) -> None:
+        if self.in_domain is not None:
+            label = f"perplexity [{side}, in-domain {self.in_domain.source}]"
+            self.in_domain_results[side] = self._evaluate(model, label, ids=self.in_domain.ids)
 
     def rtn_reference(self, stages: list[Stage], samples: torch.Tensor) -> None:
         """Round-to-nearest with the recipe's weight scheme, streamed on the CPU: each layer quantized on a copy as
@@ -53,10 +80,12 @@ class RunEvaluation:
             compress_model(model, [rtn], samples, self.device, 1)
         self.results["rtn_reference"] = self._evaluate(model, "perplexity [rtn]", transform=quantized)
 
-    def _evaluate(self, model, label: str, **options) -> PerplexityResult:
-        """``options``: a layer ``transform`` (the streamed RTN reference), an ``observer`` (the gate's KL)."""
+    def _evaluate(self, model, label: str, ids: torch.Tensor | None = None, **options) -> PerplexityResult:
+        """``options``: a layer ``transform`` (the streamed RTN reference), an ``observer`` (the gate's KL); ``ids``:
+        another text than the headline one."""
         protocol = (self.config.eval.seq_len, self.config.eval.batch_size, self.config.eval.max_windows)
+        ids = self.eval_ids if ids is None else ids
         try:
-            return stored_model_perplexity(model, self.eval_ids, *protocol, label=label, device=self.device, **options)
+            return stored_model_perplexity(model, ids, *protocol, label=label, device=self.device, **options)
         except FloatingPointError as error:
             raise CompressError(str(error)) from error

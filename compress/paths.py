@@ -13,5 +13,11 @@ def artifacts_dir() -> Path:
     return Path(os.environ.get("COMPRESS_ARTIFACTS", REPO_ROOT / "artifacts")).resolve()
 
 
+def data_cache() -> Path:
+    """``$COMPRESS_DATA_CACHE`` or ``~/.cache/compress``: public text corpora fetched once per machine, shared by every
+    artifacts folder (tests give each test its own artifacts, not its own copy of a corpus)."""
+    return Path(os.environ.get("COMPRESS_DATA_CACHE", Path.home() / ".cache" / "compress")).expanduser().resolve()
+
+
 def recipes_dir() -> Path:
     return Path(os.environ.get("COMPRESS_RECIPES", REPO_ROOT / "recipes")).resolve()

@@ -20,7 +20,7 @@ from compress.config import RunConfig, check_evaluation_length
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.distributed import select_device
 from compress.errors import CompressError
-from compress.evaluation import RunEvaluation
+from compress.evaluation import EvaluationText, RunEvaluation
 from compress.memory import release_freed_memory
 from compress.models import check_model_source, load, resolve_model_path
 from compress.moe import unfuse_experts
@@ -55,7 +55,7 @@ def run(config: RunConfig) -> RunResult | None:
     distributed.main_first(lambda: resolve_model_path(config.model))  # convert the default model once
     if not distributed.is_main():  # calibrate this rank's shard, nothing else
         torch.manual_seed(config.seed)
-        model, _, _, samples, _ = _load(config, stages, Timer())
+        model, _, samples, _, _ = _load(config, stages, Timer())
         compress_model(model, stages, samples, device, config.calibration_batch_size)
         return None
     uri = tracking_uri(config.tracking.uri) if config.tracking.enabled else None
@@ -97,26 +97,35 @@ def run(config: RunConfig) -> RunResult | None:
 
 
 def _load(config: RunConfig, stages: list[Stage], timer: Timer) -> tuple:
-    """``(model, tokenizer, evaluation ids, calibration samples, evaluation texts)``, the stages prepared on the model;
-    the corpus is read once, and the gate gets the same evaluation texts."""
-    with timer.phase("data"):
-        corpus = load_corpus(config.data)  # before the model: a bad data source fails in seconds
+    """``(model, tokenizer, calibration samples, headline evaluation text, in-domain text or None)``, the stages
+    prepared on the model; each corpus is read once, and the gate gets the headline texts."""
+    with timer.phase("data"):  # before the model: a bad data source fails in seconds
+        corpus = load_corpus(config.data)
+        outside = load_corpus(config.eval.data).evaluation if config.eval.data is not None else None
     with timer.phase("load_model"):
         model, tokenizer = load(config.model)
         unfuse_experts(model)  # MoE: the stages check (and the baseline runs) the per-expert form they compress
         prepare_stages(model, stages)  # a model a stage cannot handle fails before the baseline evaluation
     with timer.phase("data"):
-        eval_ids = tokenize(tokenizer, corpus.evaluation_text)
-        check_evaluation_length(int(eval_ids.numel()), config)
+        in_domain = _evaluation_text(config, tokenizer, config.data.source, corpus.evaluation, "data")
+        headline = in_domain
+        if outside is not None:
+            headline = _evaluation_text(config, tokenizer, config.eval.data.source, outside, "eval.data")
         calibration_ids = tokenize(tokenizer, corpus.calibration_text)
         samples = calibration_samples(calibration_ids, config.data.num_samples, config.data.seq_len, config.seed)
-    return model, tokenizer, eval_ids, samples, corpus.evaluation
+    return model, tokenizer, samples, headline, None if headline is in_domain else in_domain
+
+
+def _evaluation_text(config: RunConfig, tokenizer, source: str, texts: list[str], key: str) -> EvaluationText:
+    ids = tokenize(tokenizer, "\n\n".join(texts))
+    check_evaluation_length(int(ids.numel()), config, key)
+    return EvaluationText(source, texts, ids, in_domain=key == "data")
 
 
 def _execute(config: RunConfig, stages: list[Stage], device: torch.device, staging: Path, timer: Timer) -> tuple:
     """``(report, evaluation texts)``."""
-    model, tokenizer, eval_ids, samples, evaluation_texts = _load(config, stages, timer)
-    passes = RunEvaluation(config, eval_ids, device)
+    model, tokenizer, samples, headline, in_domain = _load(config, stages, timer)
+    passes = RunEvaluation(config, headline, in_domain, device)
     if config.eval.perplexity:
         with timer.phase("eval_baseline"):
             passes.baseline(model)
@@ -140,14 +149,17 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
         "data": {
             "source": config.data.source,
             "calibration_tokens": int(samples.numel()),
-            "evaluation_tokens": int(eval_ids.numel()),
+            "evaluation_tokens": int(headline.ids.numel()),
+            "evaluation": headline.describe(),  # the headline text
+            "in_domain": in_domain.describe() if in_domain is not None else None,
             "ranks": distributed.world(),  # data-parallel calibration processes (torchrun)
         },
         "stages": named_summaries(stages, summaries),
         "perplexity": {name: result.to_dict() for name, result in passes.results.items()},
+        "perplexity_in_domain": {name: result.to_dict() for name, result in passes.in_domain_results.items()},
         "checkpoint": summary.to_dict(),
     }
-    return report, evaluation_texts
+    return report, headline.texts
 
 
 def _gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None, measured: dict | None, texts) -> dict:

@@ -1,8 +1,9 @@
 """What a run reports: phase timings, the metrics it logs, and the one-screen summary (``report.md``, the CLI).
 
-The run's own perplexity is logged as ``ppl_baseline`` / ``ppl_candidate`` / ``ppl_ratio``; the release gate's
-numbers live under ``gate.*`` (see ``compress.evals.gate.summary_metrics``), so the two never overwrite each other in
-MLflow.
+The run's own perplexity is logged as ``ppl_baseline`` / ``ppl_candidate`` / ``ppl_ratio`` on the headline text
+(another source than the calibration data) and ``..._in_domain`` on the calibration source's held-out split; the
+release gate's numbers live under ``gate.*`` (see ``compress.evals.gate.summary_metrics``), so the two never
+overwrite each other in MLflow.
 """
 
 from __future__ import annotations
@@ -56,27 +57,47 @@ def run_metrics(report: dict) -> dict[str, float]:
         )
     if "rtn_reference" in ppl:
         metrics["ppl_rtn_reference"] = ppl["rtn_reference"]["perplexity"]
+    in_domain = report.get("perplexity_in_domain") or {}
+    if "baseline" in in_domain and "candidate" in in_domain:
+        metrics.update(
+            ppl_baseline_in_domain=in_domain["baseline"]["perplexity"],
+            ppl_candidate_in_domain=in_domain["candidate"]["perplexity"],
+            ppl_ratio_in_domain=in_domain["candidate"]["perplexity"] / in_domain["baseline"]["perplexity"],
+        )
     return metrics
 
 
 def summary_lines(report: dict) -> list[str]:
     """The run's summary without the gate verdict, which the CLI prints once, last."""
-    ckpt = report["checkpoint"]
+    ckpt, data = report["checkpoint"], report["data"]
+    headline, in_domain = data.get("evaluation") or {}, data.get("in_domain")
+    where = f"{headline.get('source', data['source'])}, " + (
+        "in-domain: the calibration source" if not in_domain else "out-of-domain"
+    )
     lines = [
         f"# compress run {report['run_id']}",
         "",
-        f"recipe `{report['recipe']}` on model `{report['model']}`; "
-        f"{report['data']['calibration_tokens']} calibration tokens, {report['data']['evaluation_tokens']} "
-        f"evaluation tokens ({report['data']['source']})",
+        f"recipe `{report['recipe']}` on model `{report['model']}`; {data['calibration_tokens']} calibration tokens "
+        f"({data['source']}), {data['evaluation_tokens']} evaluation tokens ({where})"
+        + (
+            f"; in-domain beside it: {in_domain['tokens']} held-out tokens of {in_domain['source']}"
+            if in_domain
+            else ""
+        ),
         "",
-        "| model | perplexity | vs baseline |",
-        "|---|---|---|",
     ]
-    ppl = report["perplexity"]
+    ppl, beside = report["perplexity"], report.get("perplexity_in_domain") or {}
+    lines += ["| model | perplexity | vs baseline |" + (" in-domain | vs baseline |" if beside else "")]
+    lines += ["|---|---|---|" + ("---|---|" if beside else "")]
     base = ppl.get("baseline", {}).get("perplexity")
+    base_beside = beside.get("baseline", {}).get("perplexity")
     for name, result in ppl.items():
         ratio = f"{result['perplexity'] / base:.4f}×" if base else "n/a"
-        lines.append(f"| {name} | {result['perplexity']:.4f} | {ratio} |")
+        row = f"| {name} | {result['perplexity']:.4f} | {ratio} |"
+        if beside:
+            other = beside.get(name, {}).get("perplexity")
+            row += f" {other:.4f} | {other / base_beside:.4f}× |" if other and base_beside else " – | – |"
+        lines.append(row)
     divergence = ppl.get("candidate", {}).get("divergence")
     if divergence:  # measured in the candidate's perplexity pass, against the baseline's top-k
         lines.append(

@@ -41,12 +41,13 @@ def load_policy(name: str, overrides: list[str]) -> dict:
 
 
 def evaluation_texts(policy: dict) -> list[str]:
-    """The held-out split of ``gate.data`` (default: the pipeline's default corpus), popped from the policy: the
-    evaluators take text, not a data source."""
+    """The held-out split of ``gate.data`` (default: the run's default headline text, out-of-domain for the default
+    calibration data), popped from the policy: the evaluators take text, not a data source."""
     from compress.config import build_section
-    from compress.data import DataSpec, load_corpus
+    from compress.data import DataSpec, load_corpus, out_of_domain
 
-    return load_corpus(build_section(DataSpec, policy.pop("data", None), "gate.data")).evaluation
+    data = policy.pop("data", None)
+    return load_corpus(build_section(DataSpec, data, "gate.data") if data else out_of_domain()).evaluation
 
 
 @command_exits

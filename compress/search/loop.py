@@ -76,6 +76,8 @@ def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchRe
         sweep_stale_staging(trial)
     device = select_device(config.device)
     corpus = load_corpus(config.data)
+    # trials are judged on the run's headline text: another source than the calibration data unless eval.data=null
+    judged = load_corpus(config.eval.data).evaluation if config.eval.data is not None else corpus.evaluation
     model, tokenizer = load(config.model)
     ids = tokenize(tokenizer, corpus.calibration_text)
     samples = calibration_samples(ids, config.data.num_samples, config.data.seq_len, config.seed)
@@ -102,7 +104,7 @@ def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchRe
             stage_args = [dict(stage) for stage in config.stages]
             stage_args[position] = _mixed_stage(quantizer, allocation.per_module(units))
             trials.append(
-                _trial(config, len(trials) + 1, point, allocation, stage_args, samples, device, corpus.evaluation,
+                _trial(config, len(trials) + 1, point, allocation, stage_args, samples, device, judged,
                        trial_dir, tracker)
             )  # fmt: skip
         else:

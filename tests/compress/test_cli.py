@@ -133,7 +133,7 @@ def test_run_ends_with_the_release_gate(tiny_model_dir, artifacts, max_ratio, en
         f"gate.enforce={enforce}",
     ]
     assert main(args) == code
-    assert len(reads) == 1
+    assert [spec.source for spec in reads] == ["pydoc", "shakespeare"]  # each corpus read once
     [run_dir] = (artifacts / "runs").iterdir()
     report = json.loads((run_dir / "report.json").read_text())
     passed = max_ratio > 1

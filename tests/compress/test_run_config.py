@@ -316,7 +316,7 @@ def test_evaluation_text_shorter_than_one_window_is_named(tiny_model_dir):
     check_evaluation_length(256, config)
     with pytest.raises(
         CompressError,
-        match=r"eval.seq_len=256 is longer than the evaluation text \(100 tokens\); "
-        r"set eval.seq_len≤100",
+        match=r"eval.seq_len=256 is longer than the evaluation text of eval.data \(100 tokens\); "
+        r"set eval.seq_len≤100, give more text, or raise eval.data.eval_fraction",
     ):
-        check_evaluation_length(100, config)
+        check_evaluation_length(100, config, "eval.data")
