@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from compress.errors import ExitCode
+
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -116,7 +118,11 @@ def summary_lines(report: dict) -> list[str]:
     return lines
 
 
-VERDICT_EXIT_CODES = {"pass": 0, "block": 1, "inconclusive": 3}  # what an enforced gate exits with
+VERDICT_EXIT_CODES = {  # what an enforced gate exits with (compress.errors.ExitCode)
+    "pass": int(ExitCode.OK),
+    "block": int(ExitCode.BLOCKED),
+    "inconclusive": int(ExitCode.CANNOT_JUDGE),
+}
 
 
 def verdict_line(gate: dict, enforce: bool | None = None) -> str:

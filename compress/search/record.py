@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from compress.errors import ExitCode
 from compress.search.frontier import Allocation, Frontier
 from compress.search.spec import SearchSpec
 
@@ -39,7 +40,7 @@ class SearchResult:
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.best is not None else 1
+        return int(ExitCode.OK if self.best is not None else ExitCode.BLOCKED)
 
 
 def outcome_line(outcome: str, trials: list[Trial], best: Trial | None, spec: SearchSpec) -> str:

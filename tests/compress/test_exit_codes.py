@@ -85,3 +85,11 @@ def test_a_gate_policy_typo_is_a_usage_error_not_a_block(override, message, tmp_
     assert main(["gate", f"checkpoint={tmp_path}", f"baseline={tmp_path}", f"out={out}", override]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_gate_with_a_store_it_cannot_write_is_a_failure_not_a_usage_error(tmp_path, monkeypatch, capsys):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the store's folder should be")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{blocked}/mlflow.db")
+    assert main(["gate", f"checkpoint={tmp_path}", f"baseline={tmp_path}", f"out={tmp_path / 'gate'}"]) == 4
+    assert f"error: MLflow store sqlite:///{blocked}/mlflow.db: cannot write" in capsys.readouterr().err

@@ -230,9 +230,17 @@ def test_the_gate_command_exits_3_on_inconclusive_and_says_why(pair, tmp_path, m
     measured = _ratio_interval(
         run_gate(pair["candidate"], pair["baseline"], policy, tmp_path / "m", evaluation_texts=texts)
     )
-    args = [f"checkpoint={pair['candidate']}", f"baseline={pair['baseline']}", "gate=quick", f"out={tmp_path / 'g'}",
-            "gate.layers=[perplexity]", "gate.perplexity.seq_len=128", "gate.perplexity.max_windows=12",
-            f"gate.perplexity.max_ratio={(measured.estimate + measured.high) / 2}"]  # fmt: skip
+    args = [
+        f"checkpoint={pair['candidate']}",
+        f"baseline={pair['baseline']}",
+        "gate=quick",
+        f"out={tmp_path / 'g'}",
+        "gate.layers=[perplexity]",
+        "gate.perplexity.seq_len=128",
+        "gate.perplexity.max_windows=12",
+        f"gate.perplexity.max_ratio={(measured.estimate + measured.high) / 2}",
+        "gate.data.source=pydoc",  # the text the limit was measured on
+    ]
     assert gate_command.main(args) == 3
     out = capsys.readouterr().out
     assert "release gate: INCONCLUSIVE — perplexity ×" in out and "items would decide it" in out
