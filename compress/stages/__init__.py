@@ -14,9 +14,10 @@ from compress.stages.mixed import MixedStage
 from compress.stages.prune import MagnitudePruneStage, SparseGPTStage, WandaStage
 from compress.stages.rotate import RotateStage
 from compress.stages.rtn import RTNStage
+from compress.stages.signround import SignRoundStage
 from compress.stages.smoothquant import SmoothQuantStage
 
-STAGES: dict[str, type[Stage]] = {stage.name: stage for stage in (RTNStage, AWQStage, GPTQStage, MixedStage)}
+STAGES: dict[str, type[Stage]] = {s.name: s for s in (RTNStage, AWQStage, GPTQStage, SignRoundStage, MixedStage)}
 STAGES.update({s.name: s for s in (RotateStage, SmoothQuantStage, W8A8Stage, FP8Stage, KVCacheStage)})
 STAGES.update({s.name: s for s in (LoRAMergeStage, MagnitudePruneStage, WandaStage, SparseGPTStage, DistillStage)})
 

@@ -18,6 +18,7 @@ evenly. Everything is computed in float64 and stored back in the weights' dtype.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from compress.stages.mappings import Mapping, family_mappings, previous_rows
 WRITERS = ("self_attn.o_proj", "mlp.down_proj")  # the linears whose outputs join the residual stream
 SANDWICH_NORMS = ("post_feedforward_layernorm",)  # a norm after a sublayer's output: R1 cannot pass through it
 KINDS = ("hadamard", "random")
+log = logging.getLogger(__name__)
 FUSED_VALUES = Mapping("self_attn.qkv_proj", ("self_attn.o_proj",), rows="v")  # Phi-3: the v rows of qkv_proj
 
 
@@ -58,17 +60,23 @@ class RotateStage(Stage):
 
     def prepare(self, model: nn.Module) -> None:
         self.family = family_mappings(model, "rotate", norms_only=True)
-        if self.config.residual and any(hasattr(decoder_layers(model)[0], n) for n in SANDWICH_NORMS):
-            raise CompressError(
-                f"rotate: {model.config.model_type!r} normalises each sublayer's output before the residual add, "
-                "which a residual rotation cannot pass through; set residual=false (value heads still rotate)"
-            )
+        self.rotated: dict[str, int | str] = {}
+        self.residual = self.config.residual
+        if self.residual and any(hasattr(decoder_layers(model)[0], n) for n in SANDWICH_NORMS):
+            why = f"{model.config.model_type!r} normalises each sublayer's output before the residual add"
+            if not self.config.heads:
+                raise CompressError(
+                    f"rotate: {why}, which a residual rotation cannot pass through, and heads=false leaves nothing "
+                    "to rotate; set heads=true or drop the rotate stage"
+                )
+            log.warning("rotate: %s, which a residual rotation cannot pass through: rotating value heads only", why)
+            self.residual = False
+            self.rotated["residual"] = "skipped: sandwich norms"
         self.generator = torch.Generator().manual_seed(self.config.seed)
-        self.rotated: dict[str, int] = {}
 
     @torch.no_grad()
     def process_model(self, model: nn.Module, samples: torch.Tensor, device: torch.device) -> None:
-        if self.config.residual:
+        if self.residual:
             self._rotate_residual(model)
         if self.config.heads:
             self._rotate_heads(model)

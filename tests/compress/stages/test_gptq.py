@@ -109,6 +109,7 @@ def test_bad_dampening_is_a_config_error():
     [
         "gptq_int4",
         "gptq_int3",
+        "autoround_int4",
         "smoothquant_w8a8",
         "smoothquant_gptq_w8a8",
         "fp8_dynamic",

@@ -3,6 +3,8 @@ checkpoint loads in transformers unchanged, and a later 4-bit quantizer loses le
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from helpers import FAMILIES, build_tiny_model
@@ -53,9 +55,18 @@ def test_rotation_leaves_the_float_model_unchanged(family):
 
 
 @pytest.mark.parametrize("family", sorted(SANDWICH))
-def test_sandwich_norm_families_refuse_the_residual_rotation_in_one_line(family):
-    with pytest.raises(CompressError, match="set residual=false"):
-        compress_model(build_tiny_model(family, VOCAB), [{"type": "rotate"}], SAMPLES)
+def test_sandwich_norm_families_fall_back_to_value_heads_and_say_so_in_one_line(family, caplog):
+    model = build_tiny_model(family, VOCAB)
+    reference = _logits(model)
+    with caplog.at_level(logging.WARNING, logger="compress.stages.rotate"):
+        [summary] = compress_model(model, [{"type": "rotate"}], SAMPLES)
+    assert [r.getMessage().count("\n") for r in caplog.records] == [0]
+    assert "rotating value heads only" in caplog.text
+    assert summary["residual"] == "skipped: sandwich norms" and summary["head_dim"] == 16
+    assert "residual_width" not in summary
+    assert (_logits(model) - reference).abs().max() < 1e-4
+    with pytest.raises(CompressError, match="heads=false leaves nothing to rotate"):
+        compress_model(build_tiny_model(family, VOCAB), [{"type": "rotate", "heads": False}], SAMPLES)
 
 
 def test_rotated_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path):

@@ -1,0 +1,246 @@
+"""Sign-gradient rounding (SignRound, the algorithm behind Intel's AutoRound, Cheng et al. 2023).
+
+Round-to-nearest rounds every weight on its own; what matters is the layer's *output*. Per decoder layer this stage
+learns, for every weight, an offset V ∈ [-½, ½] added before rounding (so a weight may round the other way) and,
+for every group, the ratio its range is clipped to, by signed gradient descent on the mean squared error between
+the quantized layer's output and the full-precision layer's output. Rounding goes through a straight-through
+estimator, so the gradient reaches V.
+
+How this implementation is shaped, and why:
+- **Two streams.** The walk feeds each layer the outputs of the already-quantized layers before it; the target is
+  the full-precision layer on the *full-precision* stream, which this stage carries itself (one extra forward per
+  layer). A layer therefore learns to absorb part of its predecessors' error, not only its own.
+- **Signed steps** of ``lr`` (default 1/iterations), decaying linearly to zero: over a schedule an offset moves at
+  most about ½, enough to flip a rounding and no more; the sign makes the step size independent of the gradient's
+  scale, which differs by orders of magnitude between layers.
+- **The best iterate is kept**, judged by each step's minibatch loss (the last one is not the best: the loss is
+  noisy); round-to-nearest's parameters are the first candidate, so the kept iterate never scored worse than them.
+- **A CPU-sized schedule** by default: few sequences per step and tens of steps, measured against quality in
+  ``benchmarks/results/signround-schedule.md`` (the published default, 200 steps of 8 × 2048 tokens, does not finish
+  one layer of the default model in ten minutes on two cores).
+
+The export is the same ``QuantizedLinear`` (pack-quantized int2-8, symmetric or with zero points) that RTN and GPTQ
+write, with codes and scales computed by the arithmetic of :func:`compress.quant.quantize`: with V = 0 and no
+clipping the stage reproduces round-to-nearest bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from compress import distributed
+from compress.calibration import LayerInputs, checked_output, run_layer
+from compress.errors import CompressError
+from compress.formats import QuantizedLinear
+from compress.quant import WeightScheme
+from compress.stages.base import LayerContext
+from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, target_linears
+
+TINY = torch.finfo(torch.float16).tiny
+
+
+@dataclass
+class SignRoundConfig(WeightQuantConfig):
+    iterations: int = 40  # signed-gradient steps per decoder layer
+    batch_size: int = 4  # calibration sequences per step (all from one calibration batch)
+    lr: float | None = None  # step size; None: 1 / iterations
+    tune_clip: bool = True  # also learn each group's clipping ratio (both ends of the range when asymmetric)
+    min_clip: float = 0.5  # the smallest ratio a group's range may be clipped to
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.iterations < 1:
+            raise ValueError(f"iterations={self.iterations} must be at least 1")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size} must be at least 1")
+        if self.lr is not None and self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be positive, or null for 1 / iterations")
+        if not 0 < self.min_clip <= 1:
+            raise ValueError(f"min_clip={self.min_clip} must be in (0, 1]")
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    """round(x) forward, identity backward (the straight-through estimator)."""
+    return x + (torch.round(x) - x).detach()
+
+
+class LearnedRounding(nn.Module):
+    """A linear whose weight is computed on the quantization grid from learnable offsets and clipping ratios.
+
+    ``offset`` [out, groups, group] is V; ``clip`` [1 or 2, out, groups, 1] scales the group's absolute maximum
+    (symmetric) or its maximum and minimum (asymmetric). The scale is rounded to the checkpoint's dtype (straight
+    through), so :meth:`codes` stores exactly the weight this module computed with."""
+
+    def __init__(self, linear: nn.Linear, scheme: WeightScheme, dtype: torch.dtype):
+        super().__init__()
+        self.linear = linear
+        self.scheme, self.dtype = scheme, dtype
+        out_features, in_features = linear.weight.shape
+        self.group = scheme.group_for(in_features)
+        groups = in_features // self.group
+        device = linear.weight.device
+        self.offset = nn.Parameter(torch.zeros(out_features, groups, self.group, device=device))
+        self.clip = nn.Parameter(torch.ones(1 if scheme.symmetric else 2, out_features, groups, 1, device=device))
+
+    def _grid(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(grouped weight, scale, zero point or None) at the current clipping ratios."""
+        s = self.scheme
+        w = self.linear.weight.detach().float().view(*self.offset.shape)
+        levels = (1 << s.bits) - 1
+        if s.symmetric:
+            scale = w.abs().amax(-1, keepdim=True) * self.clip[0] / (levels / 2)
+            zero = None
+        else:
+            low = w.amin(-1, keepdim=True).clamp(max=0) * self.clip[1]
+            scale = (w.amax(-1, keepdim=True).clamp(min=0) * self.clip[0] - low) / levels
+        scale = scale.clamp(min=TINY)
+        scale = scale + (scale.to(self.dtype).float() - scale).detach()
+        if not s.symmetric:
+            zero = (s.qmin - _round_ste(low / scale)).clamp(s.qmin, s.qmax)
+        return w, scale, zero
+
+    def quantized_weight(self) -> torch.Tensor:
+        w, scale, zero = self._grid()
+        codes = _round_ste(w / scale + self.offset)
+        if zero is None:
+            return (codes.clamp(self.scheme.qmin, self.scheme.qmax) * scale).view_as(self.linear.weight)
+        codes = (codes + zero).clamp(self.scheme.qmin, self.scheme.qmax)
+        return ((codes - zero) * scale).view_as(self.linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.quantized_weight(), self.linear.bias)
+
+    @torch.no_grad()
+    def export(self) -> QuantizedLinear:
+        """The stored form: int8 codes (zero point included, as compressed-tensors stores them) and scales."""
+        w, scale, zero = self._grid()
+        codes = torch.round(w / scale + self.offset)
+        if zero is not None:
+            codes += zero
+        codes = codes.clamp(self.scheme.qmin, self.scheme.qmax).to(torch.int8).view_as(self.linear.weight)
+        zero_point = None if zero is None else zero.squeeze(-1).to(torch.int8)
+        bias = None if self.linear.bias is None else self.linear.bias.data
+        stored_scale = scale.squeeze(-1).to(self.dtype)
+        return QuantizedLinear.from_codes(codes, stored_scale, zero_point, self.scheme.bits, self.group, bias)
+
+
+@contextmanager
+def _frozen(layer: nn.Module) -> Iterator[None]:
+    """The layer's own parameters take no gradient while the rounding parameters train."""
+    flags = [(p, p.requires_grad) for p in layer.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def _rows(value, rows: torch.Tensor, batch: int):
+    """``value`` (a tensor, or tuples/lists/dicts of them) restricted to ``rows`` of a batch of ``batch``
+    sequences; tensors without that batch dimension (broadcast position embeddings, flags) pass unchanged."""
+    if isinstance(value, torch.Tensor):
+        return value[rows] if value.ndim and value.shape[0] == batch and batch > 1 else value
+    if isinstance(value, tuple | list):
+        return type(value)(_rows(v, rows, batch) for v in value)
+    if isinstance(value, dict):
+        return {k: _rows(v, rows, batch) for k, v in value.items()}
+    return value
+
+
+class SignRoundStage(WeightQuantizerStage):
+    name = "signround"
+    Config = SignRoundConfig
+    formats = ("int",)
+
+    def prepare(self, model: nn.Module) -> None:
+        super().prepare(model)
+        self.full_precision: LayerInputs | None = None  # the full-precision stream's inputs of the next layer
+        self.layer_losses: dict[str, dict[str, float]] = {}
+
+    def process_layer(self, ctx: LayerContext) -> None:
+        if ctx.inputs is None:
+            raise CompressError("signround needs calibration inputs")
+        reference = ctx.inputs if ctx.index == 0 or self.full_precision is None else self.full_precision
+        targets_out = run_layer(ctx.layer, reference, ctx.name)  # also the next layer's full-precision inputs
+        self.full_precision = targets_out
+        targets = target_linears(ctx.layer, ctx.name, self.config.ignore)
+        modules = {name: LearnedRounding(linear, self.config.scheme, ctx.dtype) for name, linear in targets.items()}
+        with _frozen(ctx.layer):  # before the swap: the rounding parameters are the only ones that train
+            for name, module in modules.items():
+                _swap(ctx.layer, name, module)
+            try:
+                self.layer_losses[ctx.name] = self._train(ctx, modules, targets_out)
+            finally:
+                for name, module in modules.items():
+                    _swap(ctx.layer, name, module.linear)
+        for name, module in modules.items():
+            self.record_and_replace(ctx, name, module.linear, module.export())
+
+    def _train(self, ctx: LayerContext, modules: dict[str, LearnedRounding], targets: LayerInputs) -> dict:
+        """Signed gradient descent on the output error; leaves every module at its best iterate."""
+        c = self.config
+        params = [p for m in modules.values() for p in (m.offset, m.clip) if p is m.offset or c.tune_clip]
+        lr = c.lr if c.lr is not None else 1.0 / c.iterations
+        generator = torch.Generator().manual_seed(c.seed * 100_003 + ctx.index)
+        best_loss, first_loss, best = float("inf"), None, [p.detach().clone() for p in params]
+        steps = tqdm(range(c.iterations), desc=f"{ctx.name} signround", unit="step", leave=False)
+        with torch.enable_grad():
+            for step in steps if distributed.is_main() else range(c.iterations):
+                loss = self._minibatch_loss(ctx, targets, generator)
+                value = float(distributed.all_reduce_sum(loss.detach().clone())) / distributed.world()
+                if first_loss is None:
+                    first_loss = value
+                if value < best_loss:
+                    best_loss = value
+                    best = [p.detach().clone() for p in params]
+                for p in params:
+                    p.grad = None
+                loss.backward()
+                with torch.no_grad():
+                    step_size = lr * (1 - step / c.iterations)
+                    for p in params:
+                        p.sub_(step_size * distributed.all_reduce_sum(p.grad).sign())
+                    for m in modules.values():
+                        m.offset.clamp_(-0.5, 0.5)
+                        m.clip.clamp_(c.min_clip, 1.0)
+        with torch.no_grad():
+            for p, kept in zip(params, best, strict=True):
+                p.copy_(kept)
+        return {"rtn_loss": first_loss, "best_loss": best_loss}
+
+    def _minibatch_loss(self, ctx: LayerContext, targets: LayerInputs, generator: torch.Generator) -> torch.Tensor:
+        """Output MSE on ``batch_size`` sequences of one calibration batch (at the first step the parameters are
+        round-to-nearest's, so that step's loss is the baseline the best iterate must beat)."""
+        batch = int(torch.randint(len(ctx.inputs.hidden), (1,), generator=generator))
+        hidden = ctx.inputs.hidden[batch]
+        size = hidden.shape[0]
+        rows = torch.randperm(size, generator=generator)[: self.config.batch_size].sort().values
+        out = ctx.layer(hidden[rows], **_rows(ctx.inputs.kwargs[batch], rows, size))
+        out = checked_output(out[0] if isinstance(out, tuple) else out, ctx.name)
+        return F.mse_loss(out, targets.hidden[batch][rows])
+
+    def finalize(self, model: nn.Module) -> dict:
+        summary = super().finalize(model)
+        ratios = [v["best_loss"] / max(v["rtn_loss"], 1e-30) for v in self.layer_losses.values()]
+        summary.update(
+            iterations=self.config.iterations,
+            batch_size=self.config.batch_size,
+            mean_loss_vs_rtn=sum(ratios) / max(len(ratios), 1),
+            layer_losses=self.layer_losses,
+        )
+        self.full_precision = None
+        return summary
+
+
+def _swap(layer: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(layer.get_submodule(parent_name) if parent_name else layer, child, module)

@@ -1,0 +1,97 @@
+"""Sign-gradient rounding: exact export, a learned rounding that beats round-to-nearest, MoE, clear refusals."""
+
+import pytest
+import torch
+from helpers import build_tiny_llama, build_tiny_moe, relative_error
+
+from compress.calibration import decoder_layers
+from compress.compression import compress_model
+from compress.errors import CompressError
+from compress.formats import QuantizedLinear
+from compress.quant import WeightScheme, quantize
+from compress.stages import build_chain
+from compress.stages.signround import LearnedRounding
+
+SAMPLES = torch.randint(0, 320, (8, 48), generator=torch.Generator().manual_seed(0))
+TOKENS = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(1))
+
+
+def _logits(model, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_untrained_parameters_export_exactly_round_to_nearest(symmetric, dtype):
+    """V = 0 and no clipping is RTN: same codes, scales and zero points as compress.quant.quantize, and the weight
+    the module trains with is the one its export stores."""
+    linear = torch.nn.Linear(64, 24, bias=False)
+    scheme = WeightScheme(4, 32, symmetric)
+    module = LearnedRounding(linear, scheme, dtype)
+    exported = module.export()
+    reference = QuantizedLinear.from_codes(*quantize(linear.weight.data, scheme, scale_dtype=dtype), 4, 32)
+    assert torch.equal(exported.dequantized_weight(), reference.dequantized_weight())
+    with torch.no_grad():
+        module.offset.uniform_(-0.5, 0.5)
+        module.clip.uniform_(0.6, 1.0)
+    trained = module.quantized_weight().detach().to(dtype)  # the export multiplies codes by scales in its dtype
+    assert torch.equal(trained, module.export().dequantized_weight())
+
+
+def test_learned_rounding_beats_round_to_nearest_on_the_model_output():
+    """On the calibration tokens, what the stage optimises (a tiny random model has too few of them to say much
+    about held-out text: that is measured on the real model, benchmarks/signround_schedule.py)."""
+    expected = _logits(build_tiny_llama(), SAMPLES)
+    errors = {}
+    for name, chain in {
+        "rtn": [{"type": "rtn", "group_size": 32}],
+        "signround": [{"type": "signround", "group_size": 32, "iterations": 30, "batch_size": 4}],
+    }.items():
+        model = build_tiny_llama()
+        summary = compress_model(model, chain, SAMPLES, batch_size=8)[0]
+        errors[name] = relative_error(_logits(model, SAMPLES), expected)
+    assert summary["mean_loss_vs_rtn"] < 0.6
+    assert summary["quantized_linears"] == 7 * len(decoder_layers(model))
+    assert errors["signround"] < 0.6 * errors["rtn"], errors
+
+
+def test_same_seed_same_codes_and_other_seed_other_codes():
+    def codes(seed: int) -> torch.Tensor:
+        model = build_tiny_llama()
+        compress_model(model, [{"type": "signround", "group_size": 32, "iterations": 6, "seed": seed}], SAMPLES)
+        return decoder_layers(model)[1].mlp.down_proj.weight_packed
+
+    first = codes(0)
+    assert torch.equal(first, codes(0))
+    assert not torch.equal(first, codes(1))
+
+
+def test_moe_experts_are_quantized_and_the_router_is_not():
+    model = build_tiny_moe("mixtral")
+    expected = _logits(build_tiny_moe("mixtral"))
+    compress_model(model, [{"type": "signround", "group_size": 32, "iterations": 4, "batch_size": 2}], SAMPLES)
+    layer = decoder_layers(model)[0]
+    assert isinstance(layer.mlp.experts[0].w1, QuantizedLinear)
+    assert not any(isinstance(m, QuantizedLinear) for m in layer.mlp.gate.modules())
+    assert relative_error(_logits(model), expected) < 0.5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"iterations": 0}, "iterations=0 must be at least 1"),
+        ({"lr": -1.0}, "lr=-1.0 must be positive"),
+        ({"min_clip": 0.0}, r"min_clip=0.0 must be in \(0, 1\]"),
+        ({"steps": 3}, "unknown key"),
+    ],
+)
+def test_bad_arguments_are_refused_in_one_line(args, message):
+    with pytest.raises(CompressError, match=message):
+        build_chain([{"type": "signround", **args}])
+
+
+def test_fp4_formats_are_refused_before_any_work():
+    model = build_tiny_llama()
+    with pytest.raises(CompressError, match="signround writes format int weights, not format=nvfp4"):
+        compress_model(model, [{"type": "signround", "format": "nvfp4", "group_size": 16}], SAMPLES)
