@@ -94,6 +94,21 @@ def run_layer(layer: nn.Module, inputs: LayerInputs, name: str) -> LayerInputs:
     return LayerInputs(hidden=outputs, kwargs=inputs.kwargs)
 
 
+class FullPrecisionStream:
+    """The full-precision model's inputs to the layer being processed, carried beside the walk's (which come out of
+    the already-compressed layers before it): for stages whose target is what the uncompressed model computes."""
+
+    def __init__(self):
+        self.inputs: LayerInputs | None = None
+
+    def advance(self, layer: nn.Module, walk_inputs: LayerInputs, index: int, name: str) -> tuple:
+        """``(this layer's full-precision inputs, its outputs on them)`` from ``layer`` as it is now (call before
+        changing it); the outputs become the next layer's inputs. Layer 0's inputs are the walk's own."""
+        inputs = walk_inputs if index == 0 or self.inputs is None else self.inputs
+        self.inputs = run_layer(layer, inputs, name)
+        return inputs, self.inputs
+
+
 def checked_output(out: torch.Tensor, name: str) -> torch.Tensor:
     """``out``, a layer's output on calibration inputs, refused if it holds NaN/inf."""
     if not torch.isfinite(out).all():

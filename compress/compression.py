@@ -53,7 +53,7 @@ def compress_model(
     streamable = chain[-1].layerwise and not any(stage.prunes_weights for stage in chain)
     apply_stages(model, chain, samples, device, batch_size, layer_done if streamable else None)
     distributed.barrier()  # every rank holds the same compressed model
-    summaries = [{**stage.finalize(model), "seconds": stage.seconds} for stage in chain]
+    summaries = [{"algorithm": stage.algorithm(), **stage.finalize(model), "seconds": stage.seconds} for stage in chain]
     experts = expert_token_report(model)
     for stage, summary in zip(chain, summaries, strict=True):
         if experts and stage.needs_calibration:

@@ -88,6 +88,8 @@ def summary_lines(report: dict) -> list[str]:
         ),
         "",
     ]
+    lines += [f"stage {name}: {summary.get('algorithm', name)}" for name, summary in report.get("stages", {}).items()]
+    lines += [""] if report.get("stages") else []
     ppl, beside = report["perplexity"], report.get("perplexity_in_domain") or {}
     lines += ["| model | perplexity | vs baseline |" + (" in-domain | vs baseline |" if beside else "")]
     lines += ["|---|---|---|" + ("---|---|" if beside else "")]

@@ -60,6 +60,12 @@ class AWQStage(WeightQuantizerStage):
     name = "awq"
     Config = AWQConfig
 
+    def algorithm(self) -> str:
+        c = self.config
+        clip = f", per-group clipping search ({c.clip_grid} steps to {1 - c.max_shrink:g})" if c.clip else ""
+        scales = f"AWQ: activation-aware scales (grid {c.grid}, duo scaling {c.duo_scaling})"
+        return f"{scales}{clip}, then round-to-nearest, {c.scheme.describe()}"
+
     def prepare(self, model: nn.Module) -> None:
         if self.config.duo_scaling not in (True, False, "both"):
             raise CompressError(f"awq: duo_scaling={self.config.duo_scaling!r}; use true, false or both")

@@ -85,6 +85,10 @@ class Stage(ABC):
         match some module: a typo would silently quantize the layer the user meant to keep."""
         return {"ignore": list(self.config.ignore)} if hasattr(self.config, "ignore") else {}
 
+    def algorithm(self) -> str:
+        """One line saying exactly what runs, with the settings that change the result (the report quotes it)."""
+        return self.name
+
     def prepare(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
         """Fail fast on a model this stage cannot handle."""
 

@@ -17,6 +17,7 @@ What this implementation adds around the published algorithm:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,12 +25,14 @@ import torch
 from torch import nn
 
 from compress import distributed
+from compress.calibration import FullPrecisionStream
 from compress.errors import CompressError
 from compress.formats import QuantizedLinear
 from compress.kernels.dequant import dequantize_codes
 from compress.memory import release_freed_memory
 from compress.quant import WeightScheme
 from compress.stages.base import LayerContext
+from compress.stages.cross_moments import CrossMoments
 from compress.stages.fp4 import Fp4Grid
 from compress.stages.hessian import (
     cholesky_inverse_upper,
@@ -52,12 +55,15 @@ class GPTQConfig(WeightQuantConfig):
     act_order: bool = False  # static-group activation order; measured no better than lazy groups + clipping
     clip_search: bool = True
     true_sequential: bool = True
+    input_correction: bool = False  # GPTAQ: also absorb the input error of the compressed layers before (see below)
 
     def __post_init__(self):
         if not 0 < self.dampening <= 1:
             raise ValueError(f"dampening={self.dampening} must be in (0, 1]")
         if self.block_size < 1:
             raise ValueError(f"block_size={self.block_size} must be positive")
+        if self.input_correction and not self.true_sequential:
+            raise ValueError("input_correction=true needs true_sequential=true (it follows each group's inputs)")
 
 
 @dataclass
@@ -68,6 +74,7 @@ class GPTQResult:
     dampening: float  # the dampening that made H positive definite
     retries: int
     hessian_error: float  # tr(Δ H Δᵀ) / tr(W H Wᵀ): relative output error on the calibration inputs
+    positions: torch.Tensor | None = None  # [out, in] fp32: each compensated weight / its scale, before rounding
 
 
 def _group_params(
@@ -135,13 +142,16 @@ def gptq_quantize(
     scale_dtype: torch.dtype | None = None,
     name: str = "linear",
     grid: Fp4Grid | None = None,
+    keep_positions: bool = False,
 ) -> GPTQResult:
     """Quantize ``weight [out, in]`` against ``hessian [in, in]`` (E[x xᵀ] of its inputs). With an FP4 ``grid``
     the columns are rounded onto e2m1 times each group's scale (codes 0..15, ``scale`` the fp32 effective scales).
 
     The column walk runs on the transposed weight, where a column is one contiguous row, in six tensor ops per
     column (divide, round, clamp, residual, ratio, rank-1 update of the block's later columns) on one thread; the
-    columns after the block get one matrix update per block (lazy batch updates)."""
+    columns after the block get one matrix update per block (lazy batch updates). ``keep_positions`` also returns
+    where each compensated weight fell on the integer grid before rounding (a starting point for a rounding
+    optimizer: how close each weight came to rounding the other way)."""
     if grid is not None and act_order:
         raise CompressError(f"{name}: act_order is not supported with FP4 formats; set act_order=false")
     dtype = torch.float32 if grid is not None else scale_dtype or weight.dtype
@@ -162,6 +172,7 @@ def gptq_quantize(
     Wt = W.t().contiguous()  # [in, out], compensated in place block by block
     del W
     centered = torch.empty_like(Wt)  # q - z of every column (FP4: its e2m1 code), in visiting order
+    positions = torch.empty_like(Wt) if keep_positions and grid is None else None  # w / s before rounding
     with one_thread():
         for start in range(0, columns, block_size):
             end = min(start + block_size, columns)
@@ -183,7 +194,10 @@ def gptq_quantize(
                     q.copy_(code)
                     torch.sub(w, value, out=error).div_(pivots[i])
                 else:
-                    torch.div(w, scale, out=q).round_()
+                    torch.div(w, scale, out=q)
+                    if positions is not None:
+                        positions[column].copy_(q)
+                    q.round_()
                     torch.clamp(q, params.low[g], params.high[g], out=q)
                     torch.addcmul(w, q, scale, value=-1, out=error).div_(pivots[i])
                 block[i + 1 :].addr_(block_inv[i, i + 1 :], error, alpha=-1)
@@ -195,6 +209,10 @@ def gptq_quantize(
     codes = torch.empty(out_features, columns, dtype=torch.int8, device=centered.device)
     codes[:, order] = centered.t().to(torch.int8)
     del centered
+    if positions is not None:
+        unpermuted = torch.empty(out_features, columns, device=positions.device)
+        unpermuted[:, order] = positions.t()
+        positions = unpermuted
     scales = params.scales.t().contiguous()
     zeros = None if params.zeros is None else params.zeros.t().contiguous()
 
@@ -203,7 +221,8 @@ def gptq_quantize(
             return grid.dequantize(codes[rows], scales[rows])
         return dequantize_codes(codes[rows], scales[rows].float(), None if zeros is None else zeros[rows], group)
 
-    return GPTQResult(codes, scales, zeros, damp, retries, hessian_relative_error(weight, hessian, dequantized))
+    error = hessian_relative_error(weight, hessian, dequantized)
+    return GPTQResult(codes, scales, zeros, damp, retries, error, positions)
 
 
 ERROR_ROWS = 1024  # rows of the weight whose dequantized copy and error exist at once in hessian_relative_error
@@ -249,6 +268,7 @@ def quantize_rows_across_ranks(weight: torch.Tensor, hessian: torch.Tensor, *arg
         dampening=part.dampening,
         retries=part.retries,
         hessian_error=float(totals[0] / totals[1].clamp(min=1e-30)),
+        positions=None if part.positions is None else distributed.gather_rows(part.positions, out_features),
     )
 
 
@@ -257,9 +277,20 @@ class GPTQStage(WeightQuantizerStage):
     Config = GPTQConfig
     formats = ("int", "nvfp4", "mxfp4")
 
+    def algorithm(self) -> str:
+        c = self.config
+        options = [name for name, on in (("true-sequential", c.true_sequential), ("act-order", c.act_order)) if on]
+        options += ["Hessian-weighted clipping search"] if c.clip_search else []
+        options += ["input correction (GPTAQ)"] if c.input_correction else []
+        return f"GPTQ ({', '.join(options) or 'plain'}), {c.scheme.describe()}"
+
+    keep_positions = False  # set by a rounding optimizer that starts from GPTQ's solution (signround init=gptq)
+
     def prepare(self, model: nn.Module) -> None:
         super().prepare(model)
         self.retries: dict[str, int] = {}
+        self.positions: dict[str, torch.Tensor] = {}  # per linear, when keep_positions: see gptq_quantize
+        self.full_precision = FullPrecisionStream() if self.config.input_correction else None
 
     def process_layer(self, ctx: LayerContext) -> None:
         if ctx.inputs is None:
@@ -268,6 +299,12 @@ class GPTQStage(WeightQuantizerStage):
         if self.fp4 is not None:
             self.fp4.observe(ctx, targets)  # W4A4 input scales, from the layer before any of it is quantized
         groups = input_groups(targets)
+        if self.full_precision is not None:
+            inputs, _ = self.full_precision.advance(ctx.layer, ctx.inputs, ctx.index, ctx.name)
+            cross = CrossMoments(copy.deepcopy(ctx.layer), inputs, ctx.name)
+            for group, hessian in sequential_hessians(ctx, groups, observer=cross.add):
+                self._quantize_group(ctx, group, hessian, target=cross.corrected_weight)
+            return
         if self.config.true_sequential:  # each group's Hessian after the groups before it are quantized
             for group, hessian in sequential_hessians(ctx, groups):
                 self._quantize_group(ctx, group, hessian)
@@ -277,9 +314,15 @@ class GPTQStage(WeightQuantizerStage):
             self._quantize_group(ctx, group, hessians[group[0]])
 
     def _quantize_group(
-        self, ctx: LayerContext, names: list[str], hessian: torch.Tensor, scheme: WeightScheme | None = None
+        self,
+        ctx: LayerContext,
+        names: list[str],
+        hessian: torch.Tensor,
+        scheme: WeightScheme | None = None,
+        target: Callable[[str, torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
     ) -> None:
-        """GPTQ on the stacked weights of ``names`` (one shared input) with ``scheme`` (default the stage's)."""
+        """GPTQ on the stacked weights of ``names`` (one shared input) with ``scheme`` (default the stage's);
+        ``target(leader, weight, hessian, dampening)`` replaces the weight GPTQ aims at (input correction)."""
         release_freed_memory()
         scheme = scheme or self.config.scheme
         linears = [ctx.layer.get_submodule(n) for n in names]
@@ -288,6 +331,8 @@ class GPTQStage(WeightQuantizerStage):
         if not torch.isfinite(weight).all():
             raise CompressError(f"{full}: weight holds NaN/inf; the model or an earlier stage is broken")
         c = self.config
+        if target is not None:
+            weight = target(names[0], weight, hessian, c.dampening)
         result = quantize_rows_across_ranks(
             weight,
             hessian,
@@ -300,6 +345,7 @@ class GPTQStage(WeightQuantizerStage):
             scale_dtype=ctx.dtype,
             name=full,
             grid=self._fp4_grid(weight, ctx.dtype),
+            keep_positions=self.keep_positions,
         )
         if result.retries:
             self.retries[full] = result.retries
@@ -308,6 +354,8 @@ class GPTQStage(WeightQuantizerStage):
             rows = slice(row, row + linear.out_features)
             row += linear.out_features
             zero = None if result.zero_point is None else result.zero_point[rows]
+            if result.positions is not None:
+                self.positions[name] = result.positions[rows]
             module = self.build_module(linear, result.codes[rows], result.scale[rows], zero, scheme)
             dense = linear.weight.data.float()
             error = (module.dequantized_weight().float() - dense).pow(2).mean() / dense.pow(2).mean()

@@ -15,7 +15,7 @@ the true-sequential mode, recomputing only the inputs of later groups.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -71,6 +71,7 @@ class HessianAccumulator:
         self.diagonal = diagonal
         self.total: torch.Tensor | None = None
         self.tokens = 0
+        self.calls = 0  # batches seen (sequential_hessians numbers them for its observer)
 
     def add(self, x: torch.Tensor) -> None:
         """One batch of inputs ``[tokens, in]`` (fp32)."""
@@ -171,7 +172,10 @@ def _run_batches(module, calls, layer, scopes: dict[str, _Scope], pre: dict) -> 
 
 @torch.no_grad()
 def sequential_hessians(
-    ctx: LayerContext, groups: list[list[str]], diagonal: bool = False
+    ctx: LayerContext,
+    groups: list[list[str]],
+    diagonal: bool = False,
+    observer: Callable[[str, int, torch.Tensor], None] | None = None,
 ) -> Iterator[tuple[list[str], torch.Tensor]]:
     """True-sequential statistics: yields each input group with the E[x xᵀ] (E[x²] when ``diagonal``) of its input,
     gathered after the caller has processed (quantized, pruned) every group yielded before; once the caller is done
@@ -181,7 +185,9 @@ def sequential_hessians(
     (down_proj after gate/up) reruns that scope alone from its recorded inputs; a scope whose last linear returns
     the scope's output (o_proj of the attention) is not run again once that linear is final, its outputs are the
     linear applied to its recorded input; every forward stops before the first module it does not need. Before,
-    each group cost one forward of the layer up to (and through) its linear, and the layer one more."""
+    each group cost one forward of the layer up to (and through) its linear, and the layer one more.
+
+    ``observer(leader, batch, x)`` also hears each group's input per calibration batch (``[tokens, in]`` fp32)."""
     layer = ctx.layer
     layer_calls = [((hidden,), kwargs) for hidden, kwargs in zip(ctx.inputs.hidden, ctx.inputs.kwargs, strict=True)]
     scopes: dict[str, _Scope] = {}
@@ -195,9 +201,13 @@ def sequential_hessians(
         keep = replay and last_of_scope and len(group) == 1 and _worth_keeping(linear, ctx.inputs)
         kept_inputs, linear_outputs = [], []
 
-        def observe(_module, args, kwargs, accumulator=accumulator, keep=keep, kept=kept_inputs):
+        def observe(_module, args, kwargs, accumulator=accumulator, keep=keep, kept=kept_inputs, leader=leader):
             x = args[0] if args else kwargs["input"]
-            accumulator.add(x.reshape(-1, x.shape[-1]).float())
+            flat = x.reshape(-1, x.shape[-1]).float()
+            if observer is not None:
+                observer(leader, accumulator.calls, flat)
+            accumulator.calls += 1
+            accumulator.add(flat)
             if not keep:
                 raise _StopForward
             kept.append(x)

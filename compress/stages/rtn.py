@@ -25,6 +25,9 @@ class RTNStage(WeightQuantizerStage):
     needs_calibration = False  # except NVFP4 W4A4, whose input global scales are calibrated
     formats = ("int", "nvfp4", "mxfp4")
 
+    def algorithm(self) -> str:
+        return f"round-to-nearest, {self.config.scheme.describe()}"
+
     def process_layer(self, ctx: LayerContext) -> None:
         if self.fp4 is not None:
             self.quantize_fp4_layer(ctx)

@@ -36,14 +36,16 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from compress import distributed
-from compress.calibration import LayerInputs, checked_output, run_layer
+from compress.calibration import FullPrecisionStream, LayerInputs, checked_output
 from compress.errors import CompressError
 from compress.formats import QuantizedLinear
-from compress.quant import WeightScheme
+from compress.quant import WeightScheme, quantize
 from compress.stages.base import LayerContext
+from compress.stages.gptq import GPTQConfig, GPTQStage
 from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, target_linears
 
 TINY = torch.finfo(torch.float16).tiny
+INITS = ("rtn", "gptq")
 
 
 @dataclass
@@ -53,6 +55,7 @@ class SignRoundConfig(WeightQuantConfig):
     lr: float | None = None  # step size; None: 1 / iterations
     tune_clip: bool = True  # also learn each group's clipping ratio (both ends of the range when asymmetric)
     min_clip: float = 0.5  # the smallest ratio a group's range may be clipped to
+    init: str = "rtn"  # rtn: start from round-to-nearest (SignRound as published) | gptq: refine GPTQ's solution
     seed: int = 0
 
     def __post_init__(self):
@@ -64,6 +67,8 @@ class SignRoundConfig(WeightQuantConfig):
             raise ValueError(f"lr={self.lr} must be positive, or null for 1 / iterations")
         if not 0 < self.min_clip <= 1:
             raise ValueError(f"min_clip={self.min_clip} must be in (0, 1]")
+        if self.init not in INITS:
+            raise ValueError(f"init={self.init!r} must be one of {', '.join(INITS)}")
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
@@ -72,47 +77,76 @@ def _round_ste(x: torch.Tensor) -> torch.Tensor:
 
 
 class LearnedRounding(nn.Module):
-    """A linear whose weight is computed on the quantization grid from learnable offsets and clipping ratios.
+    """A linear whose weight is computed on the quantization grid from learnable offsets and a clipping ratio.
 
-    ``offset`` [out, groups, group] is V; ``clip`` [1 or 2, out, groups, 1] scales the group's absolute maximum
-    (symmetric) or its maximum and minimum (asymmetric). The scale is rounded to the checkpoint's dtype (straight
-    through), so :meth:`codes` stores exactly the weight this module computed with."""
+    The starting point is a grid: per group a scale ``s₀`` (and zero point ``z``) and each weight's ``position`` in
+    units of ``s₀`` (``w / s₀`` for round-to-nearest's grid, an integer for a solution found by GPTQ). The module
+    computes ``(clamp(round(position · s₀ / s + V) + z) − z) · s`` with ``s = s₀ · clip``: ``offset`` is V
+    [out, groups, group] and ``clip`` [out, groups, 1] shrinks the group's range around its zero point. ``s`` is
+    rounded to the checkpoint's dtype (straight through), so :meth:`export` stores exactly the weight this module
+    computed with."""
 
-    def __init__(self, linear: nn.Linear, scheme: WeightScheme, dtype: torch.dtype):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        position: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor | None,
+        scheme: WeightScheme,
+        dtype: torch.dtype,
+    ):
         super().__init__()
-        self.linear = linear
+        self.linear = linear  # frozen: its bias is used, and the exported module replaces it
         self.scheme, self.dtype = scheme, dtype
         out_features, in_features = linear.weight.shape
         self.group = scheme.group_for(in_features)
         groups = in_features // self.group
-        device = linear.weight.device
-        self.offset = nn.Parameter(torch.zeros(out_features, groups, self.group, device=device))
-        self.clip = nn.Parameter(torch.ones(1 if scheme.symmetric else 2, out_features, groups, 1, device=device))
+        self.register_buffer("position", position.float().reshape(out_features, groups, self.group))
+        self.register_buffer("base_scale", scale.float().reshape(out_features, groups, 1))
+        self.register_buffer("zero", None if zero is None else zero.float().reshape(out_features, groups, 1))
+        self.offset = nn.Parameter(torch.zeros_like(self.position))
+        self.clip = nn.Parameter(torch.ones_like(self.base_scale))
 
-    def _grid(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(grouped weight, scale, zero point or None) at the current clipping ratios."""
-        s = self.scheme
-        w = self.linear.weight.detach().float().view(*self.offset.shape)
-        levels = (1 << s.bits) - 1
-        if s.symmetric:
-            scale = w.abs().amax(-1, keepdim=True) * self.clip[0] / (levels / 2)
-            zero = None
-        else:
-            low = w.amin(-1, keepdim=True).clamp(max=0) * self.clip[1]
-            scale = (w.amax(-1, keepdim=True).clamp(min=0) * self.clip[0] - low) / levels
-        scale = scale.clamp(min=TINY)
+    @classmethod
+    def nearest(cls, linear: nn.Linear, scheme: WeightScheme, dtype: torch.dtype) -> LearnedRounding:
+        """Starting from round-to-nearest: :func:`compress.quant.quantize`'s scales and zero points."""
+        _, scale, zero = quantize(linear.weight.data, scheme, scale_dtype=dtype)
+        group = scheme.group_for(linear.in_features)
+        position = linear.weight.data.float().view(linear.out_features, -1, group) / scale.float().unsqueeze(-1)
+        return cls(linear, position, scale, zero, scheme, dtype)
+
+    @classmethod
+    def starting_from(
+        cls,
+        linear: nn.Linear,
+        quantized: QuantizedLinear,
+        position: torch.Tensor,
+        scheme: WeightScheme,
+        dtype: torch.dtype,
+    ) -> LearnedRounding:
+        """Starting from GPTQ's solution: its scales and zero points, and each compensated weight's ``position``
+        before GPTQ rounded it (so with V = 0 the codes are GPTQ's, and a weight GPTQ nearly rounded the other way
+        is close to flipping, as round-to-nearest's positions are)."""
+        return cls(linear, position, quantized.weight_scale, quantized.weight_zero_point, scheme, dtype)
+
+    def _grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes before rounding, scale) at the current clipping ratios."""
+        scale = (self.base_scale * self.clip).clamp(min=TINY)
         scale = scale + (scale.to(self.dtype).float() - scale).detach()
-        if not s.symmetric:
-            zero = (s.qmin - _round_ste(low / scale)).clamp(s.qmin, s.qmax)
-        return w, scale, zero
+        return self.position * (self.base_scale / scale) + self.offset, scale
+
+    def _codes(self, unrounded: torch.Tensor, rounding) -> torch.Tensor:
+        codes = rounding(unrounded)
+        if self.zero is not None:
+            codes = codes + self.zero
+        return codes.clamp(self.scheme.qmin, self.scheme.qmax)
 
     def quantized_weight(self) -> torch.Tensor:
-        w, scale, zero = self._grid()
-        codes = _round_ste(w / scale + self.offset)
-        if zero is None:
-            return (codes.clamp(self.scheme.qmin, self.scheme.qmax) * scale).view_as(self.linear.weight)
-        codes = (codes + zero).clamp(self.scheme.qmin, self.scheme.qmax)
-        return ((codes - zero) * scale).view_as(self.linear.weight)
+        unrounded, scale = self._grid()
+        codes = self._codes(unrounded, _round_ste)
+        if self.zero is not None:
+            codes = codes - self.zero
+        return (codes * scale).view_as(self.linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.quantized_weight(), self.linear.bias)
@@ -120,12 +154,9 @@ class LearnedRounding(nn.Module):
     @torch.no_grad()
     def export(self) -> QuantizedLinear:
         """The stored form: int8 codes (zero point included, as compressed-tensors stores them) and scales."""
-        w, scale, zero = self._grid()
-        codes = torch.round(w / scale + self.offset)
-        if zero is not None:
-            codes += zero
-        codes = codes.clamp(self.scheme.qmin, self.scheme.qmax).to(torch.int8).view_as(self.linear.weight)
-        zero_point = None if zero is None else zero.squeeze(-1).to(torch.int8)
+        unrounded, scale = self._grid()
+        codes = self._codes(unrounded, torch.round).to(torch.int8).view_as(self.linear.weight)
+        zero_point = None if self.zero is None else self.zero.squeeze(-1).to(torch.int8)
         bias = None if self.linear.bias is None else self.linear.bias.data
         stored_scale = scale.squeeze(-1).to(self.dtype)
         return QuantizedLinear.from_codes(codes, stored_scale, zero_point, self.scheme.bits, self.group, bias)
@@ -161,19 +192,35 @@ class SignRoundStage(WeightQuantizerStage):
     Config = SignRoundConfig
     formats = ("int",)
 
+    def algorithm(self) -> str:
+        c = self.config
+        start = "GPTQ's solution (true-sequential, clipping search)" if c.init == "gptq" else "round-to-nearest"
+        clip = " and clipping ratios" if c.tune_clip else ""
+        lr = f"{c.lr:g}" if c.lr is not None else f"1/{c.iterations}"
+        return (
+            f"sign-gradient rounding from {start}: offsets{clip} learned on each layer's output error, "
+            f"{c.iterations} steps x {c.batch_size} sequences, lr {lr}, {c.scheme.describe()}"
+        )
+
     def prepare(self, model: nn.Module) -> None:
         super().prepare(model)
-        self.full_precision: LayerInputs | None = None  # the full-precision stream's inputs of the next layer
+        c = self.config
+        self.gptq = None
+        if c.init == "gptq":  # the same grid, GPTQ's defaults otherwise
+            self.gptq = GPTQStage(
+                GPTQConfig(bits=c.bits, group_size=c.group_size, symmetric=c.symmetric, ignore=c.ignore)
+            )
+            self.gptq.keep_positions = True
+            self.gptq.prepare(model)
+        self.full_precision = FullPrecisionStream()
         self.layer_losses: dict[str, dict[str, float]] = {}
 
     def process_layer(self, ctx: LayerContext) -> None:
         if ctx.inputs is None:
             raise CompressError("signround needs calibration inputs")
-        reference = ctx.inputs if ctx.index == 0 or self.full_precision is None else self.full_precision
-        targets_out = run_layer(ctx.layer, reference, ctx.name)  # also the next layer's full-precision inputs
-        self.full_precision = targets_out
+        _, targets_out = self.full_precision.advance(ctx.layer, ctx.inputs, ctx.index, ctx.name)
         targets = target_linears(ctx.layer, ctx.name, self.config.ignore)
-        modules = {name: LearnedRounding(linear, self.config.scheme, ctx.dtype) for name, linear in targets.items()}
+        modules = self._starting_points(ctx, targets)
         with _frozen(ctx.layer):  # before the swap: the rounding parameters are the only ones that train
             for name, module in modules.items():
                 _swap(ctx.layer, name, module)
@@ -184,6 +231,21 @@ class SignRoundStage(WeightQuantizerStage):
                     _swap(ctx.layer, name, module.linear)
         for name, module in modules.items():
             self.record_and_replace(ctx, name, module.linear, module.export())
+
+    def _starting_points(self, ctx: LayerContext, targets: dict[str, nn.Linear]) -> dict[str, LearnedRounding]:
+        """Each target's learnable rounding, from round-to-nearest or from GPTQ's solution (GPTQ runs on the layer
+        first, on the same calibration inputs; its modules are then replaced by the refined ones)."""
+        scheme = self.config.scheme
+        if self.gptq is None:
+            return {name: LearnedRounding.nearest(linear, scheme, ctx.dtype) for name, linear in targets.items()}
+        self.gptq.process_layer(ctx)
+        positions, self.gptq.positions = self.gptq.positions, {}
+        return {
+            name: LearnedRounding.starting_from(
+                linear, ctx.layer.get_submodule(name), positions[name], scheme, ctx.dtype
+            )
+            for name, linear in targets.items()
+        }
 
     def _train(self, ctx: LayerContext, modules: dict[str, LearnedRounding], targets: LayerInputs) -> dict:
         """Signed gradient descent on the output error; leaves every module at its best iterate."""
@@ -215,7 +277,7 @@ class SignRoundStage(WeightQuantizerStage):
         with torch.no_grad():
             for p, kept in zip(params, best, strict=True):
                 p.copy_(kept)
-        return {"rtn_loss": first_loss, "best_loss": best_loss}
+        return {"start_loss": first_loss, "best_loss": best_loss}
 
     def _minibatch_loss(self, ctx: LayerContext, targets: LayerInputs, generator: torch.Generator) -> torch.Tensor:
         """Output MSE on ``batch_size`` sequences of one calibration batch (at the first step the parameters are
@@ -230,14 +292,14 @@ class SignRoundStage(WeightQuantizerStage):
 
     def finalize(self, model: nn.Module) -> dict:
         summary = super().finalize(model)
-        ratios = [v["best_loss"] / max(v["rtn_loss"], 1e-30) for v in self.layer_losses.values()]
+        ratios = [v["best_loss"] / max(v["start_loss"], 1e-30) for v in self.layer_losses.values()]
         summary.update(
             iterations=self.config.iterations,
             batch_size=self.config.batch_size,
-            mean_loss_vs_rtn=sum(ratios) / max(len(ratios), 1),
+            mean_loss_vs_start=sum(ratios) / max(len(ratios), 1),
             layer_losses=self.layer_losses,
         )
-        self.full_precision = None
+        self.full_precision = FullPrecisionStream()  # frees the last layer's activations
         return summary
 
 

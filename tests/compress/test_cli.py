@@ -22,7 +22,9 @@ def test_awq_run_writes_checkpoint_report_and_mlflow(tiny_model_dir, artifacts, 
     assert report["checkpoint"]["quantized_linears"] == 14
     assert (run_dir / "checkpoint" / "recipe.yaml").read_text().startswith("recipe: awq_int4")
     assert "grid: 4" in (run_dir / "checkpoint" / "config.yaml").read_text()
-    assert "| candidate |" in (run_dir / "report.md").read_text()
+    summary = (run_dir / "report.md").read_text()
+    assert "| candidate |" in summary
+    assert "stage 0:awq: AWQ: activation-aware scales (grid 4, duo scaling both), per-group clipping search" in summary
     AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint")  # what a user of transformers would do
     assert "perplexity" in capsys.readouterr().out
 

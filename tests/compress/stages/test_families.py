@@ -33,6 +33,7 @@ CHAINS = {
     "rtn": ([{"type": "rtn", "group_size": 32}], FOUR_BIT),
     "awq": ([{"type": "awq", "group_size": 32, "grid": 5, "clip_grid": 5}], FOUR_BIT),
     "gptq": ([{"type": "gptq", "group_size": 32}], FOUR_BIT),
+    "gptq_input_correction": ([{"type": "gptq", "group_size": 32, "input_correction": True}], FOUR_BIT),
     "signround": ([{"type": "signround", "group_size": 32, "iterations": 4, "batch_size": 2}], FOUR_BIT),
     "smoothquant_w8a8": ([{"type": "smoothquant"}, {"type": "w8a8"}], 0.06),
     "fp8_dynamic": ([{"type": "fp8"}], 0.2),

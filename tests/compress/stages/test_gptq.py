@@ -154,3 +154,55 @@ def test_clip_search_picks_per_row_the_ratio_with_least_hessian_weighted_error(s
     if zero is not None:
         assert zero.dtype == torch.int8 and torch.equal(zero, torch.stack(zeros)[best, rows])
     assert len(set(best.tolist())) > 1  # rows do pick different ratios
+
+
+class _OneLinear(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_input_correction_targets_the_least_squares_weight_for_the_full_precision_output():
+    """W′ = W C H̃⁻¹ solves min ‖W′ X̃ − W X‖²: its residual is orthogonal to X̃ (the normal equations); when the two
+    inputs agree, W′ = W."""
+    from compress.calibration import LayerInputs
+    from compress.stages.cross_moments import CrossMoments
+
+    generator = torch.Generator().manual_seed(0)
+    full = _correlated_inputs(1024, 32)
+    distortion = torch.eye(32) + 0.1 * torch.randn(32, 32, generator=generator)  # what quantized layers did to X
+    walked = full @ distortion + 0.01 * torch.randn(full.shape, generator=generator)
+    weight = torch.randn(16, 32, generator=generator)
+    for quantized, exact in ((walked, False), (full, True)):
+        cross = CrossMoments(_OneLinear(32), LayerInputs([full[None]], [{}]), "layer")
+        cross.add("proj", 0, quantized)
+        hessian = quantized.T @ quantized / len(quantized)
+        target = cross.corrected_weight("proj", weight, hessian, dampening=1e-6)
+        if exact:
+            assert torch.allclose(target, weight, atol=1e-4)
+            continue
+        residual = quantized @ target.T - full @ weight.T
+        assert (residual.T @ quantized).abs().max() < 1e-3 * (full @ weight.T).abs().max() * len(full) ** 0.5
+        assert residual.pow(2).mean() < 0.1 * (quantized @ weight.T - full @ weight.T).pow(2).mean()
+
+
+def test_input_correction_lowers_the_model_error_on_calibration_tokens():
+    samples = torch.randint(0, 320, (8, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = build_tiny_llama()(samples).logits
+    errors = {}
+    for correct in (False, True):
+        model = build_tiny_llama()
+        chain = [{"type": "gptq", "bits": 3, "group_size": 32, "input_correction": correct}]
+        compress_model(model, chain, samples, CPU, batch_size=4)
+        with torch.no_grad():
+            errors[correct] = (model(samples).logits - expected).norm() / expected.norm()
+    assert errors[True] < 0.8 * errors[False], errors
+
+
+def test_input_correction_needs_true_sequential():
+    with pytest.raises(CompressError, match="input_correction=true needs true_sequential=true"):
+        build_chain([{"type": "gptq", "input_correction": True, "true_sequential": False}])

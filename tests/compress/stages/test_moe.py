@@ -29,6 +29,8 @@ CHAINS = {
     "rtn": ([{"type": "rtn", "group_size": 32}], 0.3, QuantizedLinear),
     "gptq": ([{"type": "gptq", "group_size": 32}], 0.3, QuantizedLinear),
     "awq": ([{"type": "awq", "group_size": 32, "grid": 5, "clip_grid": 5}], 0.3, QuantizedLinear),
+    "gptq_input_correction": ([{"type": "gptq", "group_size": 32, "input_correction": True}], 0.3, QuantizedLinear),
+    "signround": ([{"type": "signround", "group_size": 32, "iterations": 4, "batch_size": 2}], 0.3, QuantizedLinear),
     "smoothquant_w8a8": ([{"type": "smoothquant"}, {"type": "w8a8"}], 0.03, Int8Linear),
     "fp8_static": ([{"type": "fp8", "activations": "static"}], 0.1, Fp8Linear),
     "kv_int8": ([{"type": "kv_cache", "dtype": "int8"}], 0.03, torch.nn.Linear),
