@@ -10,6 +10,7 @@ from compress.errors import EXIT_CODES_HELP, ExitCode
 
 COMMANDS = {
     "run": "run a recipe: calibrate, compress, save a checkpoint, evaluate, gate, log to MLflow",
+    "plan": "what a run will need (RAM, disk, time per phase), predicted without reading any weight",
     "search": "the smallest mixed-precision checkpoint within a bits budget that passes the gate",
     "gate": "judge a candidate checkpoint against a baseline; exit 0 pass, 1 block, 3 inconclusive",
     "compare": "table and Pareto plot of logged runs",

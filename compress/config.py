@@ -53,6 +53,11 @@ class OutputSpec:
 
 
 @dataclass
+class PlanSpec:
+    enforce: bool = True  # refuse a run, before any work, when free disk or available RAM is below the plan
+
+
+@dataclass
 class TrackingSpec:
     enabled: bool = True
     uri: str | None = None  # default $MLFLOW_TRACKING_URI or sqlite:///<artifacts>/mlflow.db
@@ -73,6 +78,7 @@ class RunConfig:
     output: OutputSpec = field(default_factory=OutputSpec)
     tracking: TrackingSpec = field(default_factory=TrackingSpec)
     gate: GatePolicy = field(default_factory=GatePolicy)
+    plan: PlanSpec = field(default_factory=PlanSpec)
     seed: int = 0
     device: str = "auto"
     calibration_batch_size: int = 8

@@ -194,8 +194,24 @@ def _in_evaluation(piece: str, eval_fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
 
 
+_CORPORA: dict[tuple, Corpus] = {}  # the last few splits: a run's plan and its load read the same text once
+
+
 def load_corpus(spec: DataSpec) -> Corpus:
-    """Split ``spec``'s text into disjoint calibration and evaluation pieces."""
+    """Split ``spec``'s text into disjoint calibration and evaluation pieces (remembered per text and split, and per
+    file version for ``source=file``: a run's pre-flight plan and its load then read the corpus once)."""
+    stamp = (
+        Path(spec.path).stat().st_mtime_ns if spec.source == "file" and spec.path and Path(spec.path).exists() else 0
+    )
+    key = (spec.source, spec.path, spec.name, spec.subset, spec.split, spec.text_field, spec.eval_fraction, stamp)
+    if key not in _CORPORA:
+        if len(_CORPORA) >= 4:
+            _CORPORA.pop(next(iter(_CORPORA)))
+        _CORPORA[key] = _split(spec)
+    return _CORPORA[key]
+
+
+def _split(spec: DataSpec) -> Corpus:
     import datasets
 
     if not 0.0 < spec.eval_fraction < 1.0:

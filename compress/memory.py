@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import os
+from pathlib import Path
 
 _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the running process's own C library (glibc only)
 
@@ -15,3 +17,14 @@ def release_freed_memory() -> None:
     (``benchmarks/results/peak-rss-4b.md``) instead of at what the compressed layers keep."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+def current_rss_mb() -> float:
+    """This process's resident memory now (Linux ``/proc/self/statm``; elsewhere its peak so far, an upper bound)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -152,6 +152,16 @@ def resolve_model_path(spec: ModelSpec) -> str:
     return spec.path
 
 
+def local_model_folder(spec: ModelSpec) -> Path | None:
+    """The folder ``spec`` loads from when it is already on this machine (the default model once converted, an
+    existing folder); None for a hub id or a default model not yet converted: nothing is downloaded or converted."""
+    if spec.path == DEFAULT_MODEL:
+        target = artifacts_dir() / "models" / SMOLLM2_FOLDER
+        return target if (target / "config.json").is_file() else None
+    path = Path(spec.path).expanduser()
+    return path if (path / "config.json").is_file() else None
+
+
 def check_model_source(spec: ModelSpec) -> None:
     """Cheap early check that ``spec`` can be loaded, without converting or downloading anything."""
     if spec.path == DEFAULT_MODEL:

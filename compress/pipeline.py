@@ -25,6 +25,7 @@ from compress.memory import release_freed_memory
 from compress.models import check_model_source, load, resolve_model_path
 from compress.moe import unfuse_experts
 from compress.paths import artifacts_dir
+from compress.plan import preflight
 from compress.report import Timer, peak_rss_mb, run_metrics, write_report
 from compress.rundir import sigterm_as_interrupt, staged_run_folder
 from compress.saving import checkpoint_writer, named_summaries, write_checkpoint
@@ -61,9 +62,10 @@ def run(config: RunConfig) -> RunResult | None:
     uri = tracking_uri(config.tracking.uri) if config.tracking.enabled else None
     if uri is not None:
         check_writable(uri, "set tracking.uri=<a writable store> or tracking.enabled=false")
+    runs_dir = Path(config.output.dir) if config.output.dir else artifacts_dir() / "runs"
+    preflight(config, stages, runs_dir)
     torch.manual_seed(config.seed)
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{config.output.run_name or config.recipe}-{uuid.uuid4().hex[:6]}"
-    runs_dir = Path(config.output.dir) if config.output.dir else artifacts_dir() / "runs"
     final = runs_dir / run_id
     timer, wall_start, run_log = Timer(), time.perf_counter(), None
     with sigterm_as_interrupt(), staged_run_folder(runs_dir, run_id) as staging:

@@ -72,7 +72,7 @@ def test_multirun_sweep_composes_each_job_once(tiny_model_dir, artifacts, monkey
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["recipe=awq_int5"], "unknown recipe 'awq_int5'; available: awq_int4, awq_int4_kv_int8, fp8_block"),
+        (["recipe=awq_int5"], "unknown recipe 'awq_int5'; available: autoround_int4, awq_int4, awq_int4_kv_int8"),
         (["recipe=awq_int4", "stages.0.gruop_size=64"], "unknown key 'gruop_size' (did you mean 'group_size'?)"),
         (["recipe=awq_int4", "eval.seqlen=64"], "eval: unknown key 'seqlen' (did you mean 'seq_len'?)"),
         (["recipe=awq_int4", "gate=strictest"], "gate=strictest is not a known option"),
@@ -92,7 +92,7 @@ def test_empty_calibration_text_fails_cleanly(tiny_model_dir, artifacts, tmp_pat
     empty.write_text("\n\n")
     assert main(["run", "recipe=rtn_int4", f"model={tiny_model_dir}", f"data={empty}", *FAST]) == 2
     assert "calibration split of data source 'file' is empty" in capsys.readouterr().err
-    assert [p for p in (artifacts / "runs").iterdir()] == []  # the staging folder is gone too
+    assert not (artifacts / "runs").exists() or not any((artifacts / "runs").iterdir())  # no staging folder left
 
 
 @pytest.mark.usefixtures("default_mlflow_store")

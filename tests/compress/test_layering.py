@@ -81,6 +81,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "compress.search",
             "compress.tracking",
             "compress.rundir",
+            "compress.plan",
             "compress.report",
             "compress.pipeline",
             "compress",

@@ -1,0 +1,111 @@
+"""Recipes and their variants side by side on the default model: quality against wall time, in one invocation.
+
+    python -m benchmarks.variants gptq_int4 "autoround_int4 stages.0.iterations=40" --name signround-schedule
+    python -m benchmarks.variants gptq_int3 "gptq_int3 stages.0.input_correction=true" --name gptq-input-correction
+
+Each positional argument is one run: a recipe name, then any overrides (``key=value``, as on the CLI). Every run
+compresses the default model through ``compress.oneshot`` in this process, one after the other, so wall times are
+comparable; the first run is the time reference. Every checkpoint is reloaded and scored like
+``benchmarks/quality.py`` (out-of-domain headline, in-domain beside it). Writes ``benchmarks/results/<name>.{json,md}``
+after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.quality import score, texts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _row(name: str, row: dict, base: dict, reference_seconds: float) -> str:
+    ratio = {text: row[text]["perplexity"] / base[text]["perplexity"] for text in ("out_of_domain", "in_domain")}
+    return (
+        f"| `{name}` | {row['out_of_domain']['perplexity']:.3f} | {ratio['out_of_domain']:.3f}x | "
+        f"{row['in_domain']['perplexity']:.3f} | {ratio['in_domain']:.3f}x | {row['seconds']:.0f} | "
+        f"{row['seconds'] / reference_seconds:.1f}x |"
+    )
+
+
+def markdown(report: dict) -> str:
+    rows = report["rows"]
+    reference = next(iter(rows))
+    lines = [
+        f"# {report['title']}",
+        "",
+        f"Model `{report['model']}` (fp32), each recipe's own calibration (64 x 512 tokens of pydoc). Perplexity: "
+        f"512-token windows, out-of-domain = {report['tokens']['out_of_domain']} tokens of Shakespeare, in-domain = "
+        f"{report['tokens']['in_domain']} held-out pydoc tokens. Time ratio against `{reference}`, measured in the "
+        f"same invocation. {report['machine']}; {report['date']}.",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        "| run | out-of-domain ppl | ratio | in-domain ppl | ratio | compress s | time vs first |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    base = report["baseline"]
+    lines.append(
+        f"| baseline (fp32) | {base['out_of_domain']['perplexity']:.3f} | 1.000x | "
+        f"{base['in_domain']['perplexity']:.3f} | 1.000x | - | - |"
+    )
+    lines += [_row(name, row, base, rows[reference]["seconds"]) for name, row in rows.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help='"RECIPE [key=value ...]", one per run; the first is the reference')
+    parser.add_argument("--title", default="Recipe variants: quality against wall time")
+    parser.add_argument("--max-windows", type=int, default=None)
+    parser.add_argument("--name", required=True, help="results file stem under benchmarks/results/")
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    from compress import oneshot
+    from compress.checkpoint import load_checkpoint
+    from compress.models import ModelSpec, load, resolve_model_path
+
+    model_dir = Path(resolve_model_path(ModelSpec()))
+    model, tokenizer = load(ModelSpec(lazy=False))
+    ids = texts(tokenizer)
+    report = {
+        "model": model_dir.name,
+        "title": args.title,
+        "tokens": {name: int(tokens.numel()) for name, tokens in ids.items()},
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": "python -m benchmarks.variants " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "baseline": score(model, ids, args.max_windows),
+        "rows": {},
+    }
+    del model
+    runs = [(run, run.split()[0], run.split()[1:]) for run in args.runs]
+    args.results.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="variants-") as tmp:
+        for index, (name, recipe, overrides) in enumerate(runs):
+            start = time.perf_counter()
+            folder = oneshot(
+                model=str(model_dir), recipe=recipe, overrides=overrides, output_dir=str(Path(tmp) / str(index))
+            )
+            seconds = time.perf_counter() - start
+            compressed, _ = load_checkpoint(folder)
+            report["rows"][name] = {**score(compressed, ids, args.max_windows), "seconds": seconds}
+            del compressed
+            print(f"{name}: {json.dumps(report['rows'][name])}", flush=True)
+            (args.results / f"{args.name}.json").write_text(json.dumps(report, indent=2))
+            (args.results / f"{args.name}.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

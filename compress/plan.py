@@ -1,0 +1,358 @@
+"""Pre-flight plan: what a run will need (peak host RAM, accelerator memory, disk, wall time per phase), predicted
+before any weight is read, from the model's ``config.json``, its safetensors headers and a short measured probe of
+this machine.
+
+The model (``docs/run.md``, "The plan"):
+- **RAM**: this process as it stands (interpreter, torch, transformers: measured, not guessed) plus the largest of
+  the run's phases. The pipeline streams the model layer by layer in every phase, so a phase holds the parts outside
+  the decoder stack, one layer widened to fp32, the activations of every calibration (or evaluation) token at the
+  hidden width, and the phase's own working set (an evaluation's logits, GPTQ's Hessians, SignRound's autograd).
+- **Disk**: the checkpoint as the formats store it (``compress.formats``: codes, scales, zero points), plus what
+  stays dense in the save dtype; the run folder is staged next to its final place and renamed, so nothing doubles.
+- **Time**: floating-point operations per phase divided by the probe's measured fp32 matmul rate, times an
+  efficiency factor per kind of work fitted once on the default model on a 2-core CPU (``EFFICIENCY``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from compress.errors import CompressError, EnvironmentFailure
+from compress.formats import w4a16, w8a8
+from compress.memory import current_rss_mb
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I8": 1}
+DTYPE_BYTES.update({"U8": 1, "I16": 2, "BOOL": 1})
+MB = 2**20
+log = logging.getLogger(__name__)
+# Reached rate ÷ probe rate, per kind of work (a first fit on SmolLM2-135M, fp32, 2 CPU cores): a layer's forward
+# on a batch of thousands of tokens runs at about the probe's rate; AWQ's candidate errors and SignRound's small
+# forward + backward batches at about half; elementwise work (round-to-nearest) is bound by memory, not arithmetic.
+EFFICIENCY = {"forward": 1.0, "awq": 0.5, "signround": 0.5, "elementwise": 0.003}
+READ_BYTES_PER_SECOND = 200 * MB  # a layer read from its weight file and widened (lazy loading)
+COLUMN_SECONDS = 1e-4  # GPTQ's column walk: a handful of small tensor calls per column
+HEAD_CHUNK = 128  # positions whose logits exist at once in a perplexity pass (evals/perplexity.py)
+# Decoder layers whose weight-file pages stay resident while the model is read lazily (memory-mapped safetensors:
+# pages read stay in the process's RSS until the kernel reclaims them); fit on the default model's runs.
+MAPPED_LAYERS = 30
+
+
+class UnreadableHeader(CompressError):
+    """A weight file whose safetensors header cannot be read (truncated, not safetensors)."""
+
+
+@dataclass
+class ModelShape:
+    """What the plan needs of a model, read from ``config.json`` and the safetensors headers only."""
+
+    layers: int
+    hidden: int
+    vocab: int
+    layer_params: int  # one decoder layer's parameters (all experts)
+    outside_params: int  # embeddings, final norm, head (a tied head counted once)
+    linears: list[tuple[int, int]]  # (out, in) of one layer's linears, experts one by one, routers excluded
+    stored_bytes: int  # the weight files on disk
+    other_files_bytes: int  # tokenizer and config files, which the checkpoint copies
+    dtype_bytes: int  # the checkpoint's float width
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.outside_params
+
+
+def read_headers(folder: Path) -> dict[str, tuple[str, list[int]]]:
+    """``{tensor name: (dtype, shape)}`` from every ``*.safetensors`` file's header (8-byte length + JSON)."""
+    tensors = {}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CompressError(f"{folder}: no *.safetensors files; the plan reads their headers (convert the model first)")
+    for file in files:
+        try:
+            with file.open("rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                if length > file.stat().st_size:
+                    raise ValueError("header length beyond the end of the file")
+                header = json.loads(handle.read(length))
+        except (OSError, ValueError, struct.error) as error:
+            raise UnreadableHeader(f"{file}: no readable safetensors header ({error})") from None
+        tensors.update({k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    return tensors
+
+
+def model_shape(folder: Path) -> ModelShape:
+    config = json.loads((folder / "config.json").read_text())
+    config = config.get("text_config", config)
+    tensors = read_headers(folder)
+    routers = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".shared_expert_gate.weight")
+    layer_params = outside = 0
+    linears: list[tuple[int, int]] = []
+    widths = {}
+    for name, (dtype, shape) in tensors.items():
+        count = int(torch.Size(shape).numel())
+        widths[dtype] = widths.get(dtype, 0) + count
+        if ".layers.0." in name:
+            layer_params += count
+            if name.endswith("weight") and len(shape) >= 2 and not name.endswith(routers):
+                experts = shape[0] if len(shape) == 3 else 1
+                linears += [(shape[-2], shape[-1])] * experts
+        elif ".layers." not in name:
+            outside += count
+    float_dtype = max((d for d in widths if d in ("F32", "F16", "BF16")), key=widths.get, default="F32")
+    return ModelShape(
+        layers=int(config["num_hidden_layers"]),
+        hidden=int(config["hidden_size"]),
+        vocab=int(config["vocab_size"]),
+        layer_params=layer_params,
+        outside_params=outside,
+        linears=linears,
+        stored_bytes=sum(f.stat().st_size for f in folder.glob("*.safetensors")),
+        other_files_bytes=sum(f.stat().st_size for f in folder.iterdir() if f.is_file() and f.suffix != ".safetensors"),
+        dtype_bytes=DTYPE_BYTES[float_dtype],
+    )
+
+
+@dataclass
+class Probe:
+    """This machine's fp32 matmul rate now (under whatever else runs on it), measured in a third of a second."""
+
+    gflops: float
+
+    @classmethod
+    def measure(cls, size: int = 1024, seconds: float = 0.3) -> Probe:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        a @ b  # warm-up: thread pool, allocator
+        start, runs = time.perf_counter(), 0
+        while time.perf_counter() - start < seconds:
+            a @ b
+            runs += 1
+        return cls(2 * size**3 * runs / (time.perf_counter() - start) / 1e9)
+
+
+@dataclass
+class Plan:
+    model: str
+    host_ram_mb: float
+    phases_ram_mb: dict[str, float]
+    disk_mb: float
+    seconds: dict[str, float]
+    probe_gflops: float
+    accelerator_mb: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        phases = ", ".join(f"{name} {mb:.0f}" for name, mb in self.phases_ram_mb.items())
+        total = sum(self.seconds.values())
+        times = ", ".join(f"{name} {s:.0f} s" for name, s in self.seconds.items())
+        device = "none (CPU run)" if self.accelerator_mb is None else f"{self.accelerator_mb:.0f} MB"
+        return [
+            f"plan for {self.model} (probe: {self.probe_gflops:.0f} GFLOP/s fp32 matmul on this machine)",
+            f"  peak host RAM {self.host_ram_mb:.0f} MB (largest phase above this process: {phases} MB)",
+            f"  peak accelerator memory: {device}",
+            f"  disk: {self.disk_mb:.0f} MB (checkpoint, staged in place and renamed)",
+            f"  wall time ~{total:.0f} s: {times}",
+            *(f"  note: {note}" for note in self.notes),
+        ]
+
+    def check(self, free_disk_mb: float, available_ram_mb: float) -> None:
+        """One line, before any work, when this machine has less disk or RAM than the plan needs."""
+        if free_disk_mb < self.disk_mb:
+            raise EnvironmentFailure(
+                f"plan: the run needs ~{self.disk_mb:.0f} MB of disk and {free_disk_mb:.0f} MB are free where it "
+                "writes; free space, set output.dir elsewhere, or plan.enforce=false to try anyway"
+            )
+        if available_ram_mb < self.host_ram_mb:
+            raise EnvironmentFailure(
+                f"plan: the run needs ~{self.host_ram_mb:.0f} MB of host RAM and {available_ram_mb:.0f} MB are "
+                "available; lower data.num_samples / eval.batch_size, or plan.enforce=false to try anyway"
+            )
+
+
+def linear_bytes(stage_config, out_features: int, in_features: int, dtype_bits: int) -> float:
+    """Bytes one quantized linear's weight takes in the checkpoint under a weight quantizer's config."""
+    fmt = getattr(stage_config, "format", "int")
+    if fmt in ("nvfp4", "mxfp4"):
+        group = 16 if fmt == "nvfp4" else 32
+        return out_features * in_features / 2 + out_features * in_features / group
+    if hasattr(stage_config, "strategy") and getattr(stage_config, "strategy", "") == "block":
+        return out_features * in_features + (out_features // 128 + 1) * (in_features // 128 + 1) * 4
+    bits = getattr(stage_config, "bits", 8)
+    group = getattr(stage_config, "group_size", None) or in_features
+    if bits == 8 and not hasattr(stage_config, "group_size"):
+        return w8a8.stored_bits(out_features, in_features) / 8
+    stored = w4a16.stored_bits(out_features, in_features, bits, group, dtype_bits)
+    if not getattr(stage_config, "symmetric", True):
+        stored += out_features * (in_features // group) * bits
+    return stored / 8
+
+
+def estimate(shape: ModelShape, stages: list, config, model_name: str, probe: Probe, eval_tokens: int) -> Plan:
+    """The plan of ``run`` for a checked ``RunConfig`` ``config`` and its built ``stages``."""
+    fp32 = 4
+    data, evaluation = config.data, config.eval
+    calibration_tokens = data.num_samples * data.seq_len
+    quantizer = next((s for s in stages if s.quantizes_weights), None)
+    save_bits = 8 * ({"bfloat16": 2, "float16": 2}.get(config.output.save_dtype or "", shape.dtype_bytes))
+    layer_linear_params = sum(o * i for o, i in shape.linears)
+    if quantizer is None:
+        layer_bytes = shape.layer_params * save_bits / 8
+    else:
+        packed = sum(linear_bytes(quantizer.config, o, i, save_bits) for o, i in shape.linears)
+        layer_bytes = packed + (shape.layer_params - layer_linear_params) * save_bits / 8
+    disk = shape.layers * layer_bytes + shape.outside_params * save_bits / 8 + shape.other_files_bytes
+
+    outside = shape.outside_params * fp32  # widened for the whole phase (fp32_compute)
+    layer_stored = shape.layer_params * shape.dtype_bytes
+    layer32 = shape.layer_params * fp32
+    hidden_act = shape.hidden * fp32
+    logits = HEAD_CHUNK * shape.vocab * fp32 * 2  # evals/perplexity.py: logits and log-softmax of one chunk
+    mapped = min(shape.stored_bytes, shape.outside_params * shape.dtype_bytes + MAPPED_LAYERS * layer_stored)
+    phases = {}
+    if evaluation.perplexity:
+        window_batch = evaluation.batch_size * evaluation.seq_len * hidden_act * 8  # a layer's activations
+        phases["evaluate"] = mapped + outside + layer32 + eval_tokens * hidden_act * 2 + window_batch + logits
+    streams = 2 + sum(_extra_streams(s) for s in stages)
+    widest = max((i for _, i in shape.linears), default=shape.hidden)
+    largest = max((o * i for o, i in shape.linears), default=0)
+    working = max((_working_bytes(s, shape, widest, largest, data.seq_len) for s in stages), default=0)
+    phases["compress"] = mapped + 2 * layer32 + calibration_tokens * hidden_act * streams + working
+    host = current_rss_mb() + max(phases.values()) / MB
+
+    rate = probe.gflops * 1e9
+    layer_flops = 2 * shape.layer_params + 2 * data.seq_len * shape.hidden  # per token: weights + attention
+    token_flops = shape.layers * layer_flops + 2 * shape.hidden * shape.vocab
+    seconds = {}
+    if evaluation.perplexity:
+        passes = 2 + (evaluation.reference == "rtn")
+        seconds["evaluate"] = passes * eval_tokens * token_flops / (rate * EFFICIENCY["forward"])
+    calibrated = any(stage.needs_calibration for stage in stages)
+    walk = calibration_tokens * layer_flops / (rate * EFFICIENCY["forward"]) if calibrated else 0.0  # the forward
+    compress = shape.layers * (walk + shape.layer_params * shape.dtype_bytes / READ_BYTES_PER_SECOND)
+    for stage in stages:
+        compress += shape.layers * _stage_seconds(stage, shape, calibration_tokens, data.seq_len, rate)
+    seconds["compress"] = compress
+    seconds["save"] = disk / (200 * MB)  # writing the checkpoint: ~200 MB/s including serialization
+    notes = []
+    if not evaluation.perplexity:
+        notes.append("no evaluation (eval.perplexity=false)")
+    return Plan(model_name, host, {k: v / MB for k, v in phases.items()}, disk / MB, seconds, probe.gflops, None, notes)
+
+
+def _extra_streams(stage) -> int:
+    """Activation copies beyond the walk's inputs and outputs: full-precision streams and targets."""
+    if stage.name == "signround":
+        return 2
+    return 1 if getattr(stage.config, "input_correction", False) else 0
+
+
+def _working_bytes(stage, shape: ModelShape, widest: int, largest: int, seq_len: int) -> float:
+    """A stage's own peak beyond the layer and the activations."""
+    fp32 = 4
+    if stage.name in ("gptq", "w8a8", "mixed", "sparsegpt", "signround"):
+        hessians = 3 * widest * widest * fp32  # H, its inverse, the Cholesky factor
+        weights = 4 * 2 * largest * fp32  # stacked gate/up: working copies while compensating
+        autograd = 0
+        if stage.name == "signround":
+            autograd = stage.config.batch_size * seq_len * (12 * shape.hidden + 6 * widest) * fp32
+            autograd += 3 * shape.layer_params * fp32  # offsets, clip ratios, gradients, best iterate
+        return hessians + weights + autograd
+    if stage.name in ("awq", "smoothquant"):
+        return 4 * widest * widest * fp32 + 2 * largest * fp32
+    return 2 * largest * fp32
+
+
+def _stage_seconds(stage, shape: ModelShape, tokens: int, seq_len: int, rate: float) -> float:
+    """One layer's work in a stage beyond the walk's own forward."""
+    layer_forward = 2 * shape.layer_params * tokens / (rate * EFFICIENCY["forward"])
+    if stage.name in ("gptq", "w8a8", "mixed", "sparsegpt"):
+        return layer_forward + _gptq_seconds(shape, tokens, rate)
+    if stage.name == "awq":
+        grid = getattr(stage.config, "grid", 20) * 2 + getattr(stage.config, "clip_grid", 20)
+        search = sum(grid * 2 * o * i * i for o, i in shape.linears) / (rate * EFFICIENCY["awq"])
+        return layer_forward + search
+    if stage.name == "signround":
+        c = stage.config
+        steps = c.iterations * 3 * 2 * shape.layer_params * c.batch_size * seq_len  # forward + backward
+        start = _gptq_seconds(shape, tokens, rate) + layer_forward if c.init == "gptq" else 0.0
+        return start + layer_forward + steps / (rate * EFFICIENCY["signround"])
+    if stage.needs_calibration:
+        return layer_forward
+    return 20 * shape.layer_params / (rate * EFFICIENCY["elementwise"])
+
+
+def _gptq_seconds(shape: ModelShape, tokens: int, rate: float) -> float:
+    """Hessians (one per input: q/k/v and gate/up share theirs), the Cholesky factors and the column walk, whose
+    per-column tensor calls (``COLUMN_SECONDS`` each column) outweigh its arithmetic at these widths."""
+    shared = 4 / 7  # a dense layer's 7 linears read 4 distinct inputs (q/k/v and gate/up share theirs)
+    hessians = sum(shared * tokens * i * i + i**3 for _, i in shape.linears) / (rate * EFFICIENCY["forward"])
+    columns = sum(i for _, i in shape.linears) * COLUMN_SECONDS
+    return hessians + columns
+
+
+def plan_for(config, stages: list, model_folder: Path) -> Plan:
+    """The plan of ``run`` for the checked ``config``: reads the model's config and headers, loads its tokenizer to
+    count the evaluation tokens (no weights), and measures the probe."""
+    from compress.checkpoint.loading import load_tokenizer
+    from compress.data import load_corpus, tokenize
+
+    shape = model_shape(model_folder)
+    eval_tokens = 0
+    if config.eval.perplexity:
+        tokenizer = load_tokenizer(model_folder, config.model.trust_remote_code)
+        texts = [load_corpus(config.data).evaluation]
+        if config.eval.data is not None:
+            texts.append(load_corpus(config.eval.data).evaluation)
+        cap = None if config.eval.max_windows is None else config.eval.max_windows * config.eval.seq_len
+        for text in texts:
+            count = int(tokenize(tokenizer, "\n\n".join(text)).numel())
+            eval_tokens += count if cap is None else min(count, cap)
+    return estimate(shape, stages, config, config.model.path, Probe.measure(), eval_tokens)
+
+
+def preflight(config, stages: list, runs_dir: Path) -> Plan | None:
+    """Print the run's plan (``compress.plan``) and, with ``plan.enforce``, refuse in one line when this machine has
+    less free disk or available RAM than it predicts; None (nothing printed) for a model that is not a local folder,
+    whose headers cannot be read before the load."""
+    from compress.models import local_model_folder
+
+    folder = local_model_folder(config.model)
+    if folder is None or not any(folder.glob("*.safetensors")):
+        log.info(
+            "plan: skipped (the model is not on this machine yet: a hub id, or the default model before its "
+            "one-time conversion)"
+        )
+        return None
+    try:
+        plan = plan_for(config, stages, folder)
+    except UnreadableHeader as error:  # the loader says what is wrong with the files, in its own words
+        log.warning("plan: skipped (%s)", error)
+        return None
+    log.info("\n".join(plan.lines()))
+    if config.plan.enforce:
+        plan.check(free_disk_mb(runs_dir), available_ram_mb())
+    return plan
+
+
+def free_disk_mb(path: Path) -> float:
+    """Free space on the file system that will hold ``path`` (its nearest existing parent)."""
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free / MB
+
+
+def available_ram_mb() -> float:
+    """What the kernel says a new allocation can get without swapping (``MemAvailable``), or no limit."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("inf")

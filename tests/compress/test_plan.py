@@ -1,0 +1,56 @@
+"""The pre-flight plan: read from headers only, a disk figure that matches the checkpoint written, one-line refusals."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from compress import oneshot
+from compress.__main__ import main
+from compress.errors import CompressError
+from compress.plan import Plan, Probe, estimate, model_shape
+from compress.recipe import compose
+from compress.stages import build_chain
+
+
+def test_shape_comes_from_headers_and_matches_the_weights(tiny_model_dir):
+    shape = model_shape(tiny_model_dir)
+    tensors = load_file(tiny_model_dir / "model.safetensors")
+    layer = sum(t.numel() for name, t in tensors.items() if ".layers.0." in name)
+    outside = sum(t.numel() for name, t in tensors.items() if ".layers." not in name)
+    assert (shape.layer_params, shape.outside_params) == (layer, outside)
+    assert len(shape.linears) == 7 and shape.layers == 2 and shape.dtype_bytes == 4
+
+
+@pytest.mark.parametrize(("recipe", "overrides"), [("rtn_int4", ["stages.0.group_size=32"]), ("fp8_dynamic", [])])
+def test_predicted_disk_matches_the_checkpoint_written(tiny_model_dir, tmp_path, recipe, overrides):
+    config = compose(recipe, overrides, str(tiny_model_dir))
+    stages = build_chain(config.stages)
+    plan = estimate(model_shape(tiny_model_dir), stages, config, "tiny", Probe(10.0), eval_tokens=1000)
+    folder = oneshot(str(tiny_model_dir), recipe, data=torch.randint(0, 300, (2, 16)), overrides=overrides,
+                     output_dir=tmp_path / "out")  # fmt: skip
+    written = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
+    assert plan.disk_mb == pytest.approx(written, rel=0.1)
+    assert plan.seconds["compress"] > 0 and plan.host_ram_mb > plan.phases_ram_mb["compress"]
+
+
+def test_a_machine_below_the_plan_is_refused_in_one_line():
+    plan = Plan("m", host_ram_mb=5000, phases_ram_mb={}, disk_mb=800, seconds={}, probe_gflops=1.0)
+    with pytest.raises(CompressError, match="needs ~800 MB of disk and 10 MB are free") as error:
+        plan.check(free_disk_mb=10, available_ram_mb=10**6)
+    assert "plan.enforce=false" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(CompressError, match="needs ~5000 MB of host RAM and 4000 MB are available"):
+        plan.check(free_disk_mb=10**6, available_ram_mb=4000)
+    plan.check(free_disk_mb=900, available_ram_mb=6000)
+
+
+def test_plan_command_prints_the_plan(tiny_model_dir, capsys):
+    assert main(["plan", "recipe=gptq_int4", f"model={tiny_model_dir}", "stages.0.group_size=32"]) == 0
+    out = capsys.readouterr().out
+    assert f"plan for {tiny_model_dir}" in out and "peak host RAM" in out and "wall time" in out
+
+
+def test_run_refuses_before_any_work_when_ram_is_below_the_plan(tiny_model_dir, artifacts, capsys):
+    code = main(["run", "recipe=rtn_int4", f"model={tiny_model_dir}", "data.num_samples=4000000", "gate=none"])
+    assert code == 4  # the machine is short, not the command line wrong (ExitCode.FAILED)
+    assert "plan: the run needs" in capsys.readouterr().err
+    assert not (artifacts / "runs").exists() or not any((artifacts / "runs").iterdir())
