@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -45,6 +46,24 @@ def score(model, ids: dict[str, torch.Tensor], max_windows: int | None) -> dict[
         result = perplexity(model, tokens, 512, 4, max_windows, progress=False)
         results[name] = {"perplexity": result.perplexity, "tokens": result.tokens}
     return results
+
+
+def scored_baseline(command: str, max_windows: int | None) -> tuple[Path, dict[str, torch.Tensor], dict]:
+    """``(default model folder, token ids of both texts, the report's header with the fp32 baseline's scores)``."""
+    from compress.models import ModelSpec, load, resolve_model_path
+
+    model_dir = Path(resolve_model_path(ModelSpec()))
+    model, tokenizer = load(ModelSpec(lazy=False))
+    ids = texts(tokenizer)
+    report = {
+        "model": model_dir.name,
+        "tokens": {name: int(tokens.numel()) for name, tokens in ids.items()},
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": " ".join([command, *(shlex.quote(a) for a in sys.argv[1:])]),
+        "baseline": score(model, ids, max_windows),
+    }
+    return model_dir, ids, report
 
 
 def markdown(report: dict) -> str:
@@ -85,21 +104,9 @@ def main() -> None:
     args = parser.parse_args()
     from compress import oneshot
     from compress.checkpoint import load_checkpoint
-    from compress.models import ModelSpec, load, resolve_model_path
 
-    model_dir = Path(resolve_model_path(ModelSpec()))
-    model, tokenizer = load(ModelSpec(lazy=False))
-    ids = texts(tokenizer)
-    report = {
-        "model": model_dir.name,
-        "tokens": {name: int(tokens.numel()) for name, tokens in ids.items()},
-        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}",
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "command": "python -m benchmarks.quality " + " ".join(sys.argv[1:]),
-        "baseline": score(model, ids, args.max_windows),
-        "recipes": {},
-    }
-    del model
+    model_dir, ids, report = scored_baseline("python -m benchmarks.quality", args.max_windows)
+    report["recipes"] = {}
     with tempfile.TemporaryDirectory(prefix="quality-") as tmp:
         for recipe in args.recipes:
             start = time.perf_counter()

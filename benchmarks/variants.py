@@ -14,17 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from benchmarks.quality import score, texts
+from benchmarks.quality import score, scored_baseline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,22 +67,9 @@ def main() -> None:
     args = parser.parse_args()
     from compress import oneshot
     from compress.checkpoint import load_checkpoint
-    from compress.models import ModelSpec, load, resolve_model_path
 
-    model_dir = Path(resolve_model_path(ModelSpec()))
-    model, tokenizer = load(ModelSpec(lazy=False))
-    ids = texts(tokenizer)
-    report = {
-        "model": model_dir.name,
-        "title": args.title,
-        "tokens": {name: int(tokens.numel()) for name, tokens in ids.items()},
-        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}",
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "command": "python -m benchmarks.variants " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "baseline": score(model, ids, args.max_windows),
-        "rows": {},
-    }
-    del model
+    model_dir, ids, report = scored_baseline("python -m benchmarks.variants", args.max_windows)
+    report.update(title=args.title, rows={})
     runs = [(run, run.split()[0], run.split()[1:]) for run in args.runs]
     args.results.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="variants-") as tmp:
