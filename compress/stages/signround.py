@@ -231,6 +231,7 @@ class SignRoundStage(WeightQuantizerStage):
                     _swap(ctx.layer, name, module.linear)
         for name, module in modules.items():
             self.record_and_replace(ctx, name, module.linear, module.export())
+        ctx.outputs = None  # GPTQ's (init=gptq) are stale now: the walk recomputes them from the refined layer
 
     def _starting_points(self, ctx: LayerContext, targets: dict[str, nn.Linear]) -> dict[str, LearnedRounding]:
         """Each target's learnable rounding, from round-to-nearest or from GPTQ's solution (GPTQ runs on the layer
