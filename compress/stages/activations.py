@@ -34,6 +34,7 @@ class W8A8Config:
     act_order: bool = False
     clip_search: bool = False  # at 8 bits the absmax range is already right
     true_sequential: bool = True
+    input_correction: bool = False  # GPTQ weights: aim at the full-precision outputs (compress/stages/cross_moments.py)
 
     def __post_init__(self):
         if self.weights not in ("gptq", "rtn"):
@@ -60,6 +61,10 @@ class W8A8Stage(GPTQStage):
     def __init__(self, config: W8A8Config):
         super().__init__(config)
         self.needs_calibration = config.weights == "gptq"
+
+    def algorithm(self) -> str:
+        weights = self.gptq_options() if self.config.weights == "gptq" else "round-to-nearest"
+        return f"W8A8: int8 per-channel weights by {weights}, int8 per-token activations quantized at run time"
 
     def process_layer(self, ctx: LayerContext) -> None:
         if self.config.weights == "gptq":

@@ -278,11 +278,14 @@ class GPTQStage(WeightQuantizerStage):
     formats = ("int", "nvfp4", "mxfp4")
 
     def algorithm(self) -> str:
+        return f"{self.gptq_options()}, {self.config.scheme.describe()}"
+
+    def gptq_options(self) -> str:
         c = self.config
         options = [name for name, on in (("true-sequential", c.true_sequential), ("act-order", c.act_order)) if on]
         options += ["Hessian-weighted clipping search"] if c.clip_search else []
         options += ["input correction (GPTAQ)"] if c.input_correction else []
-        return f"GPTQ ({', '.join(options) or 'plain'}), {c.scheme.describe()}"
+        return f"GPTQ ({', '.join(options) or 'plain'})"
 
     keep_positions = False  # set by a rounding optimizer that starts from GPTQ's solution (signround init=gptq)
 

@@ -88,3 +88,14 @@ def test_every_registered_stage_declares_what_it_does():
         "rtn",
         "w8a8",
     ]
+
+
+@pytest.mark.parametrize("name", sorted(STAGES))
+def test_every_stage_says_what_it_runs_in_one_line(name):
+    """The report quotes ``algorithm()`` for every stage: it must work on the stage's defaults (no prepare yet)."""
+    try:
+        stage = STAGES[name].from_args({}, 0)
+    except CompressError:  # a stage that cannot be built without an argument (an adapter path)
+        pytest.skip(f"{name} needs arguments")
+    line = stage.algorithm()
+    assert line and "\n" not in line
