@@ -193,8 +193,11 @@ def linear_bytes(stage_config, out_features: int, in_features: int, dtype_bits: 
     return stored / 8
 
 
-def estimate(shape: ModelShape, stages: list, config, model_name: str, probe: Probe, eval_tokens: int) -> Plan:
-    """The plan of ``run`` for a checked ``RunConfig`` ``config`` and its built ``stages``."""
+def estimate(
+    shape: ModelShape, stages: list, config, model_name: str, probe: Probe, eval_tokens: int, accelerated: bool = False
+) -> Plan:
+    """The plan of ``run`` for a checked ``RunConfig`` ``config`` and its built ``stages``; ``accelerated``: layers
+    are calibrated and evaluated on a GPU (the probe then still times the CPU: GPU times are not predicted yet)."""
     fp32 = 4
     data, evaluation = config.data, config.eval
     calibration_tokens = data.num_samples * data.seq_len
@@ -224,6 +227,8 @@ def estimate(shape: ModelShape, stages: list, config, model_name: str, probe: Pr
     working = max((_working_bytes(s, shape, widest, largest, data.seq_len) for s in stages), default=0)
     phases["compress"] = mapped + 2 * layer32 + calibration_tokens * hidden_act * streams + working
     host = current_rss_mb() + max(phases.values()) / MB
+    # on an accelerator each phase holds the same working set there, less the weight pages mapped on the host
+    accelerator = max(v - mapped for v in phases.values()) / MB if accelerated else None
 
     rate = probe.gflops * 1e9
     layer_flops = 2 * shape.layer_params + 2 * data.seq_len * shape.hidden  # per token: weights + attention
@@ -242,7 +247,8 @@ def estimate(shape: ModelShape, stages: list, config, model_name: str, probe: Pr
     notes = []
     if not evaluation.perplexity:
         notes.append("no evaluation (eval.perplexity=false)")
-    return Plan(model_name, host, {k: v / MB for k, v in phases.items()}, disk / MB, seconds, probe.gflops, None, notes)
+    phases_mb = {k: v / MB for k, v in phases.items()}
+    return Plan(model_name, host, phases_mb, disk / MB, seconds, probe.gflops, accelerator, notes)
 
 
 def _extra_streams(stage) -> int:
@@ -301,6 +307,7 @@ def plan_for(config, stages: list, model_folder: Path) -> Plan:
     count the evaluation tokens (no weights), and measures the probe."""
     from compress.checkpoint.loading import load_tokenizer
     from compress.data import load_corpus, tokenize
+    from compress.distributed import select_device
 
     shape = model_shape(model_folder)
     eval_tokens = 0
@@ -313,7 +320,11 @@ def plan_for(config, stages: list, model_folder: Path) -> Plan:
         for text in texts:
             count = int(tokenize(tokenizer, "\n\n".join(text)).numel())
             eval_tokens += count if cap is None else min(count, cap)
-    return estimate(shape, stages, config, config.model.path, Probe.measure(), eval_tokens)
+    accelerated = select_device(config.device).type != "cpu"
+    plan = estimate(shape, stages, config, config.model.path, Probe.measure(), eval_tokens, accelerated)
+    if accelerated:
+        plan.notes.append("times are for this machine's CPU; on the accelerator they are not predicted yet")
+    return plan
 
 
 def preflight(config, stages: list, runs_dir: Path) -> Plan | None:

@@ -1,0 +1,109 @@
+"""One decoder layer of the default model, quantized every way: output error on all calibration tokens and time.
+
+    python -m benchmarks.signround_layer                              # layer 0, the default grid below
+    python -m benchmarks.signround_layer --layer 5 --runs "rtn" "signround init=gptq iterations=40 lr=0.005"
+
+Each run quantizes a fresh copy of the layer on the layer's calibration inputs (64 x 512 tokens of pydoc, the
+recipes' calibration) and scores ‖layer'(x) − layer(x)‖² summed over every calibration token, relative to
+round-to-nearest's. That is the quantity the stages minimise, measured whole instead of on minibatches: a cheap
+way to choose a schedule before a 30-layer run. Writes ``benchmarks/results/signround-layer.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = [
+    "rtn",
+    "gptq",
+    "signround init=rtn iterations=40",
+    "signround init=rtn iterations=100",
+    "signround init=gptq iterations=40 lr=0.005 tune_clip=false",
+    "signround init=gptq iterations=40 lr=0.025 tune_clip=false",
+    "signround init=gptq iterations=40 lr=0.005 tune_clip=true",
+]
+
+
+def parse(run: str) -> dict:
+    kind, *pairs = run.split()
+    args = {"type": kind, "bits": 4, "group_size": 64}
+    for pair in pairs:
+        key, value = pair.split("=", 1)
+        args[key] = {"true": True, "false": False}.get(value, value)
+        if isinstance(args[key], str):
+            try:
+                args[key] = float(value) if "." in value else int(value)
+            except ValueError:
+                pass
+    return args
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layer", type=int, default=0)
+    parser.add_argument("--runs", nargs="+", default=RUNS)
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    from compress.calibration import capture_first_layer_inputs, decoder_layers, run_layer
+    from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
+    from compress.models import ModelSpec, load
+    from compress.stages import build_chain
+    from compress.stages.base import LayerContext
+
+    model, tokenizer = load(ModelSpec(lazy=False))
+    samples = calibration_samples(tokenize(tokenizer, load_corpus(DataSpec()).calibration_text), 64, 512, 0)
+    cpu = torch.device("cpu")
+    inputs = capture_first_layer_inputs(model, samples, 8, cpu)
+    layers = decoder_layers(model)
+    for index in range(args.layer):  # the full-precision stream up to the chosen layer
+        inputs = run_layer(layers[index], inputs, f"model.layers.{index}")
+    original = layers[args.layer]
+    reference = run_layer(original, inputs, "reference").hidden
+    rows = {}
+    for run in args.runs:
+        [stage] = build_chain([parse(run)])
+        stage.prepare(model)
+        layer = copy.deepcopy(original)
+        start = time.perf_counter()
+        stage.process_layer(LayerContext(args.layer, f"model.layers.{args.layer}", layer, model.config, inputs, cpu))
+        seconds = time.perf_counter() - start
+        out = run_layer(layer, inputs, run).hidden
+        error = sum(float((o - r).pow(2).sum()) for o, r in zip(out, reference, strict=True))
+        rows[run] = {"error": error, "seconds": seconds}
+        print(f"{run}: {rows[run]}", flush=True)
+    base = rows[args.runs[0]]
+    lines = [
+        f"# One layer quantized every way (layer {args.layer}, int4 g64 symmetric)",
+        "",
+        "Output error ‖layer′(x) − layer(x)‖² over all 64 x 512 calibration tokens (pydoc), relative to the first "
+        f"row; the layer's inputs come from the full-precision model. {platform.machine()} {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M')}.",
+        "",
+        f"Command: `python -m benchmarks.signround_layer {' '.join(shlex.quote(a) for a in sys.argv[1:])}`",
+        "",
+        "| run | output error | vs first | seconds |",
+        "|---|---|---|---|",
+        *(
+            f"| `{run}` | {row['error']:.4g} | {row['error'] / base['error']:.3f}x | {row['seconds']:.1f} |"
+            for run, row in rows.items()
+        ),
+    ]
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "signround-layer.json").write_text(json.dumps({"layer": args.layer, "rows": rows}, indent=2))
+    (args.results / "signround-layer.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
