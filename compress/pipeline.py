@@ -27,7 +27,7 @@ from compress.moe import unfuse_experts
 from compress.paths import artifacts_dir
 from compress.plan import preflight
 from compress.report import Timer, peak_rss_mb, run_metrics, write_report
-from compress.rundir import sigterm_as_interrupt, staged_run_folder
+from compress.rundir import raise_if_terminated, sigterm_as_interrupt, staged_run_folder
 from compress.saving import checkpoint_writer, named_summaries, write_checkpoint
 from compress.stages import Stage, build_chain, prepare_stages
 from compress.stages.rtn import rtn_reference
@@ -89,6 +89,7 @@ def run(config: RunConfig) -> RunResult | None:
                 run_log.tag("compress.run_dir", str(final))
                 for name in ("report.json", "report.md", "checkpoint/recipe.yaml"):
                     run_log.artifact(staging / name)
+            raise_if_terminated()  # the last chance before the run folder is published
         except BaseException as error:
             if run_log is not None:
                 run_log.fail(error)

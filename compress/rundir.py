@@ -32,6 +32,17 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the run is, so that it gets Ctrl-C's cleanup: staging removed, MLflow run KILLED."""
 
 
+_pending: list[str] = []  # SIGTERMs seen by the handler and not yet handled by sigterm_as_interrupt
+
+
+def raise_if_terminated() -> None:
+    """Raise again a SIGTERM whose ``Terminated`` was lost: a signal handler that runs inside a finalizer or a
+    weakref callback (SQLAlchemy's, during garbage collection) raises where Python prints the exception and drops
+    it, and the run went on to finish. The run calls this at every phase boundary."""
+    if _pending:
+        raise Terminated(_pending[-1])
+
+
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Turn SIGTERM into ``Terminated`` for the block; afterwards the process still dies of SIGTERM as asked."""
@@ -41,7 +52,8 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
     def handler(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the cleanup
-        raise Terminated(f"terminated by signal {signum}")
+        _pending.append(f"terminated by signal {signum}")
+        raise Terminated(_pending[-1])
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
@@ -55,6 +67,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+        _pending.clear()
 
 
 @contextmanager

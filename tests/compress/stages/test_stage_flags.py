@@ -86,6 +86,7 @@ def test_every_registered_stage_declares_what_it_does():
         "gptq",
         "mixed",
         "rtn",
+        "signround",
         "w8a8",
     ]
 
