@@ -1,6 +1,6 @@
 """Recipes and their variants side by side on the default model: quality against wall time, in one invocation.
 
-    python -m benchmarks.variants gptq_int4 "autoround_int4 stages.0.iterations=40" --name signround-schedule
+    python -m benchmarks.variants gptq_int4 autoround_int4 "autoround_int4 stages.0.iterations=80" --name signround-int4
     python -m benchmarks.variants gptq_int3 "gptq_int3 stages.0.input_correction=true" --name gptq-input-correction
 
 Each positional argument is one run: a recipe name, then any overrides (``key=value``, as on the CLI). Every run

@@ -15,8 +15,8 @@ How this implementation is shaped, and why:
   scale, which differs by orders of magnitude between layers.
 - **The best iterate is kept**, judged by each step's minibatch loss (the last one is not the best: the loss is
   noisy); round-to-nearest's parameters are the first candidate, so the kept iterate never scored worse than them.
-- **A CPU-sized schedule** by default: few sequences per step and tens of steps, measured against quality in
-  ``benchmarks/results/signround-schedule.md`` (the published default, 200 steps of 8 × 2048 tokens, does not finish
+- **A CPU-sized schedule** by default: few sequences per step and tens of steps, chosen on one layer in
+  ``benchmarks/results/signround-layer.md`` (the published default, 200 steps of 8 × 2048 tokens, does not finish
   one layer of the default model in ten minutes on two cores).
 
 The export is the same ``QuantizedLinear`` (pack-quantized int2-8, symmetric or with zero points) that RTN and GPTQ

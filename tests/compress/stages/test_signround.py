@@ -42,7 +42,7 @@ def test_untrained_parameters_export_exactly_round_to_nearest(symmetric, dtype):
 
 def test_learned_rounding_beats_round_to_nearest_on_the_model_output():
     """On the calibration tokens, what the stage optimises (a tiny random model has too few of them to say much
-    about held-out text: that is measured on the real model, benchmarks/signround_schedule.py)."""
+    about held-out text: that is measured on the real model, benchmarks/variants.py)."""
     expected = _logits(build_tiny_llama(), SAMPLES)
     errors = {}
     for name, chain in {
