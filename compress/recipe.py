@@ -138,7 +138,8 @@ def compose(recipe: RecipeLike, overrides: Sequence[str] = (), model: str | None
 
     register_schema()
     if isinstance(recipe, str) and (recipes_dir() / f"{recipe}.yaml").is_file():
-        return compose_job(recipe, resolve_shortcuts([*overrides, *([f"model={model}"] if model else [])]))
+        shortcuts = resolve_shortcuts([*overrides, *([f"model={model}"] if model else [])])
+        return compose_job(recipe, check_overrides(recipe, shortcuts))  # as the CLI: unset stage keys settable
     if isinstance(recipe, str | Path):
         path = Path(recipe).expanduser()
         if not path.is_file():

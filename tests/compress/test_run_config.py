@@ -320,3 +320,11 @@ def test_evaluation_text_shorter_than_one_window_is_named(tiny_model_dir):
         r"set eval.seq_len≤100, give more text, or raise eval.data.eval_fraction",
     ):
         check_evaluation_length(100, config, "eval.data")
+
+
+def test_the_api_sets_a_stage_key_the_recipe_file_leaves_at_its_default_as_the_cli_does():
+    """``oneshot(..., overrides=[...])`` takes the CLI's overrides: gptq_int4.yaml does not list input_correction."""
+    from compress.recipe import compose
+
+    [stage] = compose("gptq_int4", ["stages.0.input_correction=true"]).stages
+    assert stage["input_correction"] is True
