@@ -28,6 +28,7 @@ import torch
 from compress.errors import CompressError, EnvironmentFailure
 from compress.formats import w4a16, w8a8
 from compress.memory import current_rss_mb
+from compress.quant import FP4_GROUP_SIZES
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I8": 1}
 DTYPE_BYTES.update({"U8": 1, "I16": 2, "BOOL": 1})
@@ -178,10 +179,9 @@ class Plan:
 def linear_bytes(stage_config, out_features: int, in_features: int, dtype_bits: int) -> float:
     """Bytes one quantized linear's weight takes in the checkpoint under a weight quantizer's config."""
     fmt = getattr(stage_config, "format", "int")
-    if fmt in ("nvfp4", "mxfp4"):
-        group = 16 if fmt == "nvfp4" else 32
-        return out_features * in_features / 2 + out_features * in_features / group
-    if hasattr(stage_config, "strategy") and getattr(stage_config, "strategy", "") == "block":
+    if fmt in FP4_GROUP_SIZES:  # e2m1 pairs in a byte, one 8-bit scale per group
+        return out_features * in_features / 2 + out_features * in_features / FP4_GROUP_SIZES[fmt]
+    if getattr(stage_config, "strategy", "") == "block":
         return out_features * in_features + (out_features // 128 + 1) * (in_features // 128 + 1) * 4
     bits = getattr(stage_config, "bits", 8)
     group = getattr(stage_config, "group_size", None) or in_features
