@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,10 +38,21 @@ _pending: list[str] = []  # SIGTERMs seen by the handler and not yet handled by 
 
 def raise_if_terminated() -> None:
     """Raise again a SIGTERM whose ``Terminated`` was lost: a signal handler that runs inside a finalizer or a
-    weakref callback (SQLAlchemy's, during garbage collection) raises where Python prints the exception and drops
-    it, and the run went on to finish. The run calls this at every phase boundary."""
+    weakref callback (SQLAlchemy's, during garbage collection) raises where Python drops the exception, and the run
+    went on to finish. The run calls this at every phase boundary."""
     if _pending:
         raise Terminated(_pending[-1])
+
+
+def _quiet_about_terminated(previous_hook):
+    """An unraisable-exception hook that says nothing about a dropped ``Terminated`` (the user sent that signal;
+    ``raise_if_terminated`` raises it again) and passes anything else on to ``previous_hook``."""
+
+    def hook(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, Terminated):
+            previous_hook(unraisable)
+
+    return hook
 
 
 @contextmanager
@@ -56,6 +68,8 @@ def sigterm_as_interrupt() -> Iterator[None]:
         raise Terminated(_pending[-1])
 
     previous = signal.signal(signal.SIGTERM, handler)
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _quiet_about_terminated(previous_hook)
     try:
         yield
     except BaseException as error:
@@ -67,6 +81,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = previous_hook
         _pending.clear()
 
 
