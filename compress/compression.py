@@ -16,8 +16,9 @@ from compress import distributed
 from compress.calibration import capture_first_layer_inputs, decoder_layers, restore_dtypes, run_layer, upcast
 from compress.errors import CompressError
 from compress.memory import release_freed_memory
-from compress.models import materialize_all, materialize_layer
+from compress.models import mark_materialized, materialize_all, materialize_layer
 from compress.moe import expert_token_report, moe_family, unfuse_experts
+from compress.resume import WalkProgress
 from compress.stages import LayerContext, Stage, build_chain, check_chain, prepare_stages
 
 
@@ -28,6 +29,7 @@ def compress_model(
     device: torch.device | str = "cpu",
     batch_size: int = 8,
     layer_done: Callable[[str], None] | None = None,
+    progress: WalkProgress | None = None,
 ) -> list[dict]:
     """Apply ``stages`` (Stage objects, or recipe-style ``{"type": ..., ...}`` mappings checked as a chain) to
     ``model`` in place, calibrating on the token ids ``samples`` ([n, seq_len]); returns each stage's summary, in
@@ -38,7 +40,9 @@ def compress_model(
     ``layer_done(name)`` hears each decoder layer's module name as soon as nothing will change or read its weights
     again, so the caller can write the layer out and drop it (``CheckpointWriter.write_layer``): the chain ends in
     a layer walk and no stage reads every weight back in ``finalize`` (a pruner checks its masks there). For any
-    other chain it is never called and the model stays whole."""
+    other chain it is never called and the model stays whole.
+
+    ``progress`` keeps the first layer walk's state after every layer and continues from it (``compress.resume``)."""
     if all(isinstance(s, dict) for s in stages):
         chain = build_chain([dict(s) for s in stages])
     else:
@@ -51,7 +55,7 @@ def compress_model(
         samples = distributed.shard(samples, batch_size)
     prepare_stages(model, chain)
     streamable = chain[-1].layerwise and not any(stage.prunes_weights for stage in chain)
-    apply_stages(model, chain, samples, device, batch_size, layer_done if streamable else None)
+    apply_stages(model, chain, samples, device, batch_size, layer_done if streamable else None, progress)
     distributed.barrier()  # every rank holds the same compressed model
     summaries = [{"algorithm": stage.algorithm(), **stage.finalize(model), "seconds": stage.seconds} for stage in chain]
     experts = expert_token_report(model)
@@ -82,11 +86,12 @@ def apply_stages(
     device: torch.device,
     batch_size: int,
     layer_done: Callable[[str], None] | None = None,
+    progress: WalkProgress | None = None,
 ) -> None:
     """Run the chain in order: whole-model stages one by one, each run of consecutive layerwise stages in one walk.
     Every stage hears ``before_stage`` for each position as its turn comes (all of a walk's stages before it starts).
     A whole-model stage (or a teacher copy) needs every layer, so a lazily loaded model is read in full first.
-    ``layer_done`` is handed to the last walk, when the chain ends in one.
+    ``layer_done`` is handed to the last walk, when the chain ends in one; ``progress`` to the first.
     """
     if not all(stage.layerwise for stage in stages):
         materialize_all(model)
@@ -98,8 +103,9 @@ def apply_stages(
         if run:
             _announce(stages, model, run)
             last = stage is None
-            walk_layers(model, [stages[p] for p in run], samples, device, batch_size, layer_done if last else None)
-            run = []
+            walk = [stages[p] for p in run]
+            walk_layers(model, walk, samples, device, batch_size, layer_done if last else None, progress)
+            run, progress = [], None
         if stage is not None:
             _announce(stages, model, [position])
             start = time.perf_counter()
@@ -120,18 +126,28 @@ def walk_layers(
     device: torch.device,
     batch_size: int,
     layer_done: Callable[[str], None] | None = None,
+    progress: WalkProgress | None = None,
 ) -> None:
     """One walk over the decoder layers. Each layer is read from disk if it was loaded lazily, goes to ``device``,
     is widened to fp32 there, gets every stage, computes the next layer's fp32 inputs, and goes back to the model's
-    dtype and to the CPU: only one layer and its activations are ever on the device or in fp32. ``layer_done``
-    then hears the finished layer's name."""
+    dtype and to the CPU: only one layer and its activations are ever on the device or in fp32. ``progress`` keeps
+    it with what the next layer needs, and ``layer_done`` then hears its name. A walk that ``progress`` has seen
+    before starts after its last kept layer, whose successors' inputs it kept."""
     calibrate = any(stage.needs_calibration for stage in stages)
-    inputs = capture_first_layer_inputs(model, samples, batch_size, device) if calibrate else None
     layers = decoder_layers(model)
     storage_dtype = getattr(model, "dtype", torch.float32)  # what quantization scales are rounded to
     layers_name = next(module_name for module_name, module in model.named_modules() if module is layers)
+    done, inputs = progress.restore(layers, stages) if progress is not None else (0, None)
+    for index in range(done):
+        mark_materialized(model, index)
+        if layer_done is not None:
+            layer_done(f"{layers_name}.{index}")
+    if calibrate and done == 0:
+        inputs = capture_first_layer_inputs(model, samples, batch_size, device)
     for index in tqdm(
-        range(len(layers)),
+        range(done, len(layers)),
+        initial=done,
+        total=len(layers),
         desc=f"compress [{'+'.join(s.name for s in stages)}]",
         unit="layer",
         disable=not distributed.is_main(),
@@ -151,6 +167,8 @@ def walk_layers(
             inputs = outputs if outputs is not None else run_layer(layer, inputs, name)
         restore_dtypes(layer, stored_dtypes)
         layers[index] = layer.to("cpu")
+        if progress is not None:
+            progress.save(index, layers[index], inputs if index + 1 < len(layers) else None, stages)
         if layer_done is not None:
             layer_done(f"{layers_name}.{index}")
         release_freed_memory()

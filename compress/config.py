@@ -79,6 +79,7 @@ class RunConfig:
     tracking: TrackingSpec = field(default_factory=TrackingSpec)
     gate: GatePolicy = field(default_factory=GatePolicy)
     plan: PlanSpec = field(default_factory=PlanSpec)
+    resume: bool = True  # keep the layer walk's progress so the same command continues after a crash
     seed: int = 0
     device: str = "auto"
     calibration_batch_size: int = 8

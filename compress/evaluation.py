@@ -22,6 +22,7 @@ from compress.evals.perplexity import PerplexityResult, can_stream, stored_model
 from compress.models import load, resolve_model_path
 from compress.stages import Stage
 from compress.stages.rtn import rtn_reference
+from compress.tracking import RunLog, record_verdict
 
 
 @dataclass
@@ -89,3 +90,28 @@ class RunEvaluation:
             return stored_model_perplexity(model, ids, *protocol, label=label, device=self.device, **options)
         except FloatingPointError as error:
             raise CompressError(str(error)) from error
+
+
+def release_gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None, report: dict, texts) -> dict:
+    """The release gate on the saved checkpoint against the original model, judging the run's own perplexity passes
+    of both sides (``report``) instead of measuring again; its verdict is recorded in this run's MLflow store (the
+    same ``tracking.uri``) under ``gate.*`` and a pass registers ``runs:/<run>/checkpoint``."""
+    from compress.evals.gate import run_gate
+
+    verdict = run_gate(
+        staging / "checkpoint", resolve_model_path(config.model), config.gate, staging / "gate",
+        evaluation_texts=texts, candidate_label=str(final / "checkpoint"),
+        measured=_measured(report),
+    )  # fmt: skip
+    if run_log is not None:
+        record_verdict(run_log, verdict, verdict.files, staging / "checkpoint", own_run=False)
+    return {
+        "passed": verdict.passed, "verdict": verdict.verdict, "headline": verdict.headline(),
+        "reasons": verdict.reasons, "report": str(final / "gate" / "gate.md"), "registry": verdict.registry,
+    }  # fmt: skip
+
+
+def _measured(report: dict) -> dict | None:
+    """The run's perplexity passes of the baseline and the candidate, when it made both: what the gate judges."""
+    passes = {side: report["perplexity"].get(side) for side in ("baseline", "candidate")}
+    return passes if all(passes.values()) else None

@@ -310,6 +310,13 @@ def materialize_layer(model: torch.nn.Module, index: int) -> None:
     weights.loaded.add(index)
 
 
+def mark_materialized(model: torch.nn.Module, index: int) -> None:
+    """Decoder layer ``index`` was put in place by other means (a resumed walk): never read it from disk again."""
+    weights: LazyWeights | None = getattr(model, "lazy_weights", None)
+    if weights is not None:
+        weights.loaded.add(index)
+
+
 def release_layer(model: torch.nn.Module, index: int) -> None:
     """Send a lazily loaded model's decoder layer ``index`` back to the meta device (the next
     :func:`materialize_layer` reads it from disk again): a streamed evaluation leaves the model as lean as it was."""

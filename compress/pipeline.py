@@ -20,18 +20,19 @@ from compress.config import RunConfig, check_evaluation_length
 from compress.data import calibration_samples, load_corpus, tokenize
 from compress.distributed import select_device
 from compress.errors import CompressError
-from compress.evaluation import EvaluationText, RunEvaluation
+from compress.evaluation import EvaluationText, RunEvaluation, release_gate
 from compress.memory import release_freed_memory
 from compress.models import check_model_source, load, resolve_model_path
 from compress.moe import unfuse_experts
 from compress.paths import artifacts_dir
 from compress.plan import preflight
 from compress.report import Timer, peak_rss_mb, run_metrics, write_report
+from compress.resume import WalkProgress, fingerprint, progress_folder
 from compress.rundir import raise_if_terminated, sigterm_as_interrupt, staged_run_folder
 from compress.saving import checkpoint_writer, named_summaries, write_checkpoint
 from compress.stages import Stage, build_chain, prepare_stages
 from compress.stages.rtn import rtn_reference
-from compress.tracking import RunLog, check_writable, flatten, record_verdict, tracking_uri
+from compress.tracking import RunLog, check_writable, flatten, tracking_uri
 
 
 @dataclass
@@ -54,31 +55,32 @@ def run(config: RunConfig) -> RunResult | None:
     device = select_device(config.device)
     check_model_source(config.model)  # a missing model fails here, before a run folder or MLflow run exists
     distributed.main_first(lambda: resolve_model_path(config.model))  # convert the default model once
+    runs_dir = Path(config.output.dir) if config.output.dir else artifacts_dir() / "runs"
     if not distributed.is_main():  # calibrate this rank's shard, nothing else
         torch.manual_seed(config.seed)
         model, _, samples, _, _ = _load(config, stages, Timer())
-        compress_model(model, stages, samples, device, config.calibration_batch_size)
+        progress = _progress(config, runs_dir, samples)
+        compress_model(model, stages, samples, device, config.calibration_batch_size, progress=progress)
         return None
     uri = tracking_uri(config.tracking.uri) if config.tracking.enabled else None
     if uri is not None:
         check_writable(uri, "set tracking.uri=<a writable store> or tracking.enabled=false")
-    runs_dir = Path(config.output.dir) if config.output.dir else artifacts_dir() / "runs"
     preflight(config, stages, runs_dir)
     torch.manual_seed(config.seed)
-    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{config.output.run_name or config.recipe}-{uuid.uuid4().hex[:6]}"
+    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{_run_name(config)}-{uuid.uuid4().hex[:6]}"
     final = runs_dir / run_id
     timer, wall_start, run_log = Timer(), time.perf_counter(), None
     with sigterm_as_interrupt(), staged_run_folder(runs_dir, run_id) as staging:
         try:
             if uri is not None:
                 run_log = _open_run_log(config, uri, run_id, stages)
-            report, evaluation_texts = _execute(config, stages, device, staging, timer)
+            report, evaluation_texts = _execute(config, stages, device, staging, timer, runs_dir)
             report.update(run_id=run_id)
             report["checkpoint"]["path"] = str(final / "checkpoint")
             if config.gate.enabled:
                 with timer.phase("gate"):
                     release_freed_memory()  # what the evaluations freed, before the gate loads its models
-                    report["gate"] = _gate(config, staging, final, run_log, _measured(report), evaluation_texts)
+                    report["gate"] = release_gate(config, staging, final, run_log, report, evaluation_texts)
             report.update(
                 wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb(), timings_s=timer.seconds,
                 peak_rss_rise_mb=timer.peak_rise_mb,
@@ -94,6 +96,8 @@ def run(config: RunConfig) -> RunResult | None:
             if run_log is not None:
                 run_log.fail(error)
             raise
+    if config.resume:  # published: the walk's progress is no longer needed
+        WalkProgress(progress_folder(runs_dir, _run_name(config), Path(resolve_model_path(config.model)))).remove()
     if run_log is not None:
         run_log.finish()
     return RunResult(run_id, final, report, run_log.run_id if run_log else None, timer.seconds)
@@ -125,7 +129,22 @@ def _evaluation_text(config: RunConfig, tokenizer, source: str, texts: list[str]
     return EvaluationText(source, texts, ids, in_domain=key == "data")
 
 
-def _execute(config: RunConfig, stages: list[Stage], device: torch.device, staging: Path, timer: Timer) -> tuple:
+def _run_name(config: RunConfig) -> str:
+    return config.output.run_name or config.recipe
+
+
+def _progress(config: RunConfig, runs_dir: Path, samples: torch.Tensor) -> WalkProgress | None:
+    """The walk's progress for this command (``compress.resume``): kept, checked against, and continued from."""
+    if not config.resume:
+        return None
+    model_folder = Path(resolve_model_path(config.model))
+    walk = {key: config.raw[key] for key in ("stages", "data", "seed", "calibration_batch_size", "device")}
+    return WalkProgress.open(
+        progress_folder(runs_dir, _run_name(config), model_folder), fingerprint(model_folder, walk, samples)
+    )
+
+
+def _execute(config: RunConfig, stages: list[Stage], device, staging: Path, timer: Timer, runs_dir: Path) -> tuple:
     """``(report, evaluation texts)``."""
     model, tokenizer, samples, headline, in_domain = _load(config, stages, timer)
     passes = RunEvaluation(config, headline, in_domain, device)
@@ -135,7 +154,9 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
     with checkpoint_writer(staging / "checkpoint", config.output.save_dtype) as writer:
         with timer.phase("compress"):  # finished layers are written to the checkpoint as the walk goes
             sink, batch = writer.layer_sink(model), config.calibration_batch_size
-            summaries = compress_model(model, stages, samples, device, batch, sink)
+            summaries = compress_model(
+                model, stages, samples, device, batch, sink, _progress(config, runs_dir, samples)
+            )
         with timer.phase("save"):
             extra = {"config.yaml": yaml.safe_dump(config.raw, sort_keys=False)}
             summary = write_checkpoint(writer, model, tokenizer, stages, summaries, config.recipe, config.stages, extra)
@@ -163,31 +184,6 @@ def _execute(config: RunConfig, stages: list[Stage], device: torch.device, stagi
         "checkpoint": summary.to_dict(),
     }
     return report, headline.texts
-
-
-def _gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog | None, measured: dict | None, texts) -> dict:
-    """The release gate on the saved checkpoint against the original model; its verdict is recorded in this run's
-    MLflow store (the same ``tracking.uri``) under ``gate.*`` and a pass registers ``runs:/<run>/checkpoint``.
-    ``measured``: the run's own perplexity passes of both sides, which the gate judges instead of measuring again."""
-    from compress.evals.gate import run_gate
-
-    verdict = run_gate(
-        staging / "checkpoint", resolve_model_path(config.model), config.gate, staging / "gate",
-        evaluation_texts=texts, candidate_label=str(final / "checkpoint"),
-        measured=measured,
-    )  # fmt: skip
-    if run_log is not None:
-        record_verdict(run_log, verdict, verdict.files, staging / "checkpoint", own_run=False)
-    return {
-        "passed": verdict.passed, "verdict": verdict.verdict, "headline": verdict.headline(),
-        "reasons": verdict.reasons, "report": str(final / "gate" / "gate.md"), "registry": verdict.registry,
-    }  # fmt: skip
-
-
-def _measured(report: dict) -> dict | None:
-    """The run's perplexity passes of the baseline and the candidate, when it made both: what the gate judges."""
-    passes = {side: report["perplexity"].get(side) for side in ("baseline", "candidate")}
-    return passes if all(passes.values()) else None
 
 
 def _open_run_log(config: RunConfig, uri: str, run_id: str, stages: list[Stage]) -> RunLog:

@@ -147,6 +147,7 @@ class Plan:
     probe_gflops: float
     accelerator_mb: float | None = None
     notes: list[str] = field(default_factory=list)
+    progress_mb: float = 0.0  # the layer walk's progress kept to resume from (compress.resume), at its largest
 
     def lines(self) -> list[str]:
         phases = ", ".join(f"{name} {mb:.0f}" for name, mb in self.phases_ram_mb.items())
@@ -157,17 +158,19 @@ class Plan:
             f"plan for {self.model} (probe: {self.probe_gflops:.0f} GFLOP/s fp32 matmul on this machine)",
             f"  peak host RAM {self.host_ram_mb:.0f} MB (largest phase above this process: {phases} MB)",
             f"  peak accelerator memory: {device}",
-            f"  disk: {self.disk_mb:.0f} MB (checkpoint, staged in place and renamed)",
+            f"  disk: {self.disk_mb + self.progress_mb:.0f} MB (checkpoint {self.disk_mb:.0f}, staged in place and "
+            f"renamed; progress kept to resume from {self.progress_mb:.0f})",
             f"  wall time ~{total:.0f} s: {times}",
             *(f"  note: {note}" for note in self.notes),
         ]
 
     def check(self, free_disk_mb: float, available_ram_mb: float) -> None:
         """One line, before any work, when this machine has less disk or RAM than the plan needs."""
-        if free_disk_mb < self.disk_mb:
+        needed = self.disk_mb + self.progress_mb
+        if free_disk_mb < needed:
             raise EnvironmentFailure(
-                f"plan: the run needs ~{self.disk_mb:.0f} MB of disk and {free_disk_mb:.0f} MB are free where it "
-                "writes; free space, set output.dir elsewhere, or plan.enforce=false to try anyway"
+                f"plan: the run needs ~{needed:.0f} MB of disk and {free_disk_mb:.0f} MB are free where it writes; "
+                "free space, set output.dir elsewhere, resume=false, or plan.enforce=false to try anyway"
             )
         if available_ram_mb < self.host_ram_mb:
             raise EnvironmentFailure(
@@ -248,7 +251,10 @@ def estimate(
     if not evaluation.perplexity:
         notes.append("no evaluation (eval.perplexity=false)")
     phases_mb = {k: v / MB for k, v in phases.items()}
-    return Plan(model_name, host, phases_mb, disk / MB, seconds, probe.gflops, accelerator, notes)
+    progress = 0.0
+    if config.resume:  # every finished layer as the walk holds it, and each rank's last two cursors of inputs
+        progress = shape.layers * layer_bytes + 2 * calibration_tokens * hidden_act * (streams - 1) * calibrated
+    return Plan(model_name, host, phases_mb, disk / MB, seconds, probe.gflops, accelerator, notes, progress / MB)
 
 
 def _extra_streams(stage) -> int:

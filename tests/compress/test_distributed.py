@@ -28,9 +28,11 @@ from distributed_worker import EXACT, RECIPES, calibration_samples, compress_all
 ROOT = Path(__file__).parents[2]
 
 
-def torchrun(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node 2 <args>`` (a free port of its own) with this checkout importable."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "OMP_NUM_THREADS": "1"}
+def torchrun(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 <args>`` (a free port of its own) with this checkout importable,
+    ``env`` added to this process's environment."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "OMP_NUM_THREADS": "1",
+           **(env or {})}  # fmt: skip
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -68,7 +68,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ),  # fmt: skip
     ("kernels", {"compress.kernels"}),
     ("formats", {"compress.fp4", "compress.kv_quant", "compress.sparsity", "compress.formats", "compress.moe"}),
-    ("model", {"compress.calibration", "compress.checkpoint", "compress.models", "compress.engine"}),
+    ("model", {"compress.calibration", "compress.checkpoint", "compress.models", "compress.engine", "compress.resume"}),
     ("stages", {"compress.stages", "compress.compression", "compress.saving"}),
     ("evals", {"compress.evals"}),
     (

@@ -3,12 +3,15 @@
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from compress import oneshot
 from compress.__main__ import main
+from compress.compression import compress_model
 from compress.errors import CompressError
 from compress.plan import Plan, Probe, estimate, model_shape
 from compress.recipe import compose
+from compress.resume import WalkProgress
 from compress.stages import build_chain
 
 
@@ -19,6 +22,26 @@ def test_shape_comes_from_headers_and_matches_the_weights(tiny_model_dir):
     outside = sum(t.numel() for name, t in tensors.items() if ".layers." not in name)
     assert (shape.layer_params, shape.outside_params) == (layer, outside)
     assert len(shape.linears) == 7 and shape.layers == 2 and shape.dtype_bytes == 4
+
+
+def test_predicted_progress_disk_matches_the_largest_progress_folder(tiny_model_dir, tmp_path):
+    config = compose(
+        "gptq_int4", ["stages.0.group_size=32", "data.num_samples=4", "data.seq_len=32"], str(tiny_model_dir)
+    )
+    stages = build_chain(config.stages)
+    plan = estimate(model_shape(tiny_model_dir), stages, config, "tiny", Probe(10.0), eval_tokens=1000)
+    progress, largest = WalkProgress.open(tmp_path / "progress", {"test": "1"}), []
+    keep = progress.save
+
+    def keep_and_measure(*args):
+        keep(*args)
+        largest.append(sum(f.stat().st_size for f in progress.folder.iterdir()) / 2**20)
+
+    progress.save = keep_and_measure
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    compress_model(model, stages, torch.randint(0, 300, (4, 32)), batch_size=2, progress=progress)
+    assert plan.progress_mb == pytest.approx(max(largest), rel=0.25)
+    assert compose("gptq_int4", ["resume=false"], str(tiny_model_dir)).resume is False
 
 
 @pytest.mark.parametrize(("recipe", "overrides"), [("rtn_int4", ["stages.0.group_size=32"]), ("fp8_dynamic", [])])
