@@ -156,6 +156,7 @@ class Files:
         self.handles: dict[str, object] = {}
         self.keys: dict[str, str] = {}  # model name -> file key
         self.headers: dict[str, tuple[list[int], torch.dtype]] = {}  # model name -> (shape, dtype as loaded)
+        self.leaves: dict[str, dict[str, str]] = {}  # owner module -> {leaf: model name}
 
     def read_headers(self, model_type: str | None) -> None:
         with self.opened(""):
@@ -168,6 +169,8 @@ class Files:
                 name = model_name(model_type, key)
                 self.keys[name] = key
                 self.headers[name] = (view.get_shape(), self.dtype if floating else INTEGER_DTYPES[kind])
+                owner, _, leaf = name.rpartition(".")
+                self.leaves.setdefault(owner, {})[leaf] = name
 
     @contextmanager
     def opened(self, prefix: str) -> Iterator[None]:
@@ -189,8 +192,7 @@ class Files:
         """A :class:`Tree` holding only ``owners``, with their tensors read: what one ``write_layer`` call stores."""
         tree = Tree(config)
         for owner in owners:
-            leaves = {name.rpartition(".")[2]: name for name in self.headers if name.rpartition(".")[0] == owner}
-            tree.place(owner, build_owner(owner, {leaf: self.read(name) for leaf, name in leaves.items()}))
+            tree.place(owner, build_owner(owner, {leaf: self.read(name) for leaf, name in self.leaves[owner].items()}))
         return tree
 
 
