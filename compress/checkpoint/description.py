@@ -47,7 +47,7 @@ def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -
     if not quantized and not activation_groups and kv_cache_scheme is None:
         return None
     schemes: dict[tuple, list[str]] = {}
-    for name, module in quantized.items():
+    for name, module in sorted(quantized.items(), key=lambda item: natural(item[0])):
         schemes.setdefault(w4a16.scheme_key(module), []).append(name)
     groups = {}
     for index, (key, names) in enumerate(sorted(schemes.items(), key=str)):
@@ -59,7 +59,7 @@ def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -
     formats = sorted({group["format"] for group in groups.values()})
     dense = [name for name, m in model.named_modules() if type(m) is nn.Linear]
     dense += [name for name in router_names(model) if name not in dense]  # vLLM builds routers as linears
-    dense = [checkpoint_name(model_type, name) for name in dense]
+    dense = sorted((checkpoint_name(model_type, name) for name in dense), key=natural)
     return {
         "quant_method": "compressed-tensors",
         "format": formats[0] if len(formats) == 1 else (MIXED_FORMAT if formats else DENSE),
@@ -70,12 +70,19 @@ def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -
     }
 
 
+def natural(name: str) -> tuple:
+    """Sort key of a module name with its numbers as numbers (``layers.2`` before ``layers.10``): config.json lists
+    names in this order, not the module tree's, so a writer that walks the safetensors files instead of the modules
+    (``compress.model_free``) writes the same config."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
 def _activation_groups(model: nn.Module) -> list[dict]:
     """Config groups of the W8A8 modules (int8 or fp8 weights per channel; dynamic per-token or static per-tensor
     activations), one per distinct scheme."""
     by_scheme: dict[tuple[str, bool], list[str]] = {}
     model_type = getattr(model.config, "model_type", None)
-    for name, module in model.named_modules():
+    for name, module in sorted(model.named_modules(), key=lambda item: natural(item[0])):
         if isinstance(module, ACTIVATION_QUANTIZED):
             by_scheme.setdefault(w8a8.scheme_key(module), []).append(checkpoint_name(model_type, name))
     single = len(by_scheme) == 1 and not any(isinstance(m, QuantizedLinear) for m in model.modules())
@@ -88,7 +95,7 @@ def _activation_groups(model: nn.Module) -> list[dict]:
 def _float_weight_groups(model: nn.Module) -> list[dict]:
     """Config groups of the FP8-block and FP4 modules, one per distinct scheme."""
     by_scheme: dict[str, tuple[dict, list[str]]] = {}
-    for name, module in model.named_modules():
+    for name, module in sorted(model.named_modules(), key=lambda item: natural(item[0])):
         if isinstance(module, FLOAT_WEIGHTS):
             scheme = (fp8_block if isinstance(module, Fp8BlockLinear) else fp4).config_group(module)
             by_scheme.setdefault(json.dumps(scheme, sort_keys=True), (scheme, []))[1].append(name)

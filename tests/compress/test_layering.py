@@ -69,7 +69,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("kernels", {"compress.kernels"}),
     ("formats", {"compress.fp4", "compress.kv_quant", "compress.sparsity", "compress.formats", "compress.moe"}),
     ("model", {"compress.calibration", "compress.checkpoint", "compress.models", "compress.engine", "compress.resume"}),
-    ("stages", {"compress.stages", "compress.compression", "compress.saving"}),
+    ("stages", {"compress.stages", "compress.compression", "compress.saving", "compress.model_free"}),
     ("evals", {"compress.evals"}),
     (
         "app",

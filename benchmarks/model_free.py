@@ -1,0 +1,211 @@
+"""Model-free quantization (``compress.model_free``) vs the layer walk, and vs reading the input files once.
+
+    COMPRESS_ARTIFACTS=/path/to/artifacts python benchmarks/model_free.py          # rtn_int4 and fp8_dynamic
+    python benchmarks/model_free.py --recipes rtn_int4 --results /tmp/mf           # elsewhere, one recipe
+
+On the default model's converted folder (``resolve_model_path(ModelSpec())``; nothing is converted or downloaded:
+the script stops if the folder is missing), each row is one fresh subprocess, timed and measured by GNU time
+(``benchmarks/peer_comparison.measured_run``). ``read`` reads every byte of the safetensors files once through one
+8 MB buffer: the floor any path pays; it imports what the other rows import, so its peak RSS is their baseline.
+``model_free`` is ``quantize_model_free``. ``layer_walk`` is what ``compress run`` does before its evaluations: lazy
+load, ``compress_model`` streaming into ``checkpoint_writer``, ``write_checkpoint`` (no calibration text: the
+chains are data-free). ``work s`` is the timed part inside the process, ``process s`` adds interpreter start and
+imports. A warm-up read first puts the files in the page cache for every row. The first round's two checkpoints
+are compared tensor by tensor. Results: ``benchmarks/results/model-free.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.peer_comparison import checkpoint_size_mb, measured_run  # noqa: E402
+from compress.models import ModelSpec, local_model_folder  # noqa: E402
+
+MODES = ("read", "model_free", "layer_walk")
+
+
+def stages_of(recipe: str) -> list[dict]:
+    return yaml.safe_load((ROOT / "recipes" / f"{recipe}.yaml").read_text())["stages"]
+
+
+def child(mode: str, folder: Path, recipe: str, target: Path) -> None:
+    """One row's work in this process; prints its own timed seconds as the last line."""
+    from compress.compression import compress_model
+    from compress.model_free import quantize_model_free
+    from compress.models import load
+    from compress.saving import checkpoint_writer, write_checkpoint
+    from compress.stages import build_chain
+
+    chain = stages_of(recipe)
+    start = time.perf_counter()
+    if mode == "read":  # every byte through a reused buffer (safe_open's tensors map pages they may never touch)
+        buffer = bytearray(8 * 2**20)
+        for file in sorted(folder.glob("*.safetensors")):
+            with open(file, "rb", buffering=0) as handle:
+                while handle.readinto(buffer):
+                    pass
+    elif mode == "model_free":
+        quantize_model_free(folder, build_chain(chain), target, recipe=recipe, stage_args=chain)
+    else:
+        model, tokenizer = load(ModelSpec(str(folder)))
+        stages = build_chain(chain)
+        with checkpoint_writer(target, None) as writer:
+            samples = torch.zeros(1, 8, dtype=torch.long)  # read by no data-free stage
+            summaries = compress_model(model, stages, samples, "cpu", 8, writer.layer_sink(model))
+            write_checkpoint(writer, model, tokenizer, stages, summaries, recipe, chain)
+    print(f"work_s {time.perf_counter() - start:.3f}")
+
+
+def largest_tensor_mb(folder: Path) -> float:
+    """The largest input tensor, from the headers: about what model-free holds above its imports (it and its
+    stored form, one at a time)."""
+    from safetensors import safe_open
+
+    widths = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+    largest = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                view = handle.get_slice(key)
+                largest = max(largest, math.prod(view.get_shape()) * widths.get(view.get_dtype(), 1))
+    return largest / 1e6
+
+
+def identical(first: Path, second: Path) -> bool:
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict[str, torch.Tensor]:
+        found = {}
+        for shard in folder.glob("*.safetensors"):
+            found.update(load_file(shard))
+        return found
+
+    ours, theirs = tensors(first), tensors(second)
+    return set(ours) == set(theirs) and all(torch.equal(ours[key], theirs[key]) for key in ours)
+
+
+def measure(mode: str, folder: Path, recipe: str, work: Path, round_: int = 0) -> dict:
+    target = work / f"{recipe}-{mode}-{round_}"
+    log = work / f"{recipe}-{mode}-{round_}.log"
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--recipe", recipe]
+    result = measured_run([*command, "--model", str(folder), "--target", str(target)], log, timeout=3600)
+    if not result["ok"]:
+        raise SystemExit(f"{recipe} {mode}: {result['error']}")
+    work_s = float(log.read_text().strip().splitlines()[-1].split()[1])
+    row = {"work_s": work_s, "process_s": result["wall_s"], "peak_rss_mb": result["peak_rss_mb"]}
+    if mode != "read":
+        row["checkpoint_mb"] = checkpoint_size_mb(target)
+        if round_:  # the first round's pair is compared; the others only take disk
+            shutil.rmtree(target)
+    return row
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# Model-free quantization vs the layer walk",
+        "",
+        f"Model `{report['model']}` ({report['weights_mb']:.0f} MB of {report['dtype']} safetensors, the largest "
+        f"tensor {report['largest_tensor_mb']:.0f} MB); "
+        f"{report['machine']}, shared with other jobs; run {report['date']}, rows back to back in this order, "
+        f"each a fresh process (peak RSS by GNU time `%M`). {report['threads']}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Each cell is the median of {report['repeats']} rounds (read, model_free, layer_walk in turn each round); "
+        "every round's numbers are in the JSON. Peak RSS over read: what the path holds above the imports.",
+        "",
+        "| recipe | path | work s | process s | peak RSS MB | peak RSS over read MB | checkpoint MB | work / read |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for recipe, rows in report["recipes"].items():
+        medians = {mode: {key: median([run[key] for run in rows[mode]]) for key in rows[mode][0]} for mode in MODES}
+        for mode in MODES:
+            row = medians[mode]
+            size = f"{row['checkpoint_mb']:.1f}" if "checkpoint_mb" in row else "-"
+            lines.append(
+                f"| {recipe} | {mode} | {row['work_s']:.2f} | {row['process_s']:.1f} | {row['peak_rss_mb']:.0f} | "
+                f"{row['peak_rss_mb'] - medians['read']['peak_rss_mb']:.0f} | {size} | "
+                f"{row['work_s'] / medians['read']['work_s']:.1f}x |"
+            )
+    same = ", ".join(f"{recipe}: {rows['identical']}" for recipe, rows in report["recipes"].items())
+    lines += [
+        "",
+        f"Model-free and layer-walk checkpoints identical tensor for tensor (torch.equal): {same}.",
+        "",
+        f"llm-compressor: {report['llm_compressor']}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipes", nargs="+", default=["rtn_int4", "fp8_dynamic"])
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the three rows per recipe")
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--recipe", help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--target", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args.child, args.model, args.recipe, args.target)
+        return 0
+    folder = local_model_folder(ModelSpec())
+    if folder is None:
+        raise SystemExit("the default model is not converted here; point COMPRESS_ARTIFACTS at a folder holding it")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the children's; the machine is shared
+    config = json.loads((folder / "config.json").read_text())
+    artifacts = [f"COMPRESS_ARTIFACTS={os.environ['COMPRESS_ARTIFACTS']}"] if "COMPRESS_ARTIFACTS" in os.environ else []
+    report = {
+        "model": str(folder),
+        "dtype": config.get("dtype") or config.get("torch_dtype"),
+        "weights_mb": sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6,
+        "largest_tensor_mb": largest_tensor_mb(folder),
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}",
+        "threads": f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} in every row.",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": " ".join([*artifacts, "python", "benchmarks/model_free.py", *(argv or sys.argv[1:])]),
+        "llm_compressor": (
+            "installed, not run by this script"
+            if importlib.util.find_spec("llmcompressor")
+            else "not installed in this environment (nor a peer venv), so no numbers for it here"
+        ),
+        "repeats": args.repeats,
+        "recipes": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="model-free-") as tmp:
+        work = Path(tmp)
+        measure("read", folder, args.recipes[0], work)  # warm-up: the files into the page cache
+        for recipe in args.recipes:
+            rows = {mode: [] for mode in MODES}
+            for round_ in range(args.repeats):
+                for mode in MODES:
+                    rows[mode].append(measure(mode, folder, recipe, work, round_))
+            rows["identical"] = identical(work / f"{recipe}-model_free-0", work / f"{recipe}-layer_walk-0")
+            report["recipes"][recipe] = rows
+    print(markdown(report))
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "model-free.json").write_text(json.dumps(report, indent=2))
+    (args.results / "model-free.md").write_text(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
