@@ -6,6 +6,7 @@ The run folder's lifecycle (staging, SIGTERM, crash recovery) is ``compress.rund
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,17 +23,20 @@ from compress.distributed import select_device
 from compress.errors import CompressError
 from compress.evaluation import EvaluationText, RunEvaluation, release_gate
 from compress.memory import release_freed_memory
+from compress.model_free import model_free_eligible, quantize_model_free
 from compress.models import check_model_source, load, resolve_model_path
 from compress.moe import unfuse_experts
 from compress.paths import artifacts_dir
 from compress.plan import preflight
-from compress.report import Timer, peak_rss_mb, run_metrics, write_report
-from compress.resume import WalkProgress, fingerprint, progress_folder
+from compress.report import Timer, peak_rss_mb, run_metrics, run_report, write_report
+from compress.resume import WalkProgress, open_for_run, run_progress_folder
 from compress.rundir import raise_if_terminated, sigterm_as_interrupt, staged_run_folder
 from compress.saving import checkpoint_writer, named_summaries, write_checkpoint
 from compress.stages import Stage, build_chain, prepare_stages
 from compress.stages.rtn import rtn_reference
 from compress.tracking import RunLog, check_writable, flatten, tracking_uri
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,7 +63,7 @@ def run(config: RunConfig) -> RunResult | None:
     if not distributed.is_main():  # calibrate this rank's shard, nothing else
         torch.manual_seed(config.seed)
         model, _, samples, _, _ = _load(config, stages, Timer())
-        progress = _progress(config, runs_dir, samples)
+        progress = open_for_run(config, runs_dir, samples)
         compress_model(model, stages, samples, device, config.calibration_batch_size, progress=progress)
         return None
     uri = tracking_uri(config.tracking.uri) if config.tracking.enabled else None
@@ -67,7 +71,7 @@ def run(config: RunConfig) -> RunResult | None:
         check_writable(uri, "set tracking.uri=<a writable store> or tracking.enabled=false")
     preflight(config, stages, runs_dir)
     torch.manual_seed(config.seed)
-    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{_run_name(config)}-{uuid.uuid4().hex[:6]}"
+    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{config.output.run_name or config.recipe}-{uuid.uuid4().hex[:6]}"
     final = runs_dir / run_id
     timer, wall_start, run_log = Timer(), time.perf_counter(), None
     with sigterm_as_interrupt(), staged_run_folder(runs_dir, run_id) as staging:
@@ -97,7 +101,7 @@ def run(config: RunConfig) -> RunResult | None:
                 run_log.fail(error)
             raise
     if config.resume:  # published: the walk's progress is no longer needed
-        WalkProgress(progress_folder(runs_dir, _run_name(config), Path(resolve_model_path(config.model)))).remove()
+        WalkProgress(run_progress_folder(config, runs_dir)).remove()
     if run_log is not None:
         run_log.finish()
     return RunResult(run_id, final, report, run_log.run_id if run_log else None, timer.seconds)
@@ -129,23 +133,28 @@ def _evaluation_text(config: RunConfig, tokenizer, source: str, texts: list[str]
     return EvaluationText(source, texts, ids, in_domain=key == "data")
 
 
-def _run_name(config: RunConfig) -> str:
-    return config.output.run_name or config.recipe
-
-
-def _progress(config: RunConfig, runs_dir: Path, samples: torch.Tensor) -> WalkProgress | None:
-    """The walk's progress for this command (``compress.resume``): kept, checked against, and continued from."""
-    if not config.resume:
-        return None
-    model_folder = Path(resolve_model_path(config.model))
-    walk = {key: config.raw[key] for key in ("stages", "data", "seed", "calibration_batch_size", "device")}
-    return WalkProgress.open(
-        progress_folder(runs_dir, _run_name(config), model_folder), fingerprint(model_folder, walk, samples)
-    )
+def _execute_model_free(config: RunConfig, stages: list[Stage], staging: Path, timer: Timer) -> tuple:
+    """A data-free chain and no perplexity pass: the checkpoint straight from the safetensors files, no model built
+    (``compress.model_free``); the same tensors as the layer walk's."""
+    log.info("model-free: %s from the safetensors files, no model built", stages[0].algorithm())
+    with timer.phase("data"):  # the texts the gate reads
+        texts = load_corpus(config.eval.data or config.data).evaluation
+    with timer.phase("compress"):
+        result = quantize_model_free(
+            Path(resolve_model_path(config.model)), stages, staging / "checkpoint", recipe=config.recipe,
+            stage_args=config.stages, dtype=config.model.dtype, save_dtype=config.output.save_dtype,
+            extra_files={"config.yaml": yaml.safe_dump(config.raw, sort_keys=False)},
+        )  # fmt: skip
+    source = (config.eval.data or config.data).source
+    data = {"source": config.data.source, "calibration_tokens": 0, "evaluation_tokens": 0, "ranks": 1,
+            "evaluation": {"source": source}, "in_domain": None, "model_free": True}  # fmt: skip
+    return run_report(config, data, named_summaries(stages, result.stages), result.checkpoint.to_dict()), texts
 
 
 def _execute(config: RunConfig, stages: list[Stage], device, staging: Path, timer: Timer, runs_dir: Path) -> tuple:
     """``(report, evaluation texts)``."""
+    if not config.eval.perplexity and not distributed.active() and model_free_eligible(stages) is None:
+        return _execute_model_free(config, stages, staging, timer)
     model, tokenizer, samples, headline, in_domain = _load(config, stages, timer)
     passes = RunEvaluation(config, headline, in_domain, device)
     if config.eval.perplexity:
@@ -155,7 +164,7 @@ def _execute(config: RunConfig, stages: list[Stage], device, staging: Path, time
         with timer.phase("compress"):  # finished layers are written to the checkpoint as the walk goes
             sink, batch = writer.layer_sink(model), config.calibration_batch_size
             summaries = compress_model(
-                model, stages, samples, device, batch, sink, _progress(config, runs_dir, samples)
+                model, stages, samples, device, batch, sink, open_for_run(config, runs_dir, samples)
             )
         with timer.phase("save"):
             extra = {"config.yaml": yaml.safe_dump(config.raw, sort_keys=False)}
@@ -167,22 +176,15 @@ def _execute(config: RunConfig, stages: list[Stage], device, staging: Path, time
         if config.eval.reference == "rtn":
             with timer.phase("eval_reference"):
                 passes.rtn_reference(stages, samples)
-    report = {
-        "recipe": config.recipe,
-        "model": config.model.path,
-        "data": {
-            "source": config.data.source,
-            "calibration_tokens": int(samples.numel()),
-            "evaluation_tokens": int(headline.ids.numel()),
-            "evaluation": headline.describe(),  # the headline text
-            "in_domain": in_domain.describe() if in_domain is not None else None,
-            "ranks": distributed.world(),  # data-parallel calibration processes (torchrun)
-        },
-        "stages": named_summaries(stages, summaries),
-        "perplexity": {name: result.to_dict() for name, result in passes.results.items()},
-        "perplexity_in_domain": {name: result.to_dict() for name, result in passes.in_domain_results.items()},
-        "checkpoint": summary.to_dict(),
+    data = {
+        "source": config.data.source,
+        "calibration_tokens": int(samples.numel()),
+        "evaluation_tokens": int(headline.ids.numel()),
+        "evaluation": headline.describe(),  # the headline text
+        "in_domain": in_domain.describe() if in_domain is not None else None,
+        "ranks": distributed.world(),  # data-parallel calibration processes (torchrun)
     }
+    report = run_report(config, data, named_summaries(stages, summaries), summary.to_dict(), passes)
     return report, headline.texts
 
 

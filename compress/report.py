@@ -165,3 +165,17 @@ def write_report(report: dict, folder: Path) -> None:
     if "gate" in report:
         lines += ["", verdict_line(report["gate"]), *gate_details(report["gate"])]
     (folder / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def run_report(config, data: dict, stages: dict, checkpoint: dict, passes=None) -> dict:
+    """The run's report before the gate: what ran on which text, each stage's summary, the perplexity passes
+    (``compress.evaluation.RunEvaluation``; none for a run without them) and the checkpoint's size summary."""
+    return {
+        "recipe": config.recipe,
+        "model": config.model.path,
+        "data": data,
+        "stages": stages,
+        "perplexity": {name: r.to_dict() for name, r in passes.results.items()} if passes else {},
+        "perplexity_in_domain": {name: r.to_dict() for name, r in passes.in_domain_results.items()} if passes else {},
+        "checkpoint": checkpoint,
+    }

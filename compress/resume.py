@@ -38,6 +38,7 @@ from torch import nn
 
 from compress import distributed
 from compress.calibration import LayerInputs
+from compress.models import resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +227,21 @@ def _torch_save(value, path: Path) -> None:
             raise OSError(writes.error.errno, writes.error.strerror, str(path)) from error
 
 
-def progress_folder(runs_dir: Path, run_name: str, model_folder: Path) -> Path:
-    """Where a run named ``run_name`` on ``model_folder`` keeps its progress: the same command finds it again."""
-    return runs_dir / ".progress" / f"{run_name}-{_digest(str(model_folder.resolve()).encode())[:8]}"
+WALK_SETTINGS = ("stages", "data", "seed", "calibration_batch_size", "device")  # a run's settings the walk depends on
+
+
+def run_progress_folder(config, runs_dir: Path) -> Path:
+    """Where ``run`` with this configuration (``compress.config.RunConfig``) keeps its progress: the same command,
+    same run name and model, finds it again."""
+    model = Path(resolve_model_path(config.model)).resolve()
+    return runs_dir / ".progress" / f"{config.output.run_name or config.recipe}-{_digest(str(model).encode())[:8]}"
+
+
+def open_for_run(config, runs_dir: Path, samples: torch.Tensor) -> WalkProgress | None:
+    """The walk's progress for ``run`` with this configuration, checked against its fingerprint; None with
+    ``resume=false``."""
+    if not config.resume:
+        return None
+    walk = {key: config.raw[key] for key in WALK_SETTINGS}
+    expected = fingerprint(Path(resolve_model_path(config.model)), walk, samples)
+    return WalkProgress.open(run_progress_folder(config, runs_dir), expected)

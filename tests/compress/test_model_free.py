@@ -185,3 +185,22 @@ def test_fused_expert_tensors_are_refused_in_one_line(tmp_path):
     with pytest.raises(CompressError, match=r"experts\.\w+ \[4, \d+, \d+\]: fused 3-D weights \(experts\)"):
         quantize_model_free(folder, build_chain(SCHEMES["rtn_int4"]), tmp_path / "free")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["fused"]
+
+
+def test_run_goes_model_free_when_no_evaluation_needs_the_model(tiny_model_dir, artifacts, caplog):
+    """``run`` with a data-free chain and no perplexity pass says "model-free" and writes the layer walk's tensors."""
+    from compress.__main__ import main
+
+    caplog.set_level("INFO", logger="compress.pipeline")
+
+    common = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", "stages.0.group_size=32", "gate=none",
+              "tracking.enabled=false", "eval.seq_len=64", "eval.max_windows=2", "data.seq_len=64"]  # fmt: skip
+    assert main([*common, "eval.perplexity=false", f"output.dir={artifacts / 'free'}"]) == 0
+    assert "model-free: " in caplog.text
+    caplog.clear()
+    assert main([*common, "eval.perplexity=true", f"output.dir={artifacts / 'walk'}"]) == 0
+    assert "model-free" not in caplog.text  # the baseline's perplexity needs the model: the layer walk
+    (free,), (walk,) = ((artifacts / side).glob("*/checkpoint/model.safetensors") for side in ("free", "walk"))
+    tensors, expected = load_file(free), load_file(walk)
+    assert tensors.keys() == expected.keys()
+    assert [key for key in expected if not torch.equal(tensors[key], expected[key])] == []
