@@ -23,11 +23,11 @@ from compress.distributed import select_device
 from compress.errors import CompressError
 from compress.evaluation import EvaluationText, RunEvaluation, release_gate
 from compress.memory import release_freed_memory
-from compress.model_free import model_free_eligible, quantize_model_free
+from compress.model_free import quantize_model_free
 from compress.models import check_model_source, load, resolve_model_path
 from compress.moe import unfuse_experts
 from compress.paths import artifacts_dir
-from compress.plan import preflight
+from compress.plan import goes_model_free, preflight
 from compress.report import Timer, peak_rss_mb, run_metrics, run_report, write_report
 from compress.resume import WalkProgress, open_for_run, run_progress_folder
 from compress.rundir import raise_if_terminated, sigterm_as_interrupt, staged_run_folder
@@ -153,7 +153,7 @@ def _execute_model_free(config: RunConfig, stages: list[Stage], staging: Path, t
 
 def _execute(config: RunConfig, stages: list[Stage], device, staging: Path, timer: Timer, runs_dir: Path) -> tuple:
     """``(report, evaluation texts)``."""
-    if not config.eval.perplexity and not distributed.active() and model_free_eligible(stages) is None:
+    if goes_model_free(config, stages):
         return _execute_model_free(config, stages, staging, timer)
     model, tokenizer, samples, headline, in_domain = _load(config, stages, timer)
     passes = RunEvaluation(config, headline, in_domain, device)

@@ -229,6 +229,10 @@ def estimate(
     largest = max((o * i for o, i in shape.linears), default=0)
     working = max((_working_bytes(s, shape, widest, largest, data.seq_len) for s in stages), default=0)
     phases["compress"] = mapped + 2 * layer32 + calibration_tokens * hidden_act * streams + working
+    model_free = goes_model_free(config, stages)
+    if model_free:  # one group of linears (or the embedding) read, widened and quantized
+        embedding = shape.vocab * shape.hidden * (shape.dtype_bytes + fp32)
+        phases["compress"] = max(2 * largest * (shape.dtype_bytes + fp32), embedding)
     host = current_rss_mb() + max(phases.values()) / MB
     # on an accelerator each phase holds the same working set there, less the weight pages mapped on the host
     accelerator = max(v - mapped for v in phases.values()) / MB if accelerated else None
@@ -252,7 +256,9 @@ def estimate(
         notes.append("no evaluation (eval.perplexity=false)")
     phases_mb = {k: v / MB for k, v in phases.items()}
     progress = 0.0
-    if config.resume:  # every finished layer as the walk holds it, and each rank's last two cursors of inputs
+    if model_free:
+        notes.append("model-free: quantized from the safetensors files, no model built")
+    elif config.resume:  # every finished layer as the walk holds it, and each rank's last two cursors of inputs
         progress = shape.layers * layer_bytes + 2 * calibration_tokens * hidden_act * (streams - 1) * calibrated
     return Plan(model_name, host, phases_mb, disk / MB, seconds, probe.gflops, accelerator, notes, progress / MB)
 
@@ -262,6 +268,14 @@ def _extra_streams(stage) -> int:
     if stage.name == "signround":
         return 2
     return 1 if getattr(stage.config, "input_correction", False) else 0
+
+
+def goes_model_free(config, stages: list) -> bool:
+    """What ``run`` decides (``compress.pipeline``): a data-free chain with no perplexity pass, in one process."""
+    from compress.distributed import active
+    from compress.model_free import model_free_eligible
+
+    return not config.eval.perplexity and not active() and model_free_eligible(stages) is None
 
 
 def _working_bytes(stage, shape: ModelShape, widest: int, largest: int, seq_len: int) -> float:
