@@ -12,12 +12,26 @@ load, ``compress_model`` streaming into ``checkpoint_writer``, ``write_checkpoin
 chains are data-free). ``work s`` is the timed part inside the process, ``process s`` adds interpreter start and
 imports. A warm-up read first puts the files in the page cache for every row. The first round's two checkpoints
 are compared tensor by tensor. Results: ``benchmarks/results/model-free.{json,md}``.
+
+``llmcompressor`` is llm-compressor's own model-free path (``llmcompressor.model_free_ptq``) on the same files, from a
+side directory of packages on the child's ``PYTHONPATH`` (after this tree, before the venv) (``--peer-site``, default
+``<artifacts>/peer-site``), created with
+
+    python -m pip install --target artifacts/peer-site --no-deps llmcompressor==0.14.0.1 compressed-tensors loguru
+
+(this project's venv has its other dependencies); if the directory is missing the row is skipped with a note. Its
+scheme is ours: for rtn_int4 a ``QuantizationScheme`` (targets ``Linear``, int4 symmetric, group 64: the ``W4A16``
+preset is group 128), for fp8_dynamic the ``FP8_DYNAMIC`` preset; ``device="cpu"``, ``max_workers=1`` (the machine's
+cores are shared). ``ignore`` is ``lm_head`` and ``re:.*embed_tokens$``: its model-free path picks tensors by name, not
+module class, so with ``lm_head`` alone it quantizes a tied model's embedding (the default model's, to int4), which
+ours, targeting linears only, keeps dense. It reads a view of the model folder (links to the files, config.json
+without ``"quantization_config": null``, which llm-compressor 0.14.0.1 fails on after quantizing). Its first-round
+checkpoint is compared with model_free's: tensor names, dtypes, values.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -37,16 +51,42 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.peer_comparison import checkpoint_size_mb, measured_run  # noqa: E402
 from compress.models import ModelSpec, local_model_folder  # noqa: E402
+from compress.paths import artifacts_dir  # noqa: E402
 
-MODES = ("read", "model_free", "layer_walk")
+MODES = ("read", "model_free", "layer_walk", "llmcompressor")
+PEER = "llmcompressor"
+PEER_PIP = (
+    "python -m pip install --target artifacts/peer-site --no-deps llmcompressor==0.14.0.1 compressed-tensors loguru"
+)
+PEER_IGNORE = ["lm_head", "re:.*embed_tokens$"]
 
 
 def stages_of(recipe: str) -> list[dict]:
     return yaml.safe_load((ROOT / "recipes" / f"{recipe}.yaml").read_text())["stages"]
 
 
+def peer_scheme(recipe: str):
+    """llm-compressor's scheme for ``recipe``: ours, in its terms."""
+    if recipe == "fp8_dynamic":
+        return "FP8_DYNAMIC"
+    if recipe == "rtn_int4":
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+        weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=64)
+        return QuantizationScheme(targets=["Linear"], weights=weights)
+    raise SystemExit(f"no llm-compressor scheme for {recipe}")
+
+
 def child(mode: str, folder: Path, recipe: str, target: Path) -> None:
     """One row's work in this process; prints its own timed seconds as the last line."""
+    if mode == PEER:
+        from llmcompressor import model_free_ptq
+
+        scheme = peer_scheme(recipe)
+        start = time.perf_counter()
+        model_free_ptq(folder, target, scheme=scheme, ignore=PEER_IGNORE, max_workers=1, device="cpu")
+        print(f"work_s {time.perf_counter() - start:.3f}")
+        return
     from compress.compression import compress_model
     from compress.model_free import quantize_model_free
     from compress.models import load
@@ -101,18 +141,62 @@ def identical(first: Path, second: Path) -> bool:
     return set(ours) == set(theirs) and all(torch.equal(ours[key], theirs[key]) for key in ours)
 
 
-def measure(mode: str, folder: Path, recipe: str, work: Path, round_: int = 0) -> dict:
+def compare_peer(ours: Path, theirs: Path) -> dict:
+    """llm-compressor's checkpoint against ours: names, then dtypes and shapes, then values (bit for bit)."""
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict[str, torch.Tensor]:
+        found = {}
+        for shard in folder.glob("*.safetensors"):
+            found.update(load_file(shard))
+        return found
+
+    def bits(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.reshape(-1).view(torch.uint8)
+
+    a, b = tensors(ours), tensors(theirs)
+    common = sorted(set(a) & set(b))
+    alike = [key for key in common if a[key].dtype == b[key].dtype and a[key].shape == b[key].shape]
+    return {
+        "tensors_ours": len(a),
+        "tensors_theirs": len(b),
+        "only_ours": sorted(set(a) - set(b)),
+        "only_theirs": sorted(set(b) - set(a)),
+        "dtype_or_shape_differ": sorted(set(common) - set(alike)),
+        "values_differ": [key for key in alike if not torch.equal(bits(a[key]), bits(b[key]))],
+    }
+
+
+def peer_view(folder: Path, work: Path) -> Path:
+    """The model folder as llm-compressor 0.14.0.1 can read it: links to its files, and config.json without a null
+    ``quantization_config`` (it pops from it after quantizing)."""
+    view = work / "peer-input"
+    view.mkdir()
+    for file in folder.iterdir():
+        if file.name != "config.json":
+            (view / file.name).symlink_to(file)
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("quantization_config", {}) is None:
+        del config["quantization_config"]
+    (view / "config.json").write_text(json.dumps(config, indent=2))
+    return view
+
+
+def measure(mode: str, folder: Path, recipe: str, work: Path, round_: int = 0, peer_site: Path | None = None) -> dict:
     target = work / f"{recipe}-{mode}-{round_}"
     log = work / f"{recipe}-{mode}-{round_}.log"
     command = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--recipe", recipe]
+    if mode == PEER:  # measured_run sets PYTHONPATH to the tree; env puts the peer site after it (same process)
+        command = ["env", f"PYTHONPATH={ROOT}{os.pathsep}{peer_site}", *command]
     result = measured_run([*command, "--model", str(folder), "--target", str(target)], log, timeout=3600)
     if not result["ok"]:
         raise SystemExit(f"{recipe} {mode}: {result['error']}")
-    work_s = float(log.read_text().strip().splitlines()[-1].split()[1])
+    work_lines = [line for line in log.read_text().splitlines() if line.startswith("work_s ")]
+    work_s = float(work_lines[-1].split()[1])
     row = {"work_s": work_s, "process_s": result["wall_s"], "peak_rss_mb": result["peak_rss_mb"]}
     if mode != "read":
         row["checkpoint_mb"] = checkpoint_size_mb(target)
-        if round_:  # the first round's pair is compared; the others only take disk
+        if round_:  # the first round's checkpoints are compared; the others only take disk
             shutil.rmtree(target)
     return row
 
@@ -128,28 +212,64 @@ def markdown(report: dict) -> str:
         "",
         f"Command: `{report['command']}`",
         "",
-        f"Each cell is the median of {report['repeats']} rounds (read, model_free, layer_walk in turn each round); "
+        f"Each cell is the median of {report['repeats']} rounds ({', '.join(report['modes'])} in turn each round); "
         "every round's numbers are in the JSON. Peak RSS over read: what the path holds above the imports.",
         "",
         "| recipe | path | work s | process s | peak RSS MB | peak RSS over read MB | checkpoint MB | work / read |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for recipe, rows in report["recipes"].items():
-        medians = {mode: {key: median([run[key] for run in rows[mode]]) for key in rows[mode][0]} for mode in MODES}
-        for mode in MODES:
-            row = medians[mode]
+    modes = report["modes"]
+    medians = {
+        recipe: {mode: {key: median([run[key] for run in rows[mode]]) for key in rows[mode][0]} for mode in modes}
+        for recipe, rows in report["recipes"].items()
+    }
+    for recipe in report["recipes"]:
+        for mode in modes:
+            row = medians[recipe][mode]
+            read = medians[recipe]["read"]
             size = f"{row['checkpoint_mb']:.1f}" if "checkpoint_mb" in row else "-"
             lines.append(
                 f"| {recipe} | {mode} | {row['work_s']:.2f} | {row['process_s']:.1f} | {row['peak_rss_mb']:.0f} | "
-                f"{row['peak_rss_mb'] - medians['read']['peak_rss_mb']:.0f} | {size} | "
-                f"{row['work_s'] / medians['read']['work_s']:.1f}x |"
+                f"{row['peak_rss_mb'] - read['peak_rss_mb']:.0f} | {size} | {row['work_s'] / read['work_s']:.1f}x |"
             )
     same = ", ".join(f"{recipe}: {rows['identical']}" for recipe, rows in report["recipes"].items())
+    lines += ["", f"Model-free and layer-walk checkpoints identical tensor for tensor (torch.equal): {same}.", ""]
+    if PEER not in modes:
+        return "\n".join([*lines, f"llm-compressor: {report['llm_compressor']}"]) + "\n"
+    lines += [
+        f"llm-compressor: {report['llm_compressor']}",
+        "",
+        "| recipe | model_free work s | llmcompressor work s | llmcompressor / model_free | model_free peak RSS MB | "
+        "llmcompressor peak RSS MB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for recipe in report["recipes"]:
+        ours, peer = medians[recipe]["model_free"], medians[recipe][PEER]
+        lines.append(
+            f"| {recipe} | {ours['work_s']:.2f} | {peer['work_s']:.2f} | {peer['work_s'] / ours['work_s']:.2f}x | "
+            f"{ours['peak_rss_mb']:.0f} | {peer['peak_rss_mb']:.0f} |"
+        )
+    lines += ["", "llmcompressor / model_free > 1: ours is faster.", ""]
+    for recipe, rows in report["recipes"].items():
+        found = rows["vs_llmcompressor"]
+        names = (
+            "the same tensor names"
+            if not found["only_ours"] and not found["only_theirs"]
+            else f"names differ ({len(found['only_ours'])} only ours, e.g. {found['only_ours'][:2]}; "
+            f"{len(found['only_theirs'])} only theirs, e.g. {found['only_theirs'][:2]})"
+        )
+        lines.append(
+            f"- {recipe}: {found['tensors_ours']} tensors ours, {found['tensors_theirs']} llm-compressor's, {names}; "
+            f"of the common ones {len(found['dtype_or_shape_differ'])} differ in dtype or shape and "
+            f"{len(found['values_differ'])} in value (bit for bit)"
+            + (f", e.g. {found['values_differ'][:3]}." if found["values_differ"] else ".")
+        )
     lines += [
         "",
-        f"Model-free and layer-walk checkpoints identical tensor for tensor (torch.equal): {same}.",
-        "",
-        f"llm-compressor: {report['llm_compressor']}",
+        "llm-compressor's `ignore` here is `lm_head` and `re:.*embed_tokens$`: its model-free path targets tensors by "
+        "name, not module class, so with `lm_head` alone it quantizes this tied model's embedding as well (to int4 for "
+        "rtn_int4: a 76 MB checkpoint), which ours keeps dense. It reads a view of the model folder whose config.json "
+        'lacks `"quantization_config": null` (llm-compressor 0.14.0.1 fails on it after quantizing).',
     ]
     return "\n".join(lines) + "\n"
 
@@ -159,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", nargs="+", default=["rtn_int4", "fp8_dynamic"])
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the three rows per recipe")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument(
+        "--peer-site",
+        type=Path,
+        help="packages for the llmcompressor row, added to its PYTHONPATH (default: <artifacts>/peer-site; "
+        "the row is skipped when missing)",
+    )
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--recipe", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -172,6 +298,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("the default model is not converted here; point COMPRESS_ARTIFACTS at a folder holding it")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the children's; the machine is shared
     config = json.loads((folder / "config.json").read_text())
+    peer_site = args.peer_site or artifacts_dir() / "peer-site"
+    versions = sorted(path.name.removesuffix(".dist-info") for path in peer_site.glob("*.dist-info"))
+    if any(version.startswith("llmcompressor-") for version in versions):
+        modes = MODES
+        peer_note = (
+            f"model_free_ptq from {peer_site} ({', '.join(versions)}), device cpu, max_workers=1 (shared cores)."
+        )
+    else:
+        modes = tuple(mode for mode in MODES if mode != PEER)
+        peer_note = f"skipped: no llmcompressor in {peer_site} (create it with `{PEER_PIP}`)."
     artifacts = [f"COMPRESS_ARTIFACTS={os.environ['COMPRESS_ARTIFACTS']}"] if "COMPRESS_ARTIFACTS" in os.environ else []
     report = {
         "model": str(folder),
@@ -182,23 +318,24 @@ def main(argv: list[str] | None = None) -> int:
         "threads": f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} in every row.",
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": " ".join([*artifacts, "python", "benchmarks/model_free.py", *(argv or sys.argv[1:])]),
-        "llm_compressor": (
-            "installed, not run by this script"
-            if importlib.util.find_spec("llmcompressor")
-            else "not installed in this environment (nor a peer venv), so no numbers for it here"
-        ),
+        "llm_compressor": peer_note,
+        "modes": list(modes),
         "repeats": args.repeats,
         "recipes": {},
     }
     with tempfile.TemporaryDirectory(prefix="model-free-") as tmp:
         work = Path(tmp)
         measure("read", folder, args.recipes[0], work)  # warm-up: the files into the page cache
+        view = peer_view(folder, work) if PEER in modes else None
         for recipe in args.recipes:
-            rows = {mode: [] for mode in MODES}
+            rows = {mode: [] for mode in modes}
             for round_ in range(args.repeats):
-                for mode in MODES:
-                    rows[mode].append(measure(mode, folder, recipe, work, round_))
+                for mode in modes:
+                    source = view if mode == PEER else folder
+                    rows[mode].append(measure(mode, source, recipe, work, round_, peer_site))
             rows["identical"] = identical(work / f"{recipe}-model_free-0", work / f"{recipe}-layer_walk-0")
+            if PEER in modes:
+                rows["vs_llmcompressor"] = compare_peer(work / f"{recipe}-model_free-0", work / f"{recipe}-{PEER}-0")
             report["recipes"][recipe] = rows
     print(markdown(report))
     args.results.mkdir(parents=True, exist_ok=True)
