@@ -2,8 +2,15 @@
 
     COMPRESS_ARTIFACTS=/path/to/artifacts python benchmarks/model_free.py          # rtn_int4 and fp8_dynamic
     python benchmarks/model_free.py --recipes rtn_int4 --results /tmp/mf           # elsewhere, one recipe
+    python benchmarks/model_free.py --random-shape 4b --recipes rtn_int4 --repeats 1  # a random 3.8B Llama
 
-On the default model's converted folder (``resolve_model_path(ModelSpec())``; nothing is converted or downloaded:
+``--random-shape`` runs on a random bf16 Llama of ``benchmarks/peak_rss.py``'s ``SHAPES`` (``save_random_llama``,
+written by a child process into the work folder, under ``--workdir`` or the system temp folder, and deleted
+afterwards) instead of the default model; its results go to ``model-free-<shape>.{json,md}``, which state the shape,
+parameter count, file size, largest tensor, and for each path whether its peak RSS over ``read`` is at most twice the
+largest tensor. ``--skip`` leaves rows out (e.g. ``layer_walk`` where it would take too long).
+
+On the default model's converted folder (``local_model_folder(ModelSpec())``; nothing is converted or downloaded:
 the script stops if the folder is missing), each row is one fresh subprocess, timed and measured by GNU time
 (``benchmarks/peer_comparison.measured_run``). ``read`` reads every byte of the safetensors files once through one
 8 MB buffer: the floor any path pays; it imports what the other rows import, so its peak RSS is their baseline.
@@ -23,8 +30,9 @@ side directory of packages on the child's ``PYTHONPATH`` (after this tree, befor
 scheme is ours: for rtn_int4 a ``QuantizationScheme`` (targets ``Linear``, int4 symmetric, group 64: the ``W4A16``
 preset is group 128), for fp8_dynamic the ``FP8_DYNAMIC`` preset; ``device="cpu"``, ``max_workers=1`` (the machine's
 cores are shared). ``ignore`` is ``lm_head`` and ``re:.*embed_tokens$``: its model-free path picks tensors by name, not
-module class, so with ``lm_head`` alone it quantizes a tied model's embedding (the default model's, to int4), which
-ours, targeting linears only, keeps dense. It reads a view of the model folder (links to the files, config.json
+module class (target ``Linear`` matches every ``.weight`` but norms'), so with ``lm_head`` alone it quantizes the
+embedding, tied (the default model's, to int4) or not (the random models'), which ours, targeting linears only, keeps
+dense. It reads a view of the model folder (links to the files, config.json
 without ``"quantization_config": null``, which llm-compressor 0.14.0.1 fails on after quantizing). Its first-round
 checkpoint is compared with model_free's: tensor names, dtypes, values.
 """
@@ -40,6 +48,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from statistics import median
 
@@ -49,6 +58,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.peak_rss import SHAPES  # noqa: E402
 from benchmarks.peer_comparison import checkpoint_size_mb, measured_run  # noqa: E402
 from compress.models import ModelSpec, local_model_folder  # noqa: E402
 from compress.paths import artifacts_dir  # noqa: E402
@@ -113,58 +123,78 @@ def child(mode: str, folder: Path, recipe: str, target: Path) -> None:
     print(f"work_s {time.perf_counter() - start:.3f}")
 
 
-def largest_tensor_mb(folder: Path) -> float:
-    """The largest input tensor, from the headers: about what model-free holds above its imports (it and its
-    stored form, one at a time)."""
+def tensor_stats(folder: Path) -> dict:
+    """From the headers: the parameter count and the largest input tensor (about what model-free holds above its
+    imports: it and its stored form, one at a time)."""
     from safetensors import safe_open
 
     widths = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-    largest = 0
+    params, largest, name = 0, 0, ""
     for file in folder.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 view = handle.get_slice(key)
-                largest = max(largest, math.prod(view.get_shape()) * widths.get(view.get_dtype(), 1))
-    return largest / 1e6
+                count = math.prod(view.get_shape())
+                params += count
+                if count * widths.get(view.get_dtype(), 1) > largest:
+                    largest, name = count * widths.get(view.get_dtype(), 1), key
+    return {"params": params, "largest_tensor_mb": largest / 1e6, "largest_tensor": name}
+
+
+class Tensors:
+    """A checkpoint's tensors by name, read one at a time (a 4B model's two checkpoints need not fit at once)."""
+
+    def __init__(self, folder: Path, stack: ExitStack):
+        from safetensors import safe_open
+
+        self.handles = {}
+        for shard in sorted(folder.glob("*.safetensors")):
+            handle = stack.enter_context(safe_open(str(shard), framework="pt"))
+            self.handles.update(dict.fromkeys(handle.keys(), handle))
+
+    def names(self) -> set[str]:
+        return set(self.handles)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.handles[name].get_tensor(name)
 
 
 def identical(first: Path, second: Path) -> bool:
-    from safetensors.torch import load_file
-
-    def tensors(folder: Path) -> dict[str, torch.Tensor]:
-        found = {}
-        for shard in folder.glob("*.safetensors"):
-            found.update(load_file(shard))
-        return found
-
-    ours, theirs = tensors(first), tensors(second)
-    return set(ours) == set(theirs) and all(torch.equal(ours[key], theirs[key]) for key in ours)
+    with ExitStack() as stack:
+        ours, theirs = Tensors(first, stack), Tensors(second, stack)
+        return ours.names() == theirs.names() and all(torch.equal(ours[key], theirs[key]) for key in ours.names())
 
 
 def compare_peer(ours: Path, theirs: Path) -> dict:
     """llm-compressor's checkpoint against ours: names, then dtypes and shapes, then values (bit for bit)."""
-    from safetensors.torch import load_file
-
-    def tensors(folder: Path) -> dict[str, torch.Tensor]:
-        found = {}
-        for shard in folder.glob("*.safetensors"):
-            found.update(load_file(shard))
-        return found
 
     def bits(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.reshape(-1).view(torch.uint8)
 
-    a, b = tensors(ours), tensors(theirs)
-    common = sorted(set(a) & set(b))
-    alike = [key for key in common if a[key].dtype == b[key].dtype and a[key].shape == b[key].shape]
-    return {
-        "tensors_ours": len(a),
-        "tensors_theirs": len(b),
-        "only_ours": sorted(set(a) - set(b)),
-        "only_theirs": sorted(set(b) - set(a)),
-        "dtype_or_shape_differ": sorted(set(common) - set(alike)),
-        "values_differ": [key for key in alike if not torch.equal(bits(a[key]), bits(b[key]))],
-    }
+    with ExitStack() as stack:
+        a, b = Tensors(ours, stack), Tensors(theirs, stack)
+        common = sorted(a.names() & b.names())
+        dtype_or_shape, values, differing_bytes, compared_bytes = [], [], 0, 0
+        for key in common:
+            first, second = a[key], b[key]
+            if first.dtype != second.dtype or first.shape != second.shape:
+                dtype_or_shape.append(key)
+                continue
+            first, second = bits(first), bits(second)
+            compared_bytes += first.numel()
+            if not torch.equal(first, second):
+                values.append(key)
+                differing_bytes += int((first != second).sum())
+        return {
+            "tensors_ours": len(a.names()),
+            "tensors_theirs": len(b.names()),
+            "only_ours": sorted(a.names() - b.names()),
+            "only_theirs": sorted(b.names() - a.names()),
+            "dtype_or_shape_differ": dtype_or_shape,
+            "values_differ": values,
+            "differing_bytes": differing_bytes,
+            "compared_bytes": compared_bytes,
+        }
 
 
 def peer_view(folder: Path, work: Path) -> Path:
@@ -201,12 +231,32 @@ def measure(mode: str, folder: Path, recipe: str, work: Path, round_: int = 0, p
     return row
 
 
+def model_line(report: dict) -> str:
+    if "random_shape" not in report:
+        return (
+            f"Model `{report['model']}` ({report['weights_mb']:.0f} MB of {report['dtype']} safetensors, the largest "
+            f"tensor {report['largest_tensor_mb']:.0f} MB); "
+        )
+    random = report["random_shape"]
+    shape = ", ".join(f"{key} {value}" for key, value in random["shape"].items())
+    return (
+        f"Random Llama, `benchmarks/peak_rss.py` shape `{random['name']}` ({shape}; untied embeddings), "
+        f"{report['params'] / 1e9:.2f} B parameters, {report['weights_mb']:.0f} MB of {report['dtype']} safetensors "
+        f"in {report['files']} files, the largest tensor `{report['largest_tensor']}` "
+        f"{report['largest_tensor_mb']:.0f} MB; written by `save_random_llama` (bf16, no fp32 copy) in a child "
+        f"process in {random['create_s']:.0f} s "
+        f"(peak RSS {random['create_peak_rss_mb']:.0f} MB) into a temporary folder, deleted after the run; "
+    )
+
+
 def markdown(report: dict) -> str:
+    title = "# Model-free quantization vs the layer walk"
+    if "random_shape" in report:
+        title += f": a random {report['params'] / 1e9:.1f}B Llama (shape `{report['random_shape']['name']}`)"
     lines = [
-        "# Model-free quantization vs the layer walk",
+        title,
         "",
-        f"Model `{report['model']}` ({report['weights_mb']:.0f} MB of {report['dtype']} safetensors, the largest "
-        f"tensor {report['largest_tensor_mb']:.0f} MB); "
+        f"{model_line(report)}"
         f"{report['machine']}, shared with other jobs; run {report['date']}, rows back to back in this order, "
         f"each a fresh process (peak RSS by GNU time `%M`). {report['threads']}",
         "",
@@ -232,8 +282,23 @@ def markdown(report: dict) -> str:
                 f"| {recipe} | {mode} | {row['work_s']:.2f} | {row['process_s']:.1f} | {row['peak_rss_mb']:.0f} | "
                 f"{row['peak_rss_mb'] - read['peak_rss_mb']:.0f} | {size} | {row['work_s'] / read['work_s']:.1f}x |"
             )
-    same = ", ".join(f"{recipe}: {rows['identical']}" for recipe, rows in report["recipes"].items())
-    lines += ["", f"Model-free and layer-walk checkpoints identical tensor for tensor (torch.equal): {same}.", ""]
+    bound = 2 * report["largest_tensor_mb"]
+    for recipe in report["recipes"]:
+        verdicts = []
+        for mode in modes[1:]:
+            over = medians[recipe][mode]["peak_rss_mb"] - medians[recipe]["read"]["peak_rss_mb"]
+            verdicts.append(f"{mode} {over:.0f} MB: {'yes' if over <= bound else 'no'}")
+        lines += [
+            "",
+            f"{recipe}: peak RSS over read ≤ 2× the largest tensor ({bound:.0f} MB)? {'; '.join(verdicts)}.",
+        ]
+    if report.get("skipped"):
+        lines += ["", f"Rows left out: {report['skipped']}."]
+    if "layer_walk" in modes:
+        same = ", ".join(f"{recipe}: {rows['identical']}" for recipe, rows in report["recipes"].items())
+        lines += ["", f"Model-free and layer-walk checkpoints identical tensor for tensor (torch.equal): {same}.", ""]
+    else:
+        lines += ["", "Model-free and layer-walk checkpoints not compared: no layer_walk row.", ""]
     if PEER not in modes:
         return "\n".join([*lines, f"llm-compressor: {report['llm_compressor']}"]) + "\n"
     lines += [
@@ -262,22 +327,63 @@ def markdown(report: dict) -> str:
             f"- {recipe}: {found['tensors_ours']} tensors ours, {found['tensors_theirs']} llm-compressor's, {names}; "
             f"of the common ones {len(found['dtype_or_shape_differ'])} differ in dtype or shape and "
             f"{len(found['values_differ'])} in value (bit for bit)"
-            + (f", e.g. {found['values_differ'][:3]}." if found["values_differ"] else ".")
+            + (
+                f", e.g. {found['values_differ'][:3]}: {found['differing_bytes']} of the {found['compared_bytes']} "
+                f"bytes compared differ ({100 * found['differing_bytes'] / found['compared_bytes']:.4f}%)."
+                if found["values_differ"]
+                else "."
+            )
+        )
+    differing = [key for rows in report["recipes"].values() for key in rows["vs_llmcompressor"]["values_differ"]]
+    if differing and report["dtype"] in ("bfloat16", "float16") and all(k.endswith("weight_packed") for k in differing):
+        lines += [
+            "",
+            f"Only `weight_packed` tensors differ (the scales are equal): on this {report['dtype']} model "
+            "llm-compressor divides each weight by its scale in the weight's own dtype (its calibration module is "
+            f"built in {report['dtype']}), ours in float32 as the layer walk does (`calibration.upcast`), so codes "
+            "differ where the rounded quotient crosses a rounding edge. On a random bf16 512x1024 weight (int4, "
+            "group 64) its codes equal the bf16 quotient's rounding and ours the exact (float64) quotient's, "
+            "checked outside this script.",
+        ]
+    if "random_shape" in report:
+        ignore = (
+            "llm-compressor's `ignore` here is `lm_head` and `re:.*embed_tokens$`: this model's embedding is not tied, "
+            "but its model-free path targets tensors by name, not module class (`Linear` matches every `.weight` but "
+            "norms'), so with `lm_head` alone it would quantize `model.embed_tokens.weight` too, which ours, targeting "
+            "linears only, keeps dense: the ignore list makes the two schemes the same."
+        )
+    else:
+        ignore = (
+            "llm-compressor's `ignore` here is `lm_head` and `re:.*embed_tokens$`: its model-free path targets tensors "
+            "by name, not module class, so with `lm_head` alone it quantizes this tied model's embedding as well (to "
+            "int4 for rtn_int4: a 76 MB checkpoint), which ours keeps dense."
         )
     lines += [
         "",
-        "llm-compressor's `ignore` here is `lm_head` and `re:.*embed_tokens$`: its model-free path targets tensors by "
-        "name, not module class, so with `lm_head` alone it quantizes this tied model's embedding as well (to int4 for "
-        "rtn_int4: a 76 MB checkpoint), which ours keeps dense. It reads a view of the model folder whose config.json "
-        'lacks `"quantization_config": null` (llm-compressor 0.14.0.1 fails on it after quantizing).',
+        f'{ignore} It reads a view of the model folder whose config.json lacks `"quantization_config": null` '
+        "(llm-compressor 0.14.0.1 fails on it after quantizing).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def create_random(shape_name: str, folder: Path, work: Path) -> dict:
+    """``save_random_llama`` in a child process (its memory is gone before the rows run), timed and measured."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--create-random", shape_name, "--target", str(folder)]
+    result = measured_run(command, work / "create-random.log", timeout=3600)
+    if not result["ok"]:
+        raise SystemExit(f"creating the random {shape_name} model failed: {result['error']}")
+    return {
+        "name": shape_name,
+        "shape": SHAPES[shape_name],
+        "create_s": result["wall_s"],
+        "create_peak_rss_mb": result["peak_rss_mb"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipes", nargs="+", default=["rtn_int4", "fp8_dynamic"])
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of the three rows per recipe")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the rows per recipe")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument(
         "--peer-site",
@@ -285,7 +391,20 @@ def main(argv: list[str] | None = None) -> int:
         help="packages for the llmcompressor row, added to its PYTHONPATH (default: <artifacts>/peer-site; "
         "the row is skipped when missing)",
     )
+    parser.add_argument(
+        "--random-shape",
+        choices=list(SHAPES),
+        help="run on a random bf16 Llama of this benchmarks/peak_rss.py shape instead of the default model "
+        "(4b: 3.8B parameters, 7.3 GB); results model-free-<shape>.{json,md}",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        help="where the temporary work folder (random model, checkpoints) goes (default: the temp folder)",
+    )
+    parser.add_argument("--skip", nargs="+", choices=MODES[1:], default=[], help="rows to leave out")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--create-random", choices=list(SHAPES), help=argparse.SUPPRESS)
     parser.add_argument("--recipe", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--target", type=Path, help=argparse.SUPPRESS)
@@ -293,38 +412,53 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.child, args.model, args.recipe, args.target)
         return 0
-    folder = local_model_folder(ModelSpec())
-    if folder is None:
+    if args.create_random:
+        from benchmarks.peak_rss import save_random_llama
+
+        print(f"params {save_random_llama(args.target, SHAPES[args.create_random], torch.bfloat16)}")
+        return 0
+    folder = None if args.random_shape else local_model_folder(ModelSpec())
+    if folder is None and not args.random_shape:
         raise SystemExit("the default model is not converted here; point COMPRESS_ARTIFACTS at a folder holding it")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the children's; the machine is shared
-    config = json.loads((folder / "config.json").read_text())
     peer_site = args.peer_site or artifacts_dir() / "peer-site"
     versions = sorted(path.name.removesuffix(".dist-info") for path in peer_site.glob("*.dist-info"))
+    skipped = [f"{mode} (--skip)" for mode in args.skip]
     if any(version.startswith("llmcompressor-") for version in versions):
-        modes = MODES
         peer_note = (
             f"model_free_ptq from {peer_site} ({', '.join(versions)}), device cpu, max_workers=1 (shared cores)."
         )
     else:
-        modes = tuple(mode for mode in MODES if mode != PEER)
+        args.skip.append(PEER)
         peer_note = f"skipped: no llmcompressor in {peer_site} (create it with `{PEER_PIP}`)."
+    modes = tuple(mode for mode in MODES if mode not in args.skip)
     artifacts = [f"COMPRESS_ARTIFACTS={os.environ['COMPRESS_ARTIFACTS']}"] if "COMPRESS_ARTIFACTS" in os.environ else []
-    report = {
-        "model": str(folder),
-        "dtype": config.get("dtype") or config.get("torch_dtype"),
-        "weights_mb": sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6,
-        "largest_tensor_mb": largest_tensor_mb(folder),
-        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}",
-        "threads": f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} in every row.",
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "command": " ".join([*artifacts, "python", "benchmarks/model_free.py", *(argv or sys.argv[1:])]),
-        "llm_compressor": peer_note,
-        "modes": list(modes),
-        "repeats": args.repeats,
-        "recipes": {},
-    }
-    with tempfile.TemporaryDirectory(prefix="model-free-") as tmp:
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="model-free-", dir=args.workdir) as tmp:
         work = Path(tmp)
+        random = None
+        if args.random_shape:
+            folder = work / "model"
+            random = create_random(args.random_shape, folder, work)
+        config = json.loads((folder / "config.json").read_text())
+        report = {
+            "model": str(folder),
+            **({"random_shape": random} if random else {}),
+            "dtype": config.get("dtype") or config.get("torch_dtype"),
+            "weights_mb": sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6,
+            "files": len(list(folder.glob("*.safetensors"))),
+            **tensor_stats(folder),
+            "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}",
+            "threads": f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} in every row.",
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "command": " ".join([*artifacts, "python", "benchmarks/model_free.py", *(argv or sys.argv[1:])]),
+            "llm_compressor": peer_note,
+            "modes": list(modes),
+            "skipped": ", ".join(skipped),
+            "repeats": args.repeats,
+            "recipes": {},
+        }
         measure("read", folder, args.recipes[0], work)  # warm-up: the files into the page cache
         view = peer_view(folder, work) if PEER in modes else None
         for recipe in args.recipes:
@@ -333,14 +467,17 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in modes:
                     source = view if mode == PEER else folder
                     rows[mode].append(measure(mode, source, recipe, work, round_, peer_site))
-            rows["identical"] = identical(work / f"{recipe}-model_free-0", work / f"{recipe}-layer_walk-0")
+                    print(f"{recipe} {mode} round {round_}: {rows[mode][-1]}", flush=True)
+            if "layer_walk" in modes:
+                rows["identical"] = identical(work / f"{recipe}-model_free-0", work / f"{recipe}-layer_walk-0")
             if PEER in modes:
                 rows["vs_llmcompressor"] = compare_peer(work / f"{recipe}-model_free-0", work / f"{recipe}-{PEER}-0")
             report["recipes"][recipe] = rows
     print(markdown(report))
+    name = f"model-free-{args.random_shape}" if args.random_shape else "model-free"
     args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "model-free.json").write_text(json.dumps(report, indent=2))
-    (args.results / "model-free.md").write_text(markdown(report))
+    (args.results / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (args.results / f"{name}.md").write_text(markdown(report))
     return 0
 
 
