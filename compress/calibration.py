@@ -17,6 +17,7 @@ from torch import nn
 from compress import distributed
 from compress.errors import CompressError
 from compress.moe import all_tokens_through_experts
+from compress.quant import all_finite
 
 
 @dataclass
@@ -111,7 +112,7 @@ class FullPrecisionStream:
 
 def checked_output(out: torch.Tensor, name: str) -> torch.Tensor:
     """``out``, a layer's output on calibration inputs, refused if it holds NaN/inf."""
-    if not torch.isfinite(out).all():
+    if not all_finite(out):
         raise CompressError(
             f"{name}: non-finite values (NaN/inf) in the layer's calibration outputs; check the model weights "
             "and the previous stages (a diverged scale or a corrupt checkpoint)"
@@ -135,7 +136,7 @@ def observe_inputs(
     def hook_for(name: str, observe: Callable[[torch.Tensor], None]):
         def hook(_module, args, _output):
             x = args[0].reshape(-1, args[0].shape[-1]).float()
-            if not torch.isfinite(x).all():
+            if not all_finite(x):
                 raise CompressError(
                     f"{prefix}.{name}: calibration activations hold NaN/inf; check the model weights, the calibration "
                     "text and earlier stages"

@@ -18,7 +18,7 @@ from compress.errors import CompressError
 from compress.formats import Fp8BlockLinear, Fp8Linear, Int8Linear
 from compress.kernels.dtypes import FP8_MAX
 from compress.moe import check_weights_handled
-from compress.quant import WeightScheme, quantize
+from compress.quant import WeightScheme, all_finite, quantize
 from compress.stages.base import LayerContext
 from compress.stages.gptq import GPTQStage
 from compress.stages.weights import WeightQuantizerStage, replace_module, target_linears
@@ -71,7 +71,7 @@ class W8A8Stage(GPTQStage):
             super().process_layer(ctx)
             return
         for name, linear in target_linears(ctx.layer, ctx.name, self.config.ignore).items():
-            if not torch.isfinite(linear.weight).all():
+            if not all_finite(linear.weight):
                 raise CompressError(f"{ctx.name}.{name}: weight holds NaN/inf; the model or an earlier stage is broken")
             codes, scale, _ = quantize(linear.weight.data, self.config.scheme, scale_dtype=torch.float32)
             module = self.build_module(linear, codes, scale, None, self.config.scheme)
@@ -141,7 +141,7 @@ class FP8Stage(WeightQuantizerStage):
         targets = target_linears(ctx.layer, ctx.name, self.config.ignore)
         input_max = self._input_maxima(ctx, list(targets)) if self.config.activations == "static" else {}
         for name, linear in targets.items():
-            if not torch.isfinite(linear.weight).all():
+            if not all_finite(linear.weight):
                 raise CompressError(f"{ctx.name}.{name}: weight holds NaN/inf; the model or an earlier stage is broken")
             input_scale = None
             if name in input_max:

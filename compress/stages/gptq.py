@@ -30,7 +30,7 @@ from compress.errors import CompressError
 from compress.formats import QuantizedLinear
 from compress.kernels.dequant import dequantize_codes
 from compress.memory import release_freed_memory
-from compress.quant import WeightScheme
+from compress.quant import WeightScheme, all_finite
 from compress.stages.base import LayerContext
 from compress.stages.cross_moments import CrossMoments
 from compress.stages.fp4 import Fp4Grid
@@ -331,7 +331,7 @@ class GPTQStage(WeightQuantizerStage):
         linears = [ctx.layer.get_submodule(n) for n in names]
         full = f"{ctx.name}.{'+'.join(n.rpartition('.')[2] for n in names)}"
         weight = torch.cat([linear.weight.data for linear in linears])
-        if not torch.isfinite(weight).all():
+        if not all_finite(weight):
             raise CompressError(f"{full}: weight holds NaN/inf; the model or an earlier stage is broken")
         c = self.config
         if target is not None:

@@ -24,7 +24,7 @@ from torch import nn
 from compress.calibration import decoder_layers
 from compress.errors import CompressError
 from compress.formats import Fp8Linear, w4a16, w8a8
-from compress.quant import WeightScheme, check_group_size, matches, validate_scheme
+from compress.quant import WeightScheme, all_finite, check_group_size, matches, validate_scheme
 from compress.stages.base import LayerContext
 from compress.stages.gptq import GPTQConfig, GPTQStage
 from compress.stages.hessian import collect_hessians, input_groups
@@ -147,7 +147,7 @@ class MixedStage(GPTQStage):
     @torch.no_grad()
     def _to_fp8(self, ctx: LayerContext, name: str) -> None:
         linear = ctx.layer.get_submodule(name)
-        if not torch.isfinite(linear.weight).all():
+        if not all_finite(linear.weight):
             raise CompressError(f"{ctx.name}.{name}: weight holds NaN/inf; the model or an earlier stage is broken")
         module = Fp8Linear.from_float(linear)
         dense = linear.weight.data.float()

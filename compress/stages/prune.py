@@ -27,6 +27,7 @@ from torch import nn
 from compress.calibration import decoder_layers
 from compress.errors import CompressError
 from compress.moe import check_weights_handled
+from compress.quant import all_finite
 from compress.sparsity import NMPattern, attach_mask, check_masks_held, mask_of, nm_keep_mask
 from compress.stages.base import LayerContext, Stage
 from compress.stages.hessian import (
@@ -162,7 +163,7 @@ class PruneStage(Stage):
         linears = [ctx.layer.get_submodule(n) for n in names]
         full = f"{ctx.name}.{'+'.join(n.rpartition('.')[2] for n in names)}"
         weight = torch.cat([linear.weight.data for linear in linears])
-        if not torch.isfinite(weight).all():
+        if not all_finite(weight):
             raise CompressError(f"{full}: weight holds NaN/inf; the model or an earlier stage is broken")
         new_weight, keep = self.prune(weight, statistic, full)
         row = 0

@@ -11,7 +11,7 @@ from compress.calibration import decoder_layers
 from compress.errors import CompressError
 from compress.formats import QuantizedLinear
 from compress.moe import ROUTERS, check_weights_handled
-from compress.quant import WeightScheme, check_group_size, matches, quantize, validate_scheme
+from compress.quant import WeightScheme, all_finite, check_group_size, matches, quantize, validate_scheme
 from compress.sparsity import carry_mask
 from compress.stages.base import LayerContext, Stage
 from compress.stages.fp4 import Fp4Layers, rtn_fp4
@@ -96,7 +96,7 @@ class WeightQuantizerStage(Stage):
         ``scale_dtype``, default the weight's); record the weight (and output, given inputs) error."""
         linear = layer.get_submodule(name)
         weight = linear.weight.data
-        if not torch.isfinite(weight).all():
+        if not all_finite(weight):
             raise CompressError(f"{full_name}: weight holds NaN/inf; the model or an earlier stage is broken")
         scheme = scheme or self.config.scheme
         codes, scale, zero = quantize(weight, scheme, clip, scale_dtype=scale_dtype or weight.dtype)
@@ -114,7 +114,7 @@ class WeightQuantizerStage(Stage):
         for names in input_groups(targets):
             linears = [targets[name] for name in names]
             weight = torch.cat([linear.weight.data for linear in linears])
-            if not torch.isfinite(weight).all():
+            if not all_finite(weight):
                 raise CompressError(
                     f"{ctx.name}.{names[0]}: weight holds NaN/inf; the model or an earlier stage is broken"
                 )

@@ -75,3 +75,15 @@ def test_one_dequantization_reference_for_codes_packed_layers_and_gptq(symmetric
     delta = dequantize_codes(result.codes, result.scale, result.zero_point, 32) - weight
     expected = ((delta @ hessian) * delta).sum() / ((weight @ hessian) * weight).sum()
     assert result.hessian_error == pytest.approx(float(expected), rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_finds_one_nan_or_inf_anywhere(dtype):
+    from compress.quant import all_finite
+
+    weight = torch.randn(48, 80).to(dtype)
+    assert all_finite(weight) and all_finite(weight[:0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        broken = weight.clone()
+        broken[17, 63] = bad
+        assert not all_finite(broken), bad
