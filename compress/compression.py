@@ -137,7 +137,7 @@ def walk_layers(
     layers = decoder_layers(model)
     storage_dtype = getattr(model, "dtype", torch.float32)  # what quantization scales are rounded to
     layers_name = next(module_name for module_name, module in model.named_modules() if module is layers)
-    done, inputs = progress.restore(layers, stages) if progress is not None else (0, None)
+    done, inputs = progress.restore(layers, stages, device) if progress is not None else (0, None)
     for index in range(done):
         mark_materialized(model, index)
         if layer_done is not None:

@@ -110,13 +110,14 @@ class WalkProgress:
         distributed.barrier()  # every rank sees the folder as rank 0 left it
         return cls(folder)
 
-    def restore(self, layers: nn.ModuleList, stages: list) -> tuple[int, LayerInputs | None]:
+    def restore(self, layers: nn.ModuleList, stages: list, device: torch.device) -> tuple[int, LayerInputs | None]:
         """``(layers already done, the next layer's inputs)``: the done layers put back into ``layers`` and the walk
-        stages' state and the RNG as they were after the last of them; ``(0, None)`` with no usable progress."""
+        stages' state and the RNG as they were after the last of them; ``(0, None)`` with no usable progress.
+        ``device``: the walk's, where the ranks' collective runs (NCCL reduces CUDA tensors only)."""
         mine = self._cursor_indices(distributed.rank())
         done = max(mine, default=0)
         if distributed.active():  # every rank resumes at the same layer: the smallest last cursor of any rank
-            done = -int(distributed.all_reduce_max(torch.tensor([-done])).item())
+            done = -int(distributed.all_reduce_max(torch.tensor([-done], device=device)).item())
         if done == 0:
             return 0, None
         cursor = torch.load(self._cursor(done, distributed.rank()), weights_only=False)
