@@ -1,7 +1,8 @@
 """Perplexity protocol used everywhere in compress (reports, gate, benchmarks), so numbers compare across runs.
 
 Protocol: the evaluation split is tokenized as one stream without special tokens and cut into non-overlapping windows
-of ``seq_len`` tokens (the incomplete tail is dropped); every window is scored independently from its first token;
+of ``seq_len`` tokens (the incomplete tail is dropped); every window is scored independently from its first token
+(which a Gemma model sees replaced by its ``<bos>``: ``compress.data.window_start_token``);
 perplexity is ``exp`` of the mean negative log-likelihood over all predicted tokens (``seq_len - 1`` per window).
 Each window's mean NLL is kept too (``window_nll``): the gate's interval is over per-window differences. An
 ``observer`` (``compress.evals.divergence``) sees every position's logits in the same pass: the baseline's top of the
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from compress.data import open_with, window_start_token
 from compress.errors import CompressError
 
 
@@ -60,6 +62,14 @@ def evaluation_windows(
     return token_ids[first_window * seq_len : (first_window + count) * seq_len].view(count, seq_len)
 
 
+def _model_windows(
+    model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int, max_windows: int | None, first_window: int
+) -> torch.Tensor:
+    """The windows as ``model`` reads them: opening with its ``<bos>`` where its family needs one."""
+    windows = evaluation_windows(token_ids, seq_len, max_windows, first_window)
+    return open_with(windows, window_start_token(model.config))
+
+
 def available_windows(token_ids: torch.Tensor, seq_len: int) -> int:
     return token_ids.numel() // seq_len
 
@@ -77,7 +87,7 @@ def perplexity(
     first_window: int = 0,
 ) -> PerplexityResult:
     """Token-level perplexity of ``model`` on ``token_ids`` (1-D) under the protocol above."""
-    windows = evaluation_windows(token_ids, seq_len, max_windows, first_window)
+    windows = _model_windows(model, token_ids, seq_len, max_windows, first_window)
     device = next(model.parameters()).device
     window_nll = _scorer(model, windows[:1, :HEAD_CHUNK].to(device))
     sums = []
@@ -129,7 +139,7 @@ def streamed_perplexity(
     from compress.memory import release_freed_memory
     from compress.models import materialize_layer, release_layer
 
-    windows = evaluation_windows(token_ids, seq_len, max_windows, first_window)
+    windows = _model_windows(model, token_ids, seq_len, max_windows, first_window)
     head, cap = model.get_output_embeddings(), _softcap(model)
     layers = decoder_layers(model)
     reread = can_stream(model)  # lazy and untouched: every layer is read, used and dropped

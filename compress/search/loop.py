@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from compress.compression import compress_model
-from compress.data import calibration_samples, load_corpus, tokenize
+from compress.data import calibration_samples, load_corpus, tokenize, window_start_token
 from compress.distributed import select_device
 from compress.errors import CompressError
 from compress.models import load, resolve_model_path
@@ -80,7 +80,9 @@ def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchRe
     judged = load_corpus(config.eval.data).evaluation if config.eval.data is not None else corpus.evaluation
     model, tokenizer = load(config.model)
     ids = tokenize(tokenizer, corpus.calibration_text)
-    samples = calibration_samples(ids, config.data.num_samples, config.data.seq_len, config.seed)
+    samples = calibration_samples(
+        ids, config.data.num_samples, config.data.seq_len, config.seed, window_start_token(model.config)
+    )
     units = measure_sensitivity(
         model, samples, [c.name for c in candidates], list(quantizer.get("ignore", [])), spec.weighting, device,
         config.calibration_batch_size,

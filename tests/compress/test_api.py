@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from helpers import build_tiny_llama, build_tiny_tokenizer
+from helpers import build_tiny_llama, build_tiny_model, build_tiny_tokenizer
 
 from compress import oneshot
 from compress.checkpoint import load_checkpoint
@@ -99,3 +99,14 @@ def test_an_existing_output_folder_is_refused(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(CompressError, match="already exists"):
         oneshot(build_tiny_llama(), [{"type": "rtn", "group_size": 32}], data=SAMPLES, output_dir=tmp_path / "out")
+
+
+def test_a_gemma_model_is_calibrated_on_windows_opening_with_its_bos(tmp_path):
+    model = build_tiny_model("gemma3")
+    seen: list[torch.Tensor] = []
+    model.model.embed_tokens.register_forward_hook(lambda _module, args, _output: seen.append(args[0]))
+    text = [" ".join(f"word{i % 37}" for i in range(3000))]
+    overrides = ["data.num_samples=4", "data.seq_len=32"]
+    chain = [{"type": "gptq", "bits": 4, "group_size": 32}]
+    oneshot(model, chain, data=text, tokenizer=build_tiny_tokenizer(), overrides=overrides, output_dir=tmp_path / "o")
+    assert seen and all((ids[:, 0] == model.config.bos_token_id).all() for ids in seen)

@@ -15,6 +15,13 @@ def test_pydoc_split_is_disjoint_deterministic_and_about_the_fraction():
     assert 0.12 < share < 0.28
 
 
+def test_calibration_windows_open_with_the_token_a_family_needs():
+    stream = torch.arange(3, 1003)
+    plain = calibration_samples(stream, 5, 100, seed=1)
+    opened = calibration_samples(stream, 5, 100, seed=1, first_token=2)
+    assert (opened[:, 0] == 2).all() and torch.equal(opened[:, 1:], plain[:, 1:])
+
+
 def test_pieces_keep_every_paragraph():
     text = "\n\n".join(f"paragraph {i} " + "x" * 300 for i in range(20))
     cut = pieces(text, max_chars=1000)
