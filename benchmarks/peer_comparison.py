@@ -39,6 +39,7 @@ from compress.models import ModelSpec, load, resolve_model_path  # noqa: E402
 SCHEMES = {
     "rtn_w4a16": "rtn_int4",
     "gptq_w4a16": "gptq_int4",
+    "gptq_w3a16": "gptq_int3",
     "awq_w4a16": "awq_int4",
     "smoothquant_w8a8": "smoothquant_gptq_w8a8",
     "fp8_dynamic": "fp8_dynamic",

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import torch
 
-W4A16_G64 = {
-    "group_0": {
-        "targets": ["Linear"],
-        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64},
-    }
-}
+
+def int_weights(bits: int) -> dict:
+    """Integer weights, group 64 symmetric, 16-bit activations: our recipes' scheme on the default model."""
+    weights = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64}
+    return {"group_0": {"targets": ["Linear"], "weights": weights}}
+
+
+W4A16_G64 = int_weights(4)
 
 
 FP4_PRESETS = {"nvfp4a16": "NVFP4A16", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}
@@ -30,6 +32,8 @@ def recipe(scheme: str, alpha: float) -> list:
         return [QuantizationModifier(config_groups=W4A16_G64, ignore=["lm_head"])]
     if scheme == "gptq_w4a16":
         return [GPTQModifier(config_groups=W4A16_G64, ignore=["lm_head"])]
+    if scheme == "gptq_w3a16":
+        return [GPTQModifier(config_groups=int_weights(3), ignore=["lm_head"])]
     if scheme == "awq_w4a16":
         from llmcompressor.modifiers.transform.awq import AWQModifier
 

@@ -48,13 +48,21 @@ def score(model, ids: dict[str, torch.Tensor], max_windows: int | None) -> dict[
     return results
 
 
-def scored_baseline(command: str, max_windows: int | None) -> tuple[Path, dict[str, torch.Tensor], dict]:
-    """``(default model folder, token ids of both texts, the report's header with the fp32 baseline's scores)``."""
+def scored_baseline(
+    command: str, max_windows: int | None, model_name: str = "smollm2-135m"
+) -> tuple[Path, dict[str, torch.Tensor], dict]:
+    """``(model folder, token ids of both texts, the report's header with the fp32 baseline's scores)``; the
+    header keeps the recipes' calibration ids (``samples``: 64 x 512 tokens of pydoc, seed 0, as a run cuts them),
+    for a peer toolkit to calibrate on the same tokens."""
+    from compress.data import DataSpec, calibration_samples, load_corpus, tokenize, window_start_token
     from compress.models import ModelSpec, load, resolve_model_path
 
-    model_dir = Path(resolve_model_path(ModelSpec()))
-    model, tokenizer = load(ModelSpec(lazy=False))
+    model_dir = Path(resolve_model_path(ModelSpec(path=model_name)))
+    model, tokenizer = load(ModelSpec(path=model_name, lazy=False))
     ids = texts(tokenizer)
+    spec = DataSpec()
+    calibration = tokenize(tokenizer, load_corpus(spec).calibration_text)
+    samples = calibration_samples(calibration, spec.num_samples, spec.seq_len, 0, window_start_token(model.config))
     report = {
         "model": model_dir.name,
         "tokens": {name: int(tokens.numel()) for name, tokens in ids.items()},
@@ -63,7 +71,7 @@ def scored_baseline(command: str, max_windows: int | None) -> tuple[Path, dict[s
         "command": " ".join([command, *(shlex.quote(a) for a in sys.argv[1:])]),
         "baseline": score(model, ids, max_windows),
     }
-    return model_dir, ids, report
+    return model_dir, ids, {**report, "samples": samples}
 
 
 def markdown(report: dict) -> str:
@@ -106,6 +114,7 @@ def main() -> None:
     from compress.checkpoint import load_checkpoint
 
     model_dir, ids, report = scored_baseline("python -m benchmarks.quality", args.max_windows)
+    report.pop("samples")
     report["recipes"] = {}
     with tempfile.TemporaryDirectory(prefix="quality-") as tmp:
         for recipe in args.recipes:

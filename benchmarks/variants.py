@@ -3,9 +3,15 @@
     python -m benchmarks.variants gptq_int4 autoround_int4 "autoround_int4 stages.0.iterations=80" --name signround-int4
     python -m benchmarks.variants gptq_int3 "gptq_int3 stages.0.input_correction=true" --name gptq-input-correction
 
+    python -m benchmarks.variants gptq_int4 llm-compressor:gptq_w4a16 awq_int4 --model gemma3-270m --name quality-gemma
+
 Each positional argument is one run: a recipe name, then any overrides (``key=value``, as on the CLI). Every run
-compresses the default model through ``compress.oneshot`` in this process, one after the other, so wall times are
-comparable; the first run is the time reference. Every checkpoint is reloaded and scored like
+compresses the model (``--model``, default the default model) through ``compress.oneshot`` in this process, one after
+the other, so wall times are comparable; the first run is the time reference. ``llm-compressor:<scheme>`` runs that
+preset of ``benchmarks/peer_llmcompressor.py`` on the same calibration ids, in a subprocess: with
+``artifacts/peer-venv/bin/python`` when that venv exists, else with this Python and ``artifacts/peer-site`` on the
+path (``pip install --target artifacts/peer-site --no-deps llmcompressor==0.14.0.1 compressed-tensors loguru``).
+Every checkpoint is reloaded and scored like
 ``benchmarks/quality.py`` (out-of-domain headline, in-domain beside it). Writes ``benchmarks/results/<name>.{json,md}``
 after every run.
 """
@@ -14,13 +20,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from benchmarks.quality import score, scored_baseline
 
 ROOT = Path(__file__).resolve().parents[1]
+PEER = "llm-compressor:"
+
+
+def peer_compress(scheme: str, model_dir: Path, samples: torch.Tensor, output: Path) -> None:
+    """llm-compressor's ``scheme`` on ``samples``, written to ``output``, in its own process."""
+    samples_file = output.with_suffix(".samples.pt")
+    torch.save(samples, samples_file)
+    venv = ROOT / "artifacts" / "peer-venv" / "bin" / "python"
+    paths = [str(ROOT)] if venv.exists() else [str(ROOT / "artifacts" / "peer-site"), str(ROOT)]
+    command = [str(venv) if venv.exists() else sys.executable, str(ROOT / "benchmarks" / "peer_llmcompressor.py")]
+    command += ["--scheme", scheme, "--model", str(model_dir), "--samples", str(samples_file), "--output", str(output)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), TQDM_DISABLE="1")
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
 
 
 def _row(name: str, row: dict, base: dict, reference_seconds: float) -> str:
@@ -62,22 +86,25 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help='"RECIPE [key=value ...]", one per run; the first is the reference')
     parser.add_argument("--title", default="Recipe variants: quality against wall time")
     parser.add_argument("--max-windows", type=int, default=None)
+    parser.add_argument("--model", default="smollm2-135m", help="model= of every run (default: the default model)")
     parser.add_argument("--name", required=True, help="results file stem under benchmarks/results/")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     from compress import oneshot
     from compress.checkpoint import load_checkpoint
 
-    model_dir, ids, report = scored_baseline("python -m benchmarks.variants", args.max_windows)
+    model_dir, ids, report = scored_baseline("python -m benchmarks.variants", args.max_windows, args.model)
+    samples = report.pop("samples")
     report.update(title=args.title, rows={})
     runs = [(run, run.split()[0], run.split()[1:]) for run in args.runs]
     args.results.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="variants-") as tmp:
         for index, (name, recipe, overrides) in enumerate(runs):
-            start = time.perf_counter()
-            folder = oneshot(
-                model=str(model_dir), recipe=recipe, overrides=overrides, output_dir=str(Path(tmp) / str(index))
-            )
+            start, folder = time.perf_counter(), Path(tmp) / str(index)
+            if recipe.startswith(PEER):
+                peer_compress(recipe.removeprefix(PEER), model_dir, samples, folder)
+            else:
+                oneshot(model=str(model_dir), recipe=recipe, overrides=overrides, output_dir=str(folder))
             seconds = time.perf_counter() - start
             compressed, _ = load_checkpoint(folder)
             report["rows"][name] = {**score(compressed, ids, args.max_windows), "seconds": seconds}
