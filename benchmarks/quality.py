@@ -80,9 +80,9 @@ def markdown(report: dict) -> str:
         "",
         f"Model `{report['model']}` (fp32); each recipe as shipped (64 x 512 calibration tokens of pydoc). "
         f"Perplexity by `evals/perplexity.py`, 512-token windows: out-of-domain = "
-        f"{report['tokens']['out_of_domain']} tokens of Shakespeare (the run's default `eval.data`), in-domain = "
-        f"{report['tokens']['in_domain']} held-out tokens of "
-        f"the calibration source. {report['machine']}; {report['date']}.",
+        f"{report['baseline']['out_of_domain']['tokens']} scored tokens of Shakespeare (the run's default "
+        f"`eval.data`), in-domain = {report['baseline']['in_domain']['tokens']} scored held-out tokens of the "
+        f"calibration source. {report['machine']}; {report['date']}.",
         "",
         f"Command: `{report['command']}`",
         "",

@@ -59,13 +59,14 @@ def _row(name: str, row: dict, base: dict, reference_seconds: float) -> str:
 def markdown(report: dict) -> str:
     rows = report["rows"]
     reference = next(iter(rows))
+    scored = {text: report["baseline"][text]["tokens"] for text in ("out_of_domain", "in_domain")}
     lines = [
         f"# {report['title']}",
         "",
-        f"Model `{report['model']}` (fp32), each recipe's own calibration (64 x 512 tokens of pydoc). Perplexity: "
-        f"512-token windows, out-of-domain = {report['tokens']['out_of_domain']} tokens of Shakespeare, in-domain = "
-        f"{report['tokens']['in_domain']} held-out pydoc tokens. Time ratio against `{reference}`, measured in the "
-        f"same invocation. {report['machine']}; {report['date']}.",
+        f"Model `{report['model']}` (fp32), each recipe's own calibration (64 x 512 tokens of pydoc; a peer's preset "
+        f"gets the same ids). Perplexity: 512-token windows, out-of-domain = {scored['out_of_domain']} scored tokens "
+        f"of Shakespeare, in-domain = {scored['in_domain']} scored held-out pydoc tokens. Time ratio against "
+        f"`{reference}`, measured in the same invocation. {report['machine']}; {report['date']}.",
         "",
         f"Command: `{report['command']}`",
         "",
