@@ -169,7 +169,7 @@ def test_bad_shapes_and_settings_are_refused_in_one_line(stage, hidden, message)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_block", "nvfp4a16", "nvfp4", "mxfp4", "rotate_gptq_int4"])
+@pytest.mark.parametrize("recipe", ["fp8_block", "nvfp4a16", "nvfp4", "mxfp4", "rotate_gptq_int4", "rotate_gptq_int3"])
 def test_recipes_compose(recipe):
     stages = yaml.safe_load((RECIPES / f"{recipe}.yaml").read_text())["stages"]
     chain = build_chain(stages)
