@@ -140,10 +140,7 @@ def test_two_runs_into_one_artifacts_folder_and_store_both_complete(tiny_model_d
 
 def test_ctrl_c_ends_a_run_with_130_and_leaves_nothing(tiny_model_dir, tmp_path):
     artifacts = tmp_path / "artifacts"
-    # 200 evaluation windows, not SMALL's 3: seconds of work after the staging folder appears, so the interrupt lands
-    # mid-run even when the CPU is shared (with 3 the run once finished before the signal arrived, exit 0)
-    longer = [arg for arg in SMALL if not arg.startswith("eval.max_windows")] + ["eval.max_windows=200"]
-    process = compress_process(artifacts, "run", "recipe=rtn_int4", f"model={tiny_model_dir}", *longer, *QUIET)
+    process = compress_process(artifacts, "run", "recipe=rtn_int4", f"model={tiny_model_dir}", *SMALL, *QUIET)
     wait_for(lambda: any((artifacts / "runs").glob(f".*/{STAGING_OWNER}")), process, "a staging folder")
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=120)
