@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from compress import distributed
+from compress.calibration_set import calibration_set
 from compress.compression import compress_model
-from compress.data import DataSpec, calibration_samples, load_corpus, tokenize, window_start_token
+from compress.data import DataSpec, load_corpus
 from compress.errors import CompressError
 from compress.models import load, resolve_model_path
 from compress.paths import artifacts_dir
@@ -72,7 +73,7 @@ def oneshot(
     if source is not None:
         distributed.main_first(lambda: resolve_model_path(config.model))  # convert the default model once
     loaded, tokenizer = (model, tokenizer) if source is None else load(config.model)
-    samples = calibration_ids(data, config.data, tokenizer, config.seed, window_start_token(loaded.config))
+    samples = calibration_ids(data, config.data, loaded, tokenizer, config.seed)
     compute = distributed.select_device(device or config.device)
     save_dtype = config.output.save_dtype
     writer = checkpoint_writer(target, save_dtype) if distributed.is_main() else None
@@ -86,11 +87,10 @@ def oneshot(
     return target
 
 
-def calibration_ids(
-    data: DataLike, spec: DataSpec, tokenizer, seed: int, first_token: int | None = None
-) -> torch.Tensor:
-    """Token ids ``[num_samples, seq_len]`` from whatever ``data`` is (see :func:`oneshot`); windows cut from text
-    open with ``first_token`` when given (a Gemma model's ``<bos>``), token ids are used as they are."""
+def calibration_ids(data: DataLike, spec: DataSpec, model: nn.Module, tokenizer, seed: int) -> torch.Tensor:
+    """Token ids ``[num_samples, seq_len]`` from whatever ``data`` is (see :func:`oneshot`): token ids are used as they
+    are; text gives windows (opening with a Gemma model's ``<bos>``), with the share ``spec.generated`` sampled from
+    ``model`` itself (:mod:`compress.calibration_set`)."""
     if isinstance(data, torch.Tensor):
         if data.dim() != 2 or data.dtype != torch.long:
             raise CompressError(
@@ -114,7 +114,7 @@ def calibration_ids(
                 }
             )
         text = load_corpus(spec).calibration_text
-    return calibration_samples(tokenize(tokenizer, text), spec.num_samples, spec.seq_len, seed, first_token)
+    return calibration_set(model, tokenizer, text, spec, seed)
 
 
 def _stamp() -> str:

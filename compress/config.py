@@ -221,6 +221,8 @@ def _check_data(spec: DataSpec, key: str) -> None:
         raise CompressError(f"{key}.source={spec.source!r} is unknown; use {', '.join(SOURCES)}")
     if not 0.0 < spec.eval_fraction < 1.0:
         raise CompressError(f"{key}.eval_fraction={spec.eval_fraction} must be between 0 and 1")
+    if not 0.0 <= spec.generated <= 1.0:
+        raise CompressError(f"{key}.generated={spec.generated} must be a share between 0 and 1 of data.num_samples")
     if spec.source == "file" and spec.path and not Path(spec.path).expanduser().is_file():
         raise CompressError(f"{key}.path={spec.path}: no such file; give a .txt or .jsonl file")
 

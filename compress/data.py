@@ -47,6 +47,7 @@ class DataSpec:
     eval_fraction: float = 0.2
     num_samples: int = 64
     seq_len: int = 512
+    generated: float = 0.0  # share of the calibration windows the model samples itself (compress.calibration_set)
 
 
 @dataclass

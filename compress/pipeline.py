@@ -16,9 +16,10 @@ import torch
 import yaml
 
 from compress import distributed
+from compress.calibration_set import calibration_set
 from compress.compression import compress_model
 from compress.config import RunConfig, check_evaluation_length
-from compress.data import calibration_samples, load_corpus, tokenize, window_start_token
+from compress.data import load_corpus, tokenize
 from compress.distributed import select_device
 from compress.errors import CompressError
 from compress.evaluation import EvaluationText, RunEvaluation, release_gate
@@ -122,10 +123,7 @@ def _load(config: RunConfig, stages: list[Stage], timer: Timer) -> tuple:
         headline = in_domain
         if outside is not None:
             headline = _evaluation_text(config, tokenizer, config.eval.data.source, outside, "eval.data")
-        calibration_ids = tokenize(tokenizer, corpus.calibration_text)
-        samples = calibration_samples(
-            calibration_ids, config.data.num_samples, config.data.seq_len, config.seed, window_start_token(model.config)
-        )
+        samples = calibration_set(model, tokenizer, corpus.calibration_text, config.data, config.seed)
     return model, tokenizer, samples, headline, None if headline is in_domain else in_domain
 
 

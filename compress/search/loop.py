@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+from compress.calibration_set import calibration_set
 from compress.compression import compress_model
-from compress.data import calibration_samples, load_corpus, tokenize, window_start_token
+from compress.data import load_corpus
 from compress.distributed import select_device
 from compress.errors import CompressError
 from compress.models import load, resolve_model_path
@@ -79,10 +80,7 @@ def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchRe
     # trials are judged on the run's headline text: another source than the calibration data unless eval.data=null
     judged = load_corpus(config.eval.data).evaluation if config.eval.data is not None else corpus.evaluation
     model, tokenizer = load(config.model)
-    ids = tokenize(tokenizer, corpus.calibration_text)
-    samples = calibration_samples(
-        ids, config.data.num_samples, config.data.seq_len, config.seed, window_start_token(model.config)
-    )
+    samples = calibration_set(model, tokenizer, corpus.calibration_text, config.data, config.seed)
     units = measure_sensitivity(
         model, samples, [c.name for c in candidates], list(quantizer.get("ignore", [])), spec.weighting, device,
         config.calibration_batch_size,

@@ -68,7 +68,17 @@ LAYERS: list[tuple[str, set[str]]] = [
     ),  # fmt: skip
     ("kernels", {"compress.kernels"}),
     ("formats", {"compress.fp4", "compress.kv_quant", "compress.sparsity", "compress.formats", "compress.moe"}),
-    ("model", {"compress.calibration", "compress.checkpoint", "compress.models", "compress.engine", "compress.resume"}),
+    (
+        "model",
+        {
+            "compress.calibration",
+            "compress.calibration_set",
+            "compress.checkpoint",
+            "compress.models",
+            "compress.engine",
+            "compress.resume",
+        },
+    ),
     ("stages", {"compress.stages", "compress.compression", "compress.saving", "compress.model_free"}),
     ("evals", {"compress.evals"}),
     (

@@ -1,0 +1,74 @@
+"""Calibration windows sampled from the model itself (``data.generated``): mixed with text windows, reproducible,
+cached per model, and refused with one clear error when the share is out of range."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import build_tiny_llama, build_tiny_model, build_tiny_tokenizer
+
+from compress import calibration_set as module
+from compress.api import oneshot
+from compress.calibration_set import calibration_set, sampled_windows
+from compress.data import DataSpec
+from compress.errors import CompressError
+from compress.models import load
+
+TEXT = " ".join(f"word{i % 37}" for i in range(3000))
+
+
+def _spec(generated: float, num_samples: int = 4) -> DataSpec:
+    return DataSpec(num_samples=num_samples, seq_len=24, generated=generated)
+
+
+def test_a_share_of_the_windows_is_sampled_from_the_model_and_the_rest_cut_from_text(artifacts):
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_llama(vocab_size=len(tokenizer), bos_token_id=0)
+    text_only = calibration_set(model, tokenizer, TEXT, _spec(0.0), seed=0)
+    mixed = calibration_set(model, tokenizer, TEXT, _spec(0.5), seed=0)
+    assert mixed.shape == text_only.shape == (4, 24)
+    cut = set(map(tuple, text_only.tolist()))
+    assert sum(tuple(row) in cut for row in mixed.tolist()) == 2  # two text windows, two sampled ones
+    sampled = mixed[2:]
+    assert (sampled[:, 0] == 0).all() and sampled.max() < model.config.vocab_size
+    assert len({tuple(row) for row in sampled.tolist()}) == 2  # not one sequence twice
+
+
+def test_sampling_is_reproducible_by_seed_and_cached_per_model(artifacts, monkeypatch):
+    model = build_tiny_llama(bos_token_id=0)
+    first = sampled_windows(model, 3, 16, seed=0, start=0)
+    assert len(list((artifacts / "calibration").glob("*.pt"))) == 1
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "_sample", lambda *args: pytest.fail("sampled again instead of reading the cache"))
+        assert torch.equal(sampled_windows(model, 3, 16, seed=0, start=0), first)
+    assert not torch.equal(sampled_windows(model, 3, 16, seed=1, start=0), first)
+    other = build_tiny_llama(seed=5, bos_token_id=0)  # other weights: its own windows, not the first model's cache
+    assert not torch.equal(sampled_windows(other, 3, 16, seed=0, start=0), first)
+    assert len(list((artifacts / "calibration").glob("*.pt"))) == 3
+
+
+def test_a_gemma_model_samples_from_its_bos(artifacts):
+    model = build_tiny_model("gemma3")
+    windows = calibration_set(model, None, "", _spec(1.0, num_samples=2), seed=0)
+    assert (windows[:, 0] == model.config.bos_token_id).all()
+
+
+def test_a_lazily_loaded_model_holds_no_layer_after_sampling(tiny_model_dir, artifacts):
+    model, tokenizer = load(str(tiny_model_dir))
+    assert model.lazy_weights.loaded == set()
+    calibration_set(model, tokenizer, TEXT, _spec(0.5), seed=0)
+    assert model.lazy_weights.loaded == set()
+
+
+@pytest.mark.parametrize("share", ["1.5", "-0.1"])
+def test_a_share_out_of_range_is_refused_before_any_work(share, tmp_path):
+    with pytest.raises(CompressError, match=f"data.generated={float(share)} must be a share between 0 and 1"):
+        oneshot(build_tiny_llama(), "rtn_int4", overrides=[f"data.generated={share}"], output_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_oneshot_calibrates_on_sampled_windows(tiny_model_dir, tmp_path, artifacts):
+    overrides = ["data.num_samples=2", "data.seq_len=32", "data.generated=0.5", "stages.0.group_size=32"]
+    checkpoint = oneshot(str(tiny_model_dir), "gptq_int4", overrides=overrides, output_dir=tmp_path / "gptq")
+    assert (checkpoint / "model.safetensors").is_file()
+    assert len(list((artifacts / "calibration").glob("*.pt"))) == 1
