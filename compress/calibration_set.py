@@ -5,7 +5,7 @@ Why sample from the model: windows of one corpus teach the quantizer that corpus
 every other kind of text (pydoc calibration, measured on the default model: GPTQ int4 x1.126 on held-out pydoc but
 x1.294 on Shakespeare). Text the model writes itself at temperature 1 covers what the model has learned, not one
 domain (the self-calibration idea, Williams et al. 2024). Sampling costs a forward pass per token, so the windows are
-cached per model, count, length and seed under ``artifacts/calibration``.
+cached per model, batch, length and seed under ``artifacts/calibration``.
 """
 
 from __future__ import annotations
@@ -57,18 +57,23 @@ def start_token(model: nn.Module, first_token: int | None) -> int:
 
 
 def sampled_windows(model: nn.Module, count: int, seq_len: int, seed: int, start: int) -> torch.Tensor:
-    """``[count, seq_len]`` token ids the model samples at temperature 1 from ``start``, read from the cache when this
-    model, count, length and seed were sampled before."""
+    """``[count, seq_len]`` token ids the model samples at temperature 1 from ``start``, in batches of
+    ``SAMPLING_BATCH`` seeded ``seed + first row``: each batch is cached, so a smaller count reuses a larger one's."""
+    windows = [
+        _cached_batch(model, min(SAMPLING_BATCH, count - done), seq_len, seed + done, start)
+        for done in range(0, count, SAMPLING_BATCH)
+    ]
+    for index in range(len(decoder_layers(model))):  # a lazily loaded model goes back to holding no layer
+        release_layer(model, index)
+    return torch.cat(windows)
+
+
+def _cached_batch(model: nn.Module, count: int, seq_len: int, seed: int, start: int) -> torch.Tensor:
     cache = artifacts_dir() / "calibration" / f"{_fingerprint(model, count, seq_len, seed, start)}.pt"
     if cache.is_file():
         log.info("calibration: %d sampled windows from %s", count, cache)
         return torch.load(cache)
-    windows = torch.cat([
-        _sample(model, min(SAMPLING_BATCH, count - done), seq_len, seed + done, start)
-        for done in range(0, count, SAMPLING_BATCH)
-    ])  # fmt: skip
-    for index in range(len(decoder_layers(model))):  # a lazily loaded model goes back to holding no layer
-        release_layer(model, index)
+    windows = _sample(model, count, seq_len, seed, start)
     cache.parent.mkdir(parents=True, exist_ok=True)
     staged = cache.with_suffix(f".{os.getpid()}.partial")  # ranks of one torchrun sample alike
     torch.save(windows, staged)

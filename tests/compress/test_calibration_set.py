@@ -47,6 +47,16 @@ def test_sampling_is_reproducible_by_seed_and_cached_per_model(artifacts, monkey
     assert len(list((artifacts / "calibration").glob("*.pt"))) == 3
 
 
+def test_a_smaller_count_reuses_the_batches_of_a_larger_one(artifacts, monkeypatch):
+    model = build_tiny_llama(bos_token_id=0)
+    monkeypatch.setattr(module, "SAMPLING_BATCH", 2)
+    first = sampled_windows(model, 5, 8, seed=0, start=0)
+    assert len(list((artifacts / "calibration").glob("*.pt"))) == 3  # batches of 2, 2 and 1
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "_sample", lambda *args: pytest.fail("sampled again instead of reading the cache"))
+        assert torch.equal(sampled_windows(model, 4, 8, seed=0, start=0), first[:4])
+
+
 def test_a_gemma_model_samples_from_its_bos(artifacts):
     model = build_tiny_model("gemma3")
     windows = calibration_set(model, None, "", _spec(1.0, num_samples=2), seed=0)
