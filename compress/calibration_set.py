@@ -33,7 +33,7 @@ def calibration_set(model: nn.Module, tokenizer, text: str, spec: DataSpec, seed
     """``[spec.num_samples, spec.seq_len]`` token ids: ``round(num_samples x generated)`` windows sampled from
     ``model``, the rest cut from ``text``; every window opens as the model expects (a Gemma model's ``<bos>``)."""
     first_token = window_start_token(model.config)
-    generated = round(spec.num_samples * spec.generated)
+    generated = generated_windows(spec)
     parts = []
     if generated < spec.num_samples:
         ids = tokenize(tokenizer, text)
@@ -41,6 +41,11 @@ def calibration_set(model: nn.Module, tokenizer, text: str, spec: DataSpec, seed
     if generated:
         parts.append(sampled_windows(model, generated, spec.seq_len, seed, start_token(model, first_token)))
     return torch.cat(parts)
+
+
+def generated_windows(spec: DataSpec) -> int:
+    """How many of the calibration windows the model samples itself."""
+    return round(spec.num_samples * spec.generated)
 
 
 def start_token(model: nn.Module, first_token: int | None) -> int:

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from compress import distributed
-from compress.calibration_set import calibration_set
+from compress.calibration_set import calibration_set, generated_windows
 from compress.compression import compress_model
 from compress.config import RunConfig, check_evaluation_length
 from compress.data import load_corpus, tokenize
@@ -179,6 +179,7 @@ def _execute(config: RunConfig, stages: list[Stage], device, staging: Path, time
     data = {
         "source": config.data.source,
         "calibration_tokens": int(samples.numel()),
+        "generated_tokens": generated_windows(config.data) * int(samples.shape[1]),  # sampled from the model itself
         "evaluation_tokens": int(headline.ids.numel()),
         "evaluation": headline.describe(),  # the headline text
         "in_domain": in_domain.describe() if in_domain is not None else None,

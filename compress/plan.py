@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from compress.calibration_set import SAMPLING_BATCH
 from compress.errors import CompressError, EnvironmentFailure
 from compress.formats import w4a16, w8a8
 from compress.memory import current_rss_mb
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 # Reached rate ÷ probe rate, per kind of work (a first fit on SmolLM2-135M, fp32, 2 CPU cores): a layer's forward
 # on a batch of thousands of tokens runs at about the probe's rate; AWQ's candidate errors and SignRound's small
 # forward + backward batches at about half; elementwise work (round-to-nearest) is bound by memory, not arithmetic.
-EFFICIENCY = {"forward": 1.0, "awq": 0.5, "signround": 0.5, "elementwise": 0.003}
+EFFICIENCY = {"forward": 1.0, "sample": 0.3, "awq": 0.5, "signround": 0.5, "elementwise": 0.003}
 READ_BYTES_PER_SECOND = 200 * MB  # a layer read from its weight file and widened (lazy loading)
 COLUMN_SECONDS = 1e-4  # GPTQ's column walk: a handful of small tensor calls per column
 HEAD_CHUNK = 128  # positions whose logits exist at once in a perplexity pass (evals/perplexity.py)
@@ -224,6 +225,10 @@ def estimate(
     if evaluation.perplexity:
         window_batch = evaluation.batch_size * evaluation.seq_len * hidden_act * 8  # a layer's activations
         phases["evaluate"] = mapped + outside + layer32 + eval_tokens * hidden_act * 2 + window_batch + logits
+    sampled = round(data.num_samples * data.generated)  # windows the model samples itself: all its layers at once
+    if sampled:
+        cache = 2 * shape.layers * SAMPLING_BATCH * data.seq_len * shape.hidden * shape.dtype_bytes  # keys and values
+        phases["sample"] = shape.params * shape.dtype_bytes + cache + SAMPLING_BATCH * shape.vocab * fp32 * 2
     streams = 2 + sum(_extra_streams(s) for s in stages)
     widest = max((i for _, i in shape.linears), default=shape.hidden)
     largest = max((o * i for o, i in shape.linears), default=0)
@@ -244,6 +249,8 @@ def estimate(
     if evaluation.perplexity:
         passes = 2 + (evaluation.reference == "rtn")
         seconds["evaluate"] = passes * eval_tokens * token_flops / (rate * EFFICIENCY["forward"])
+    if sampled:  # one token per forward pass of a batch: far below the matmul rate (0 when cached)
+        seconds["sample"] = sampled * data.seq_len * token_flops / (rate * EFFICIENCY["sample"])
     calibrated = any(stage.needs_calibration for stage in stages)
     walk = calibration_tokens * layer_flops / (rate * EFFICIENCY["forward"]) if calibrated else 0.0  # the forward
     compress = shape.layers * (walk + shape.layer_params * shape.dtype_bytes / READ_BYTES_PER_SECOND)

@@ -79,11 +79,12 @@ def summary_lines(report: dict) -> list[str]:
     where = f"{headline.get('source', data['source'])}, " + (
         "in-domain: the calibration source" if not in_domain else "out-of-domain"
     )
+    generated = f"; {data['generated_tokens']} of them sampled from the model" if data.get("generated_tokens") else ""
     lines = [
         f"# compress run {report['run_id']}",
         "",
         f"recipe `{report['recipe']}` on model `{report['model']}`; {data['calibration_tokens']} calibration tokens "
-        f"({data['source']}), {data['evaluation_tokens']} evaluation tokens ({where})"
+        f"({data['source']}{generated}), {data['evaluation_tokens']} evaluation tokens ({where})"
         + (
             f"; in-domain beside it: {in_domain['tokens']} held-out tokens of {in_domain['source']}"
             if in_domain

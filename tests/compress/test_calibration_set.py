@@ -3,11 +3,14 @@ cached per model, and refused with one clear error when the share is out of rang
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import build_tiny_llama, build_tiny_model, build_tiny_tokenizer
 
 from compress import calibration_set as module
+from compress.__main__ import main
 from compress.api import oneshot
 from compress.calibration_set import calibration_set, sampled_windows
 from compress.data import DataSpec
@@ -75,6 +78,17 @@ def test_a_share_out_of_range_is_refused_before_any_work(share, tmp_path):
     with pytest.raises(CompressError, match=f"data.generated={float(share)} must be a share between 0 and 1"):
         oneshot(build_tiny_llama(), "rtn_int4", overrides=[f"data.generated={share}"], output_dir=tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_reports_how_many_calibration_tokens_the_model_sampled(tiny_model_dir, tmp_path, artifacts):
+    small = ["data.num_samples=4", "data.seq_len=32", "eval.seq_len=32", "eval.max_windows=2", "gate=none"]
+    args = ["run", "recipe=gptq_int4", f"model={tiny_model_dir}", *small, "tracking.enabled=false"]
+    assert main([*args, "stages.0.group_size=32", "data.generated=0.25", f"output.dir={tmp_path}"]) == 0
+    [report] = tmp_path.glob("*/report.json")
+    data = json.loads(report.read_text())["data"]
+    assert (data["calibration_tokens"], data["generated_tokens"]) == (128, 32)
+    summary = (report.parent / "report.md").read_text()
+    assert "128 calibration tokens (pydoc; 32 of them sampled from the model)" in summary
 
 
 def test_oneshot_calibrates_on_sampled_windows(tiny_model_dir, tmp_path, artifacts):

@@ -77,3 +77,16 @@ def test_run_refuses_before_any_work_when_ram_is_below_the_plan(tiny_model_dir, 
     assert code == 4  # the machine is short, not the command line wrong (ExitCode.FAILED)
     assert "plan: the run needs" in capsys.readouterr().err
     assert not (artifacts / "runs").exists() or not any((artifacts / "runs").iterdir())
+
+
+def test_sampled_calibration_windows_are_planned_in_time_and_memory(tiny_model_dir):
+    shape = model_shape(tiny_model_dir)
+
+    def plan(*overrides: str) -> Plan:
+        config = compose("gptq_int4", ["stages.0.group_size=32", *overrides], str(tiny_model_dir))
+        return estimate(shape, build_chain(config.stages), config, "tiny", Probe(10.0), eval_tokens=1000)
+
+    assert "sample" not in plan().seconds and "sample" not in plan().phases_ram_mb
+    half, whole = plan("data.generated=0.5"), plan("data.generated=1.0")
+    assert whole.seconds["sample"] == pytest.approx(2 * half.seconds["sample"])
+    assert whole.phases_ram_mb["sample"] > shape.params * shape.dtype_bytes / 2**20
