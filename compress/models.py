@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,6 +123,21 @@ def default_model_dir() -> Path:
     return target
 
 
+@dataclass(frozen=True)
+class PackagedModel:
+    """A real-weight model shipped as a GGUF inside PyPI packages (no model hub here), converted once."""
+
+    folder: str  # under artifacts/models
+    find_packages: Callable[[], object]  # raises the install command when a package is missing
+    converted: Callable[[], Path]  # the folder, converted on first use
+
+
+PACKAGED = {
+    DEFAULT_MODEL: PackagedModel(SMOLLM2_FOLDER, smollm2_gguf_path, default_model_dir),
+    GEMMA3_MODEL: PackagedModel(GEMMA3_FOLDER, gemma3_gguf_parts, gemma3_model_dir),
+}
+
+
 def convert_gguf(gguf_file: Path, target: Path) -> None:
     """Dequantize a GGUF model into a plain HF folder, verify it, then move it into place atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -179,10 +195,8 @@ def _verify_conversion(expected_ids: list[int], expected: torch.Tensor, folder: 
 
 def resolve_model_path(spec: ModelSpec) -> str:
     """The folder or hub id transformers should load for ``spec.path``."""
-    if spec.path == DEFAULT_MODEL:
-        return str(default_model_dir())
-    if spec.path == GEMMA3_MODEL:
-        return str(gemma3_model_dir())
+    if spec.path in PACKAGED:
+        return str(PACKAGED[spec.path].converted())
     path = Path(spec.path).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -197,8 +211,8 @@ def resolve_model_path(spec: ModelSpec) -> str:
 def local_model_folder(spec: ModelSpec) -> Path | None:
     """The folder ``spec`` loads from when it is already on this machine (the default model once converted, an
     existing folder); None for a hub id or a default model not yet converted: nothing is downloaded or converted."""
-    if spec.path in (DEFAULT_MODEL, GEMMA3_MODEL):
-        target = artifacts_dir() / "models" / (SMOLLM2_FOLDER if spec.path == DEFAULT_MODEL else GEMMA3_FOLDER)
+    if spec.path in PACKAGED:
+        target = artifacts_dir() / "models" / PACKAGED[spec.path].folder
         return target if (target / "config.json").is_file() else None
     path = Path(spec.path).expanduser()
     return path if (path / "config.json").is_file() else None
@@ -206,9 +220,9 @@ def local_model_folder(spec: ModelSpec) -> Path | None:
 
 def check_model_source(spec: ModelSpec) -> None:
     """Cheap early check that ``spec`` can be loaded, without converting or downloading anything."""
-    if spec.path in (DEFAULT_MODEL, GEMMA3_MODEL):
+    if spec.path in PACKAGED:
         if local_model_folder(spec) is None:
-            smollm2_gguf_path() if spec.path == DEFAULT_MODEL else gemma3_gguf_parts()
+            PACKAGED[spec.path].find_packages()
         return
     folder = Path(resolve_model_path(spec))
     if (folder / "config.json").is_file():
