@@ -63,8 +63,9 @@ def markdown(report: dict) -> str:
     lines = [
         f"# {report['title']}",
         "",
-        f"Model `{report['model']}` (fp32), each recipe's own calibration (64 x 512 tokens of pydoc; a peer's preset "
-        f"gets the same ids). Perplexity: 512-token windows, out-of-domain = {scored['out_of_domain']} scored tokens "
+        f"Model `{report['model']}` (fp32), each recipe's own calibration (64 x 512 tokens of pydoc, the share "
+        f"`data.generated` of them sampled from the model itself, its time in compress s; a peer's preset gets the "
+        f"same ids). Perplexity: 512-token windows, out-of-domain = {scored['out_of_domain']} scored tokens "
         f"of Shakespeare, in-domain = {scored['in_domain']} scored held-out pydoc tokens. Time ratio against "
         f"`{reference}`, measured in the same invocation. {report['machine']}; {report['date']}.",
         "",

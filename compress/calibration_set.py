@@ -78,6 +78,7 @@ def _cached_batch(model: nn.Module, count: int, seq_len: int, seed: int, start: 
     if cache.is_file():
         log.info("calibration: %d sampled windows from %s", count, cache)
         return torch.load(cache)
+    log.info("calibration: sampling %d windows of %d tokens from the model (seed %d)", count, seq_len, seed)
     windows = _sample(model, count, seq_len, seed, start)
     cache.parent.mkdir(parents=True, exist_ok=True)
     staged = cache.with_suffix(f".{os.getpid()}.partial")  # ranks of one torchrun sample alike
