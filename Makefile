@@ -26,7 +26,7 @@ run: setup
 	$(BIN)/python -m compress run recipe=$(RECIPE) $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

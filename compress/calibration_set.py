@@ -95,12 +95,15 @@ def _sample(model: nn.Module, count: int, seq_len: int, seed: int, start: int) -
     generator = torch.Generator().manual_seed(seed)
     ids = torch.full((count, 1), start, dtype=torch.long)
     past, step_ids = None, ids
-    for _ in tqdm(range(seq_len - 1), desc=f"sampling {count} calibration windows", unit="token", leave=False):
+    bar = tqdm(total=count * (seq_len - 1), desc=f"sampling {count} calibration windows", unit="token", leave=False)
+    for _ in range(seq_len - 1):
         output = model(input_ids=step_ids.to(device), past_key_values=past, use_cache=True)
         past = output.past_key_values
         probabilities = torch.softmax(output.logits[:, -1].float().cpu(), dim=-1)
         step_ids = torch.multinomial(probabilities, 1, generator=generator)
         ids = torch.cat([ids, step_ids], dim=1)
+        bar.update(count)
+    bar.close()
     return ids
 
 
