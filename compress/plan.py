@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # Reached rate ÷ probe rate, per kind of work (a first fit on SmolLM2-135M, fp32, 2 CPU cores): a layer's forward
 # on a batch of thousands of tokens runs at about the probe's rate; AWQ's candidate errors and SignRound's small
 # forward + backward batches at about half; elementwise work (round-to-nearest) is bound by memory, not arithmetic.
-EFFICIENCY = {"forward": 1.0, "sample": 0.3, "awq": 0.5, "signround": 0.5, "elementwise": 0.003}
+EFFICIENCY = {"forward": 1.0, "sample": 0.2, "awq": 0.5, "signround": 0.5, "elementwise": 0.003}
 READ_BYTES_PER_SECOND = 200 * MB  # a layer read from its weight file and widened (lazy loading)
 COLUMN_SECONDS = 1e-4  # GPTQ's column walk: a handful of small tensor calls per column
 HEAD_CHUNK = 128  # positions whose logits exist at once in a perplexity pass (evals/perplexity.py)
