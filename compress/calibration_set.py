@@ -63,7 +63,8 @@ def start_token(model: nn.Module, first_token: int | None) -> int:
 
 def sampled_windows(model: nn.Module, count: int, seq_len: int, seed: int, start: int) -> torch.Tensor:
     """``[count, seq_len]`` token ids the model samples at temperature 1 from ``start``, in batches of
-    ``SAMPLING_BATCH`` seeded ``seed + first row``: each batch is cached, so a smaller count reuses a larger one's."""
+    ``SAMPLING_BATCH`` seeded ``seed + first row``: each batch is cached, so a smaller count reuses a larger one's.
+    Seeds ``s`` and ``s + SAMPLING_BATCH`` therefore share batches: draws meant to be independent use seeds < 16."""
     windows = [
         _cached_batch(model, min(SAMPLING_BATCH, count - done), seq_len, seed + done, start)
         for done in range(0, count, SAMPLING_BATCH)
