@@ -65,8 +65,9 @@ def sampled_windows(model: nn.Module, count: int, seq_len: int, seed: int, start
     """``[count, seq_len]`` token ids the model samples at temperature 1 from ``start``, in batches of
     ``SAMPLING_BATCH`` seeded ``seed + first row``: each batch is cached, so a smaller count reuses a larger one's.
     Seeds ``s`` and ``s + SAMPLING_BATCH`` therefore share batches: draws meant to be independent use seeds < 16."""
+    identity = _model_identity(model)  # hashed once: the embedding table is the largest input
     windows = [
-        _cached_batch(model, min(SAMPLING_BATCH, count - done), seq_len, seed + done, start)
+        _cached_batch(model, identity, min(SAMPLING_BATCH, count - done), seq_len, seed + done, start)
         for done in range(0, count, SAMPLING_BATCH)
     ]
     for index in range(len(decoder_layers(model))):  # a lazily loaded model goes back to holding no layer
@@ -74,8 +75,9 @@ def sampled_windows(model: nn.Module, count: int, seq_len: int, seed: int, start
     return torch.cat(windows)
 
 
-def _cached_batch(model: nn.Module, count: int, seq_len: int, seed: int, start: int) -> torch.Tensor:
-    cache = artifacts_dir() / "calibration" / f"{_fingerprint(model, count, seq_len, seed, start)}.pt"
+def _cached_batch(model: nn.Module, identity: str, count: int, seq_len: int, seed: int, start: int) -> torch.Tensor:
+    key = hashlib.sha256(f"{CACHE_VERSION} {identity} {count} {seq_len} {seed} {start}".encode()).hexdigest()[:24]
+    cache = artifacts_dir() / "calibration" / f"{key}.pt"
     if cache.is_file():
         log.info("calibration: %d sampled windows from %s", count, cache)
         return torch.load(cache)
@@ -108,14 +110,13 @@ def _sample(model: nn.Module, count: int, seq_len: int, seed: int, start: int) -
     return ids
 
 
-def _fingerprint(model: nn.Module, count: int, seq_len: int, seed: int, start: int) -> str:
-    """The model's identity (its config, its embedding table and the files it came from) and the sampling's."""
-    digest = hashlib.sha256(f"{CACHE_VERSION} {count} {seq_len} {seed} {start}".encode())
-    digest.update(model.config.to_json_string().encode())
+def _model_identity(model: nn.Module) -> str:
+    """A digest of the model: its config, its embedding table and the weight files it came from."""
+    digest = hashlib.sha256(model.config.to_json_string().encode())
     digest.update(model.get_input_embeddings().weight.detach().float().cpu().numpy().tobytes())
     folder = Path(str(getattr(model.config, "_name_or_path", "")))
     if folder.is_dir():
         for file in sorted(folder.glob("*.safetensors")):
             stat = file.stat()
             digest.update(f"{file.name} {stat.st_size} {stat.st_mtime_ns}".encode())
-    return digest.hexdigest()[:24]
+    return digest.hexdigest()
