@@ -325,11 +325,15 @@ def gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
-    """Decode path without tensor cores, one activation row per program (grid axis 2): each packed word is
-    loaded once and its codes become floats by an exponent trick (``code | 0x4B000000`` is the float
-    ``2**23 + code``, so one subtraction centres it exactly), sparing the conversion unit; the scale is applied
-    once per word, and the ``[words, BLOCK_N]`` partial sums are reduced once at the end."""
+    """Decode path without tensor cores, one activation row per program (grid axis 2). Each packed word is loaded
+    once and its codes become floats without the conversion unit: masking code ``j`` in place (``p = j % (16 / BITS)``
+    codes into its 16-bit half, the upper half shifted down once per word) and setting the exponent bits of 2**23
+    gives the float ``2**23 + code * 2**(p * BITS)``; one subtraction centres it exactly, and the activation, scaled
+    by ``2**-(p * BITS)`` once per word row, undoes the position. Three instructions a code (mask-or, subtract, fma)
+    where a shift, extract, or, subtract and fma took five. The zero point enters once per word through the sum of
+    the word's activations; the scale once per word; the ``[words, BLOCK_N]`` partial sums are reduced at the end."""
     CODES: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = 16 // BITS  # codes per 16-bit half word: 2**23 + code * 2**(p * BITS) stays exact
     WORDS: tl.constexpr = BLOCK_K // CODES
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -347,12 +351,15 @@ def gemv_kernel(
         word_rows = tile * WORDS + offs_w
         first_k = word_rows * CODES
         mask = (first_k < K)[:, None] & mask_n[None, :]
-        words = tl.load(
+        low = tl.load(
             packed_ptr + word_rows[:, None] * stride_pk + offs_n[None, :] * stride_pn,
             mask=mask,
             other=0,
             eviction_policy="evict_first",
-        )
+        ).to(tl.uint32, bitcast=True)  # logical shifts
+        # Each half with the exponent bits of 2**23 set once per word: a code is then one AND with an immediate.
+        high = (low >> 16) | 0x4B000000
+        low = (low & 0xFFFF) | 0x4B000000
         if ONE_GROUP_PER_TILE:  # one [BLOCK_N] scale row per tile instead of a gather per word row
             groups = tile * BLOCK_K // GROUP_SIZE
             scale = tl.load(scale_ptr + offs_n * stride_sn + groups * stride_sg, mask=mask_n, other=0.0)[None, :]
@@ -361,15 +368,21 @@ def gemv_kernel(
             groups = (first_k // GROUP_SIZE)[:, None]
             scale = tl.load(scale_ptr + offs_n[None, :] * stride_sn + groups * stride_sg, mask=mask, other=0.0)
             zero_mask = mask
-        offset = 8388608.0 + (1 << (BITS - 1))
-        if HAS_ZERO:
-            zero = tl.load(zero_ptr + offs_n[None, :] * stride_zn + groups * stride_zg, mask=zero_mask, other=0)
-            offset = offset + zero.to(tl.float32)
         partial = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+        x_sum = tl.zeros((WORDS,), dtype=tl.float32)
         for j in tl.static_range(CODES):
             x = tl.load(x_row + (first_k + j) * stride_xk, mask=first_k + j < K, other=0.0).to(tl.float32)
-            codes = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
-            partial += x[:, None] * (codes.to(tl.float32, bitcast=True) - offset)
+            x_sum += x
+            position = (j % HALF) * BITS
+            if j < HALF:
+                field = low & ((((1 << BITS) - 1) << position) | 0x4B000000)
+            else:
+                field = high & ((((1 << BITS) - 1) << position) | 0x4B000000)
+            value = field.to(tl.float32, bitcast=True) - (8388608.0 + (1 << (BITS - 1 + position)))
+            partial += (x * (1.0 / (1 << position)))[:, None] * value
+        if HAS_ZERO:
+            zero = tl.load(zero_ptr + offs_n[None, :] * stride_zn + groups * stride_zg, mask=zero_mask, other=0)
+            partial -= x_sum[:, None] * zero.to(tl.float32)
         acc += partial * scale.to(tl.float32)
     out = tl.sum(acc, axis=0)
     if HAS_BIAS:

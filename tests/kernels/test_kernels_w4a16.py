@@ -115,9 +115,11 @@ def test_gemv_tile(m, asym, dtype):
     check(m, 36, 192, 64, dtype=dtype, asym=asym, config=dict(GEMV, BLOCK_K=32))  # one group per tile
 
 
+@pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
 @pytest.mark.parametrize("bits", [2, 8])
-def test_gemv_other_bit_widths(bits):
-    check(1, 24, 256, 64, num_bits=bits, config=dict(GEMV, BLOCK_K=128))
+def test_gemv_other_bit_widths(bits, asym):
+    """Each width puts its codes at other positions of the half words (2-bit: 8 a half, 8-bit: 2)."""
+    check(1, 24, 256, 64, num_bits=bits, asym=asym, config=dict(GEMV, BLOCK_K=128))
 
 
 def test_gemv_tile_refuses_what_it_cannot_run():
