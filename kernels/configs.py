@@ -27,16 +27,16 @@ Config = dict[str, int | str]  # block sizes, num_warps/num_stages, and KIND for
 # 16-row dot tile wastes 15/16 of its work and routes every dequantized tile through shared memory.
 W4A16_SKINNY: dict[str, list[Config]] = {
     "hopper": [
-        dict(KIND="gemv", BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, num_warps=4, num_stages=3),
-        dict(KIND="gemv", BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=3),
-        dict(KIND="gemv", BLOCK_N=128, BLOCK_K=256, SPLIT_K=4, num_warps=8, num_stages=3),
-        dict(KIND="gemv", BLOCK_N=256, BLOCK_K=128, SPLIT_K=4, num_warps=8, num_stages=3),
-        dict(KIND="gemv", BLOCK_N=32, BLOCK_K=512, SPLIT_K=4, num_warps=4, num_stages=2),
-        dict(KIND="gemv", BLOCK_N=64, BLOCK_K=128, SPLIT_K=16, num_warps=2, num_stages=4),
-        dict(KIND="gemv", BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=4),
-        dict(KIND="gemv", BLOCK_N=256, BLOCK_K=128, SPLIT_K=8, num_warps=8, num_stages=2),
-        dict(KIND="gemv", BLOCK_N=64, BLOCK_K=64, SPLIT_K=16, num_warps=2, num_stages=4),
-        dict(KIND="gemv", BLOCK_N=128, BLOCK_K=64, SPLIT_K=8, num_warps=4, num_stages=4),
+        # gemv tiles: the fastest of `python -m benchmarks.gemv_sweep` on an H100 (2026-11-26, M = 1 and 4 on the
+        # 4096x4096, 14336x4096 and 4096x14336 weights): narrow N tiles, long K tiles, 8 warps, few splits.
+        dict(KIND="gemv", BLOCK_N=32, BLOCK_K=512, SPLIT_K=1, num_warps=8, num_stages=1),
+        dict(KIND="gemv", BLOCK_N=32, BLOCK_K=512, SPLIT_K=4, num_warps=8, num_stages=1),
+        dict(KIND="gemv", BLOCK_N=32, BLOCK_K=512, SPLIT_K=2, num_warps=8, num_stages=1),
+        dict(KIND="gemv", BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=1),
+        dict(KIND="gemv", BLOCK_N=32, BLOCK_K=256, SPLIT_K=8, num_warps=4, num_stages=1),
+        dict(KIND="gemv", BLOCK_N=64, BLOCK_K=512, SPLIT_K=1, num_warps=8, num_stages=1),
+        dict(KIND="gemv", BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, num_warps=8, num_stages=1),
+        dict(KIND="gemv", BLOCK_N=128, BLOCK_K=128, SPLIT_K=16, num_warps=2, num_stages=1),
         dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=4),
         dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=4),
         dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3),
