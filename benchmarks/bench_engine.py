@@ -9,8 +9,10 @@ for a shared system prompt, and perplexity with each KV cache dtype. Results go 
 
 ``mode=decode`` instead times batch-1 decoding of the model as loaded (dense) against the same model with its
 decoder linears converted on the fly (``decode_weights=w4a16,int8,fp8``, round to nearest: speed only, not
-quality), in our engine, in the same run. ``checkpoint=random:<preset>`` builds a random-weight model of a real
-architecture on the device (no download; the speed of a forward pass does not depend on the weight values).
+quality), in our engine, in the same run; ``w4a16-unfused`` runs W4A16 with one launch per projection instead of
+stacked q/k/v and gate/up (``EngineConfig.fuse_projections``), the A/B of that fusion.
+``checkpoint=random:<preset>`` builds a random-weight model of a real architecture on the device (no download; the
+speed of a forward pass does not depend on the weight values).
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ def build_random(model_class, config, device: str, dtype: torch.dtype):
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
+
+
+DECODE_WEIGHTS = ("w4a16", "w4a16-unfused", "int8", "fp8")
 
 
 def convert_linears(model, weights: str, group_size: int) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
@@ -293,6 +298,10 @@ def main(argv: list[str]) -> int:
     except CompressError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    unknown = [weights for weights in options.decode_weights if weights not in DECODE_WEIGHTS]
+    if unknown:  # before the model loads: an 8B random model takes a minute of GPU time
+        print(f"error: decode_weights: unknown {unknown}; choose from {', '.join(DECODE_WEIGHTS)}", file=sys.stderr)
+        return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     log(f"loading {options.checkpoint} on {device}")
     model, tokenizer = load(options, device)
@@ -347,9 +356,9 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
 
-def decode_tokens_per_second(model, tokens: int) -> float:
+def decode_tokens_per_second(model, tokens: int, **engine_options) -> float:
     """Median batch-1 decode rate over three requests (128-token prompt, ``tokens`` new tokens)."""
-    llm = LLM(model, max_num_seqs=4, max_model_len=128 + tokens + 16, kv_cache_memory_gb=1.0)
+    llm = LLM(model, max_num_seqs=4, max_model_len=128 + tokens + 16, kv_cache_memory_gb=1.0, **engine_options)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     llm.generate([[rng.randrange(model.config.vocab_size) for _ in range(128)]], SamplingParams(max_tokens=8))
@@ -369,8 +378,8 @@ def decode_speed(model, tokenizer, options: EngineBenchOptions, device: str) -> 
     rates = {"dense": decode_tokens_per_second(model, tokens)}
     log(f"dense {dtype}: {rates['dense']:.1f} tok/s")
     for weights in options.decode_weights:
-        replaced = convert_linears(model, weights, group)
-        rates[weights] = decode_tokens_per_second(model, tokens)
+        replaced = convert_linears(model, weights.removesuffix("-unfused"), group)
+        rates[weights] = decode_tokens_per_second(model, tokens, fuse_projections=not weights.endswith("-unfused"))
         restore(replaced)
         del replaced
         if device == "cuda":

@@ -34,6 +34,9 @@ class EngineConfig:
     """Skip CUDA graphs for decode steps."""
     attention_backend: str = "auto"
     """``auto``: Triton on CUDA or under TRITON_INTERPRET=1, torch elsewhere; or force ``triton``/``torch``."""
+    fuse_projections: bool = True
+    """On CUDA, run each layer's q/k/v and gate/up W4A16 projections as one stacked GEMM (``engine/fusion.py``):
+    fewer, fuller launches at decode. ``false`` keeps one launch per projection (the A/B in ``bench engine``)."""
     cpu_dense_weights: bool = True
     """On CPU, keep a dense copy of every quantized linear's weight: decoding ~6x faster than dequantizing it for
     every call, for the memory of the dense model (425 MB for the default model in fp32). ``false`` saves that."""

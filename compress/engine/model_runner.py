@@ -20,6 +20,7 @@ from torch import nn
 from transformers import AttentionInterface
 
 from compress.engine.config import EngineConfig
+from compress.engine.fusion import fuse_sibling_projections
 from compress.engine.scheduler import ScheduledBatch
 from compress.formats import QuantizedLinear
 from compress.kernels import kv_cache, paged_attention
@@ -112,6 +113,8 @@ class ModelRunner:
         for module in model.modules():
             if isinstance(module, QuantizedLinear):  # decoding calls carry a few tokens: dequantize once
                 module.keep_dense_on_cpu = self.device.type == "cpu" and config.cpu_dense_weights
+        if self.device.type == "cuda" and config.fuse_projections:
+            log.info("stacked %d groups of sibling projections", fuse_sibling_projections(model))
         self.num_kv_heads = model_config.num_key_value_heads
         self.head_dim = self.layers[0].self_attn.head_dim
         self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 8192)

@@ -15,13 +15,13 @@ def test_decode_mode_times_dense_and_every_converted_format(tiny_model_dir, tmp_
         f"checkpoint={tiny_model_dir}",
         "mode=decode",
         "decode_tokens=4",
-        "decode_weights=w4a16,int8,fp8",
+        "decode_weights=w4a16,w4a16-unfused,int8,fp8",
         f"out={tmp_path}",
     ]
     assert bench.main(argv) == 0
     (result,) = tmp_path.glob("engine-decode-*.json")
     rates = json.loads(result.read_text())["decode_tok_s"]
-    assert set(rates) == {"dense", "w4a16", "int8", "fp8"} and all(rate > 0 for rate in rates.values())
+    assert set(rates) == {"dense", "w4a16", "w4a16-unfused", "int8", "fp8"} and all(rate > 0 for rate in rates.values())
     assert "| w4a16 |" in result.with_suffix(".md").read_text()
 
 
@@ -41,3 +41,8 @@ def test_converted_linears_are_restored(tiny_model_dir):
 def test_bad_options_are_refused():
     assert bench.main(["mode=fast"]) == 2
     assert bench.main(["unknown=1"]) == 2
+
+
+def test_unknown_decode_weights_are_refused_before_the_model_loads(capsys):
+    assert bench.main(["checkpoint=/nonexistent", "mode=decode", "decode_weights=w4a16,int3"]) == 2
+    assert "unknown ['int3']" in capsys.readouterr().err
