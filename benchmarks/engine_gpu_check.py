@@ -1,7 +1,8 @@
 """The engine on a GPU (compiled kernels, CUDA graphs) against transformers on the same model: greedy tokens
-and teacher-forced perplexity for each KV cache dtype. Random weights of SmolLM2's shape (dense) and of a small
-Mixtral (MoE), so it runs on a bare GPU box: ``python -m benchmarks.engine_gpu_check`` from the checkout's root
-(``... cpu`` for a dry run here). Prints a table; exits 1 if fp32 greedy output differs."""
+and teacher-forced perplexity for each KV cache dtype. Random weights of SmolLM2's shape (dense, and in W4A16 with
+the stacked projections) and of a small Mixtral (MoE), so it runs on a bare GPU box: ``python -m
+benchmarks.engine_gpu_check [cuda|cpu] [dense,moe,w4a16]`` from the checkout's root (``cpu`` for a dry run here).
+Prints a table; exits 1 if fp32 greedy output differs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 
 import torch
 
-from benchmarks.bench_engine import build_random, random_model
+from benchmarks.bench_engine import build_random, convert_linears, random_model
 from compress.engine import LLM, SamplingParams
 
 
@@ -52,17 +53,28 @@ def random_moe(device: str, dtype: torch.dtype):
     return build_random(MixtralForCausalLM, config, device, dtype)
 
 
+def random_w4a16(device: str, dtype: torch.dtype):
+    """SmolLM2's shape with its decoder linears in W4A16 (group 64): the engine stacks q/k/v and gate/up into one
+    launch each (``compress/engine/fusion.py``) under CUDA graphs, while transformers calls every projection."""
+    model = random_model("smollm2-135m", device, dtype)
+    convert_linears(model, "w4a16", 64)
+    return model
+
+
 MODELS = {
     "dense": (lambda device, dtype: random_model("smollm2-135m", device, dtype), ("auto", "int8", "fp8")),
     "moe": (random_moe, ("auto", "int8")),
+    "w4a16": (random_w4a16, ("auto",)),
 }
 
 
 def main(argv: list[str]) -> int:
     device = argv[0] if argv else "cuda"
+    kinds = argv[1].split(",") if len(argv) > 1 else list(MODELS)  # e.g. ``cuda w4a16``: one model kind
     rng = random.Random(0)
     failures = 0
-    for (kind, (build, kv_dtypes)), dtype in itertools.product(MODELS.items(), (torch.float32, torch.bfloat16)):
+    chosen = {kind: MODELS[kind] for kind in kinds}
+    for (kind, (build, kv_dtypes)), dtype in itertools.product(chosen.items(), (torch.float32, torch.bfloat16)):
         model = build(device, dtype)
         vocab = model.config.vocab_size
         prompts = [[rng.randrange(vocab) for _ in range(length)] for length in (5, 17, 64, 300)]

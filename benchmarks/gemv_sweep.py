@@ -23,6 +23,7 @@ import argparse
 import importlib
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     before = importlib.import_module(args.before) if args.before else None
     meta = {
         "device": torch.cuda.get_device_name(device),
-        "command": "python -m benchmarks.gemv_sweep " + " ".join(argv or []),
+        "command": " ".join(["python -m benchmarks.gemv_sweep", *(sys.argv[1:] if argv is None else argv)]),
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "triton": triton.__version__,

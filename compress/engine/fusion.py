@@ -74,8 +74,8 @@ class FusedProjections:
 
 
 def _fusable(members: list[nn.Module | None]) -> bool:
-    if not all(isinstance(m, QuantizedLinear) for m in members):
-        return False
+    if not all(isinstance(m, QuantizedLinear) and "forward" not in vars(m) for m in members):
+        return False  # not W4A16, or already routed through a stacked launch (a second engine on the same model)
     first = members[0]
     return all(
         m.in_features == first.in_features
