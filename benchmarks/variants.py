@@ -8,7 +8,8 @@
 Each positional argument is one run: a recipe name, then any overrides (``key=value``, as on the CLI). Every run
 compresses the model (``--model``, default the default model) through ``compress.oneshot`` in this process, one after
 the other, so wall times are comparable; the first run is the time reference. ``llm-compressor:<scheme>`` runs that
-preset of ``benchmarks/peer_llmcompressor.py`` on the same calibration ids, in a subprocess: with
+preset of ``benchmarks/peer_llmcompressor.py`` on the same calibration ids, in a subprocess (``seed=N`` and
+``data.generated=X`` after it give the peer the windows our run with those overrides cuts or samples): with
 ``artifacts/peer-venv/bin/python`` when that venv exists, else with this Python and ``artifacts/peer-site`` on the
 path (``pip install --target artifacts/peer-site --no-deps llmcompressor==0.14.0.1 compressed-tensors loguru``).
 Every checkpoint is reloaded and scored like
@@ -45,6 +46,29 @@ def peer_compress(scheme: str, model_dir: Path, samples: torch.Tensor, output: P
     command += ["--scheme", scheme, "--model", str(model_dir), "--samples", str(samples_file), "--output", str(output)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), TQDM_DISABLE="1")
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+
+
+PEER_OVERRIDES = ("seed", "data.generated")  # what decides a run's calibration ids, so a peer can share them
+
+
+def peer_options(overrides: list[str]) -> tuple[int, float]:
+    """``(seed, data.generated)`` of a peer run's overrides; anything else is refused before any run starts."""
+    options = dict(override.split("=", 1) for override in overrides)
+    unknown = sorted(set(options) - set(PEER_OVERRIDES))
+    if unknown:
+        raise SystemExit(f"a peer run takes only {', '.join(PEER_OVERRIDES)}; got {', '.join(unknown)}")
+    return int(options.get("seed", 0)), float(options.get("data.generated", 0.0))
+
+
+def peer_samples(model_name: str, seed: int, generated: float) -> torch.Tensor:
+    """The calibration ids our run cuts (and samples) with ``seed=seed data.generated=generated``."""
+    from compress.calibration_set import calibration_set
+    from compress.data import DataSpec, load_corpus
+    from compress.models import ModelSpec, load
+
+    model, tokenizer = load(ModelSpec(path=model_name, lazy=False))
+    spec = DataSpec(generated=generated)
+    return calibration_set(model, tokenizer, load_corpus(spec).calibration_text, spec, seed)
 
 
 def _row(name: str, row: dict, base: dict, reference_seconds: float) -> str:
@@ -92,19 +116,22 @@ def main() -> None:
     parser.add_argument("--name", required=True, help="results file stem under benchmarks/results/")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
+    runs = [(run, run.split()[0], run.split()[1:]) for run in args.runs]
+    peers = {name: peer_options(overrides) for name, recipe, overrides in runs if recipe.startswith(PEER)}
     from compress import oneshot
     from compress.checkpoint import load_checkpoint
 
     model_dir, ids, report = scored_baseline("python -m benchmarks.variants", args.max_windows, args.model)
     samples = report.pop("samples")
     report.update(title=args.title, rows={})
-    runs = [(run, run.split()[0], run.split()[1:]) for run in args.runs]
     args.results.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="variants-") as tmp:
         for index, (name, recipe, overrides) in enumerate(runs):
             start, folder = time.perf_counter(), Path(tmp) / str(index)
             if recipe.startswith(PEER):
-                peer_compress(recipe.removeprefix(PEER), model_dir, samples, folder)
+                seed, generated = peers[name]
+                shared = samples if (seed, generated) == (0, 0.0) else peer_samples(args.model, seed, generated)
+                peer_compress(recipe.removeprefix(PEER), model_dir, shared, folder)
             else:
                 oneshot(model=str(model_dir), recipe=recipe, overrides=overrides, output_dir=str(folder))
             seconds = time.perf_counter() - start
