@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from compress import distributed
-from compress.calibration_set import calibration_set
+from compress.calibration_set import calibration_set, spec_for_chain
 from compress.compression import compress_model
 from compress.data import DataSpec, load_corpus
 from compress.errors import CompressError
@@ -73,7 +73,7 @@ def oneshot(
     if source is not None:
         distributed.main_first(lambda: resolve_model_path(config.model))  # convert the default model once
     loaded, tokenizer = (model, tokenizer) if source is None else load(config.model)
-    samples = calibration_ids(data, config.data, loaded, tokenizer, config.seed)
+    samples = calibration_ids(data, spec_for_chain(config.data, stages, config.recipe), loaded, tokenizer, config.seed)
     compute = distributed.select_device(device or config.device)
     save_dtype = config.output.save_dtype
     writer = checkpoint_writer(target, save_dtype) if distributed.is_main() else None

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,6 +29,15 @@ log = logging.getLogger(__name__)
 
 SAMPLING_BATCH = 16  # sequences sampled together: a 135M model's cache for 16 x 512 tokens is ~100 MB
 CACHE_VERSION = 1  # bump when the sampling changes, so old cached windows are not reused
+
+
+def spec_for_chain(spec: DataSpec, stages: Iterable, recipe: str) -> DataSpec:
+    """``spec`` without its sampled share when no stage of the chain reads calibration inputs (RTN, FP8 dynamic,
+    rotations alone): sampling costs minutes on the default model, for windows nothing would read."""
+    if not spec.generated or any(stage.needs_calibration for stage in stages):
+        return spec
+    log.info("data.generated=%s is not used: no stage of %s reads calibration inputs", spec.generated, recipe)
+    return replace(spec, generated=0.0)
 
 
 def calibration_set(model: nn.Module, tokenizer, text: str, spec: DataSpec, seed: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from compress import distributed
-from compress.calibration_set import calibration_set, generated_windows
+from compress.calibration_set import calibration_set, generated_windows, spec_for_chain
 from compress.compression import compress_model
 from compress.config import RunConfig, check_evaluation_length
 from compress.data import load_corpus, tokenize
@@ -53,6 +53,7 @@ def run(config: RunConfig) -> RunResult | None:
     """Execute one recipe end to end; returns the report (also written to the run folder and MLflow). Under torchrun
     only rank 0 does all of it; the other ranks calibrate their shard of the samples and return None."""
     stages = build_chain(config.stages)  # bad stage keys or orders fail here, before anything is loaded
+    config.data = spec_for_chain(config.data, stages, config.recipe)
     if config.eval.reference not in (None, "rtn"):
         raise CompressError(f"eval.reference={config.eval.reference!r} is unknown; use rtn or null")
     if config.eval.reference == "rtn":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from compress.calibration_set import SAMPLING_BATCH, generated_windows
+from compress.calibration_set import SAMPLING_BATCH, generated_windows, spec_for_chain
 from compress.errors import CompressError, EnvironmentFailure
 from compress.formats import w4a16, w8a8
 from compress.memory import current_rss_mb
@@ -225,7 +225,7 @@ def estimate(
     if evaluation.perplexity:
         window_batch = evaluation.batch_size * evaluation.seq_len * hidden_act * 8  # a layer's activations
         phases["evaluate"] = mapped + outside + layer32 + eval_tokens * hidden_act * 2 + window_batch + logits
-    sampled = generated_windows(data)  # windows the model samples itself: all its layers at once
+    sampled = generated_windows(spec_for_chain(data, stages, config.recipe))  # sampled by the model: all its layers
     if sampled:
         cache = 2 * shape.layers * SAMPLING_BATCH * data.seq_len * shape.hidden * shape.dtype_bytes  # keys and values
         phases["sample"] = shape.params * shape.dtype_bytes + cache + SAMPLING_BATCH * shape.vocab * fp32 * 2

@@ -96,3 +96,18 @@ def test_oneshot_calibrates_on_sampled_windows(tiny_model_dir, tmp_path, artifac
     checkpoint = oneshot(str(tiny_model_dir), "gptq_int4", overrides=overrides, output_dir=tmp_path / "gptq")
     assert (checkpoint / "model.safetensors").is_file()
     assert len(list((artifacts / "calibration").glob("*.pt"))) == 1
+
+
+def test_a_chain_that_reads_no_calibration_samples_nothing(tiny_model_dir, tmp_path, artifacts, caplog):
+    """rtn_int4 reads no calibration inputs: sampling would cost minutes on the default model for windows nobody
+    reads, so the share is dropped with one line, and the report counts no sampled token."""
+    small = ["data.num_samples=4", "data.seq_len=32", "eval.seq_len=32", "eval.max_windows=2", "gate=none"]
+    args = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", *small, "tracking.enabled=false"]
+    with caplog.at_level("INFO"):
+        assert main([*args, "stages.0.group_size=32", "data.generated=1.0", f"output.dir={tmp_path}"]) == 0
+    assert not (artifacts / "calibration").exists()
+    [report] = tmp_path.glob("*/report.json")
+    assert json.loads(report.read_text())["data"]["generated_tokens"] == 0
+    assert "data.generated=1.0 is not used: no stage of rtn_int4 reads calibration inputs" in caplog.text
+    checkpoint = oneshot(str(tiny_model_dir), "rtn_int4", overrides=["data.generated=1.0"], output_dir=tmp_path / "o")
+    assert (checkpoint / "model.safetensors").is_file() and not (artifacts / "calibration").exists()

@@ -90,3 +90,9 @@ def test_sampled_calibration_windows_are_planned_in_time_and_memory(tiny_model_d
     half, whole = plan("data.generated=0.5"), plan("data.generated=1.0")
     assert whole.seconds["sample"] == pytest.approx(2 * half.seconds["sample"])
     assert whole.phases_ram_mb["sample"] > shape.params * shape.dtype_bytes / 2**20
+
+
+def test_a_chain_that_reads_no_calibration_plans_no_sampling(tiny_model_dir):
+    config = compose("rtn_int4", ["stages.0.group_size=32", "data.generated=1.0"], str(tiny_model_dir))
+    plan = estimate(model_shape(tiny_model_dir), build_chain(config.stages), config, "tiny", Probe(10.0), 1000)
+    assert "sample" not in plan.seconds and "sample" not in plan.phases_ram_mb
