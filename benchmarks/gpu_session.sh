@@ -2,7 +2,8 @@
 # Everything a lent GPU is for, in one call (device time is scarce): the kernel tests against the compiled
 # kernels, the engine against transformers on the GPU, the kernel benchmark, the kernels against their peers
 # (torch int4/int8/fp8, gemlite when `.whl` is carried: benchmarks/fetch_gemlite.sh) and the engine benchmarks.
-# Usage on the GPU machine: bash benchmarks/gpu_session.sh [step ...]  (default: all). Logs and results go to $OUT.
+# Usage on the GPU machine: bash benchmarks/gpu_session.sh [step ...]  (default: all but `sweep`, the W4A16 gemv tile
+# sweep of benchmarks/gemv_sweep.py, ~5 min). Logs and results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 RESULTS=$OUT/results  # tarred after every step: the device tool returns at most 8 files, and a call cut short
@@ -39,6 +40,7 @@ for step in $steps; do
     peers) run_step peers ${LIMIT_PEERS:-480} python3 -m compress bench peers out="$RESULTS" ${PEER_ARGS:-};;
     decode) run_step decode ${LIMIT_DECODE:-300} python3 -m compress bench engine checkpoint=random:llama-8b mode=decode \
               out="$RESULTS" ${DECODE_ARGS:-};;
+    sweep) run_step sweep ${LIMIT_SWEEP:-330} python3 -m benchmarks.gemv_sweep --out "$RESULTS" ${SWEEP_ARGS:-};;
     serve) run_step serve ${LIMIT_SERVE:-300} python3 -m compress bench engine checkpoint=random:smollm2-135m out="$RESULTS";;
     *) echo "unknown step $step"; exit 2;;
   esac
