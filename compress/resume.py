@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
@@ -39,10 +40,12 @@ from torch import nn
 from compress import distributed
 from compress.calibration import LayerInputs
 from compress.models import resolve_model_path
+from compress.staging import process_alive
 
 log = logging.getLogger(__name__)
 
 SMALL_FILE_BYTES = 16 << 20  # model files below this are fingerprinted by content, larger ones by size and mtime
+PROGRESS_OWNER = "owner.json"  # {"pid", "host"} of the run that keeps its progress in the folder
 NOT_STAGE_STATE = ("config", "metrics_sink")  # a stage's settings (rebuilt from the recipe) and its tracking sink
 
 
@@ -96,19 +99,27 @@ class WalkProgress:
         self.folder = folder
 
     @classmethod
-    def open(cls, folder: Path, expected: dict[str, str]) -> WalkProgress:
-        """The progress in ``folder`` if it was made for ``expected``; otherwise an empty one (saying why)."""
+    def open(cls, folder: Path, expected: dict[str, str]) -> WalkProgress | None:
+        """The progress in ``folder`` if it was made for ``expected``; otherwise an empty one (saying why). None when
+        another live run on this machine keeps its progress there (two jobs of one sweep share recipe and model,
+        hence the folder): this run then keeps none, rather than wipe the other's files while it writes them."""
+        busy = None
         if distributed.is_main():
-            stored = _read_json(folder / "fingerprint.json")
-            if stored is not None and stored != expected:
-                changed = next((key for key in expected if stored.get(key) != expected[key]), "its format")
-                log.warning("resume: the %s changed since %s was kept; starting over", changed, folder)
-                shutil.rmtree(folder, ignore_errors=True)
-            if stored != expected:
-                folder.mkdir(parents=True, exist_ok=True)
-                _write_atomically(folder / "fingerprint.json", lambda path: path.write_text(json.dumps(expected)))
+            busy = _claim(folder)
+            if busy is not None:
+                log.warning("resume: %s is in use by process %d (a concurrent run of the same recipe and model); "
+                            "this run keeps no progress", folder, busy)  # fmt: skip
+            else:
+                stored = _read_json(folder / "fingerprint.json")
+                if stored is not None and stored != expected:
+                    changed = next((key for key in expected if stored.get(key) != expected[key]), "its format")
+                    log.warning("resume: the %s changed since %s was kept; starting over", changed, folder)
+                    _clear(folder)
+                if stored != expected:
+                    _write_atomically(folder / "fingerprint.json", lambda path: path.write_text(json.dumps(expected)))
+        busy = distributed.broadcast_object(busy)
         distributed.barrier()  # every rank sees the folder as rank 0 left it
-        return cls(folder)
+        return None if busy is not None else cls(folder)
 
     def restore(self, layers: nn.ModuleList, stages: list, device: torch.device) -> tuple[int, LayerInputs | None]:
         """``(layers already done, the next layer's inputs)``: the done layers put back into ``layers`` and the walk
@@ -142,6 +153,8 @@ class WalkProgress:
                 self._cursor(old, rank).unlink(missing_ok=True)
 
     def remove(self) -> None:
+        if _live_owner(self.folder) is not None:  # another run's progress, not this one's
+            return
         shutil.rmtree(self.folder, ignore_errors=True)
         try:
             self.folder.parent.rmdir()  # ``.progress`` itself, once no other run keeps anything there
@@ -177,6 +190,46 @@ def _hooks_set_aside(layer: nn.Module) -> Iterator[None]:
         for module, tables in aside:
             for name, table in tables.items():
                 setattr(module, name, table)
+
+
+def _live_owner(folder: Path) -> int | None:
+    """The id of the other live process on this machine that keeps its progress in ``folder``, else None (no owner,
+    this process, a process that is gone, or another machine's: only what runs here can be checked)."""
+    owner = _read_json(folder / PROGRESS_OWNER) or {}
+    pid = int(owner.get("pid", 0))
+    if owner.get("host") != socket.gethostname() or pid in (0, os.getpid()) or not process_alive(pid):
+        return None
+    return pid
+
+
+def _claim(folder: Path) -> int | None:
+    """Make this process ``folder``'s owner, atomically (exclusive create), unless another live one is: then its id."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / PROGRESS_OWNER
+    for _ in range(3):
+        try:
+            handle = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            other = _live_owner(folder)
+            if other is not None:
+                return other
+            path.unlink(missing_ok=True)  # a finished or killed owner's, or this process's own: take it over
+            continue
+        with os.fdopen(handle, "w") as file:
+            json.dump({"pid": os.getpid(), "host": socket.gethostname()}, file)
+        return None
+    return _live_owner(folder)
+
+
+def _clear(folder: Path) -> None:
+    """Everything in ``folder`` but its owner file."""
+    for child in folder.iterdir():
+        if child.name == PROGRESS_OWNER:
+            continue
+        if child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
 
 
 def _read_json(path: Path) -> dict | None:

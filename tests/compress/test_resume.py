@@ -4,7 +4,9 @@ same checkpoint tensors as a run that was never stopped; a changed recipe starts
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -200,3 +202,26 @@ def test_every_walking_chain_resumes_to_the_same_model(recipe, tmp_path, caplog)
     assert weights.keys() == expected_weights.keys()
     assert [key for key, value in expected_weights.items() if not torch.equal(weights[key], value)] == []
     assert summaries == expected_summaries
+
+
+def test_a_folder_in_use_by_another_live_run_is_left_to_it(tmp_path, caplog):
+    """Two jobs of one sweep (same recipe and model, other stage settings) run at once and map to one progress folder:
+    the second keeps no progress instead of wiping the first's files mid-write, and does not remove the folder."""
+    folder = tmp_path / "progress"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        folder.mkdir()
+        (folder / "owner.json").write_text(json.dumps({"pid": other.pid, "host": socket.gethostname()}))
+        (folder / "fingerprint.json").write_text(json.dumps({"test": "bits=3"}))
+        (folder / "layer-00000.pt").write_bytes(b"the other run's layer")
+        assert WalkProgress.open(folder, {"test": "bits=4"}) is None
+        assert (folder / "layer-00000.pt").read_bytes() == b"the other run's layer"
+        assert f"in use by process {other.pid}" in caplog.text
+        WalkProgress(folder).remove()
+        assert (folder / "layer-00000.pt").exists()
+    finally:
+        other.kill()
+        other.wait()
+    progress = WalkProgress.open(folder, {"test": "bits=4"})  # its owner is gone: this run takes the folder over
+    assert progress is not None and not (folder / "layer-00000.pt").exists()
+    assert json.loads((folder / "owner.json").read_text())["pid"] == os.getpid()
