@@ -11,6 +11,8 @@ calls its projections differently still gets the right numbers.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from torch import nn
 
@@ -41,7 +43,7 @@ class FusedProjections:
         self.zero = None if zeros[0] is None else torch.cat(zeros).t().contiguous().t()
         biases = [m.bias for m in members]
         self.bias = None if biases[0] is None else torch.cat(biases)
-        bounds = torch.tensor([0] + [m.out_features for m in members]).cumsum(0).tolist()
+        bounds = list(accumulate((m.out_features for m in members), initial=0))
         self.slices = list(zip(bounds[:-1], bounds[1:], strict=True))
         self._input: torch.Tensor | None = None
         self._input_version = 0
