@@ -63,6 +63,12 @@ def tile_grid(k: int) -> list[dict]:
     return tiles
 
 
+def fastest(entry: dict) -> list[dict]:
+    """The timed tiles of one (shape, M) that compute the right product, fastest first."""
+    right = (r for r in entry["tiles"] if "us" in r and r["relative_error"] < WRONG_ABOVE)
+    return sorted(right, key=lambda r: r["us"])
+
+
 def label(tile: dict) -> str:
     return f"n{tile['BLOCK_N']} k{tile['BLOCK_K']} s{tile['SPLIT_K']} w{tile['num_warps']} st{tile['num_stages']}"
 
@@ -151,9 +157,7 @@ def sweep_shape(n: int, k: int, rows: list[int], before, device, deadline: float
             except Exception as failure:  # a tile that does not compile or fit: say so and go on
                 record["error"] = f"{type(failure).__name__}: {str(failure)[:120]}"
             entry["tiles"].append(record)
-        timed = sorted(
-            (r for r in entry["tiles"] if "us" in r and r["relative_error"] < WRONG_ABOVE), key=lambda r: r["us"]
-        )
+        timed = fastest(entry)
         for record in timed[:4]:  # where the time goes on the best tiles: loads alone, and the kernel before
             tile = record["tile"]
             record["load_probe_us"] = 1e3 * graph_time_ms(probe(packed_kn, k, tile), warmup=5, rep=25)
@@ -182,10 +186,7 @@ def markdown(meta: dict, shapes: list[dict]) -> str:
     ]
     for shape in shapes:
         for m, entry in shape["rows"].items():
-            timed = sorted(
-                (r for r in entry["tiles"] if "us" in r and r["relative_error"] < WRONG_ABOVE), key=lambda r: r["us"]
-            )
-            for record in timed[:4]:
+            for record in fastest(entry)[:4]:
                 share = 100 * shape["weight_bytes"] / (record["us"] * 1e-6) / 1e9 / meta["copy_gbps"]
                 lines.append(
                     f"| {shape['n']}x{shape['k']} | {m} | {record['label']} | {record['us']:.1f} | {share:.0f} | "

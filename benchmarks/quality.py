@@ -54,15 +54,15 @@ def scored_baseline(
     """``(model folder, token ids of both texts, the report's header with the fp32 baseline's scores)``; the
     header keeps the recipes' calibration ids (``samples``: 64 x 512 tokens of pydoc, seed 0, as a run cuts them),
     for a peer toolkit to calibrate on the same tokens."""
-    from compress.data import DataSpec, calibration_samples, load_corpus, tokenize, window_start_token
+    from compress.calibration_set import calibration_set
+    from compress.data import DataSpec, load_corpus
     from compress.models import ModelSpec, load, resolve_model_path
 
     model_dir = Path(resolve_model_path(ModelSpec(path=model_name)))
     model, tokenizer = load(ModelSpec(path=model_name, lazy=False))
     ids = texts(tokenizer)
     spec = DataSpec()
-    calibration = tokenize(tokenizer, load_corpus(spec).calibration_text)
-    samples = calibration_samples(calibration, spec.num_samples, spec.seq_len, 0, window_start_token(model.config))
+    samples = calibration_set(model, tokenizer, load_corpus(spec).calibration_text, spec, seed=0)  # as a run cuts them
     report = {
         "model": model_dir.name,
         "tokens": {name: int(tokens.numel()) for name, tokens in ids.items()},
