@@ -66,6 +66,15 @@ def recipe(scheme: str, alpha: float) -> list:
     raise SystemExit(f"unknown scheme {scheme}")
 
 
+def allow_cpu_only_awq() -> None:
+    """llm-compressor 0.14's AWQ pins its cached block inputs before each scale search, which raises without a CUDA
+    driver. Pinning only speeds host-to-device copies, so on a CPU-only machine it is skipped: the search, its
+    inputs and its results are unchanged."""
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--scheme", required=True)
@@ -79,6 +88,8 @@ def main() -> None:
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if not torch.cuda.is_available():
+        allow_cpu_only_awq()
     samples = torch.load(args.samples, weights_only=True)
     dataset = Dataset.from_dict({"input_ids": samples.tolist(), "attention_mask": torch.ones_like(samples).tolist()})
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")

@@ -6,9 +6,11 @@
     python -m benchmarks.variants gptq_int4 llm-compressor:gptq_w4a16 awq_int4 --model gemma3-270m --name quality-gemma
 
 Each positional argument is one run: a recipe name, then any overrides (``key=value``, as on the CLI). Every run
-compresses the model (``--model``, default the default model) through ``compress.oneshot`` in this process, one after
-the other, so wall times are comparable; the first run is the time reference. ``llm-compressor:<scheme>`` runs that
-preset of ``benchmarks/peer_llmcompressor.py`` on the same calibration ids, in a subprocess (``seed=N`` and
+compresses the model (``--model``, default the default model) through ``compress.oneshot`` in a subprocess of its own,
+one after the other, so wall times (load, calibrate, quantize, save) and peak RSS (GNU time, as
+``benchmarks/peer_comparison.measured_run``) are comparable; the first run is the time reference.
+``llm-compressor:<scheme>`` runs that preset of ``benchmarks/peer_llmcompressor.py`` on the same calibration ids, the
+same way (``seed=N`` and
 ``data.generated=X`` after it give the peer the windows our run with those overrides cuts or samples): with
 ``artifacts/peer-venv/bin/python`` when that venv exists, else with this Python and ``artifacts/peer-site`` on the
 path (``pip install --target artifacts/peer-site --no-deps llmcompressor==0.14.0.1 compressed-tensors loguru``).
@@ -22,30 +24,40 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.peer_comparison import checkpoint_size_mb, measured_run
 from benchmarks.quality import score, scored_baseline
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = "llm-compressor:"
 
 
-def peer_compress(scheme: str, model_dir: Path, samples: torch.Tensor, output: Path) -> None:
-    """llm-compressor's ``scheme`` on ``samples``, written to ``output``, in its own process."""
+OURS = (
+    "import sys; from compress import oneshot; "
+    "oneshot(model=sys.argv[1], output_dir=sys.argv[2], recipe=sys.argv[3], overrides=sys.argv[4:])"
+)
+
+
+def our_command(recipe: str, overrides: list[str], model_dir: Path, output: Path) -> list[str]:
+    return [sys.executable, "-c", OURS, str(model_dir), str(output), recipe, *overrides]
+
+
+def peer_command(scheme: str, model_dir: Path, samples: torch.Tensor, output: Path) -> list[str]:
+    """llm-compressor's ``scheme`` on ``samples``, written to ``output``: its venv's Python when there is one, else
+    this Python with ``artifacts/peer-site`` ahead of this tree on the path."""
     samples_file = output.with_suffix(".samples.pt")
     torch.save(samples, samples_file)
     venv = ROOT / "artifacts" / "peer-venv" / "bin" / "python"
-    paths = [str(ROOT)] if venv.exists() else [str(ROOT / "artifacts" / "peer-site"), str(ROOT)]
-    command = [str(venv) if venv.exists() else sys.executable, str(ROOT / "benchmarks" / "peer_llmcompressor.py")]
-    command += ["--scheme", scheme, "--model", str(model_dir), "--samples", str(samples_file), "--output", str(output)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), TQDM_DISABLE="1")
-    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+    script = ["--scheme", scheme, "--model", str(model_dir), "--samples", str(samples_file), "--output", str(output)]
+    if venv.exists():
+        return [str(venv), str(ROOT / "benchmarks" / "peer_llmcompressor.py"), *script]
+    path = f"PYTHONPATH={ROOT / 'artifacts' / 'peer-site'}{os.pathsep}{ROOT}"
+    return ["env", path, sys.executable, str(ROOT / "benchmarks" / "peer_llmcompressor.py"), *script]
 
 
 PEER_OVERRIDES = ("seed", "data.generated")  # what decides a run's calibration ids, so a peer can share them
@@ -72,12 +84,19 @@ def peer_samples(model_name: str, seed: int, generated: float) -> torch.Tensor:
 
 
 def _row(name: str, row: dict, base: dict, reference_seconds: float) -> str:
+    if "error" in row:
+        return f"| `{name}` | failed: {row['error'][:200]} | | | | {row['seconds']:.0f} | | | |"
     ratio = {text: row[text]["perplexity"] / base[text]["perplexity"] for text in ("out_of_domain", "in_domain")}
     return (
         f"| `{name}` | {row['out_of_domain']['perplexity']:.3f} | {ratio['out_of_domain']:.3f}x | "
         f"{row['in_domain']['perplexity']:.3f} | {ratio['in_domain']:.3f}x | {row['seconds']:.0f} | "
-        f"{row['seconds'] / reference_seconds:.1f}x |"
+        f"{row['seconds'] / reference_seconds:.1f}x | {_optional(row, 'peak_rss_mb')} | {_optional(row, 'size_mb')} |"
     )
+
+
+def _optional(row: dict, key: str) -> str:
+    """Rows measured before a column existed show a dash."""
+    return f"{row[key]:.0f}" if key in row else "-"
 
 
 def markdown(report: dict) -> str:
@@ -95,13 +114,14 @@ def markdown(report: dict) -> str:
         "",
         f"Command: `{report['command']}`",
         "",
-        "| run | out-of-domain ppl | ratio | in-domain ppl | ratio | compress s | time vs first |",
-        "|---|---|---|---|---|---|---|",
+        "| run | out-of-domain ppl | ratio | in-domain ppl | ratio | compress s | time vs first | peak RSS MB "
+        "| size MB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     base = report["baseline"]
     lines.append(
         f"| baseline (fp32) | {base['out_of_domain']['perplexity']:.3f} | 1.000x | "
-        f"{base['in_domain']['perplexity']:.3f} | 1.000x | - | - |"
+        f"{base['in_domain']['perplexity']:.3f} | 1.000x | - | - | - | - |"
     )
     lines += [_row(name, row, base, rows[reference]["seconds"]) for name, row in rows.items()]
     return "\n".join(lines) + "\n"
@@ -112,13 +132,13 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help='"RECIPE [key=value ...]", one per run; the first is the reference')
     parser.add_argument("--title", default="Recipe variants: quality against wall time")
     parser.add_argument("--max-windows", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=3 * 3600, help="seconds one compression may take")
     parser.add_argument("--model", default="smollm2-135m", help="model= of every run (default: the default model)")
     parser.add_argument("--name", required=True, help="results file stem under benchmarks/results/")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     runs = [(run, run.split()[0], run.split()[1:]) for run in args.runs]
     peers = {name: peer_options(overrides) for name, recipe, overrides in runs if recipe.startswith(PEER)}
-    from compress import oneshot
     from compress.checkpoint import load_checkpoint
 
     model_dir, ids, report = scored_baseline("python -m benchmarks.variants", args.max_windows, args.model)
@@ -127,17 +147,22 @@ def main() -> None:
     args.results.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="variants-") as tmp:
         for index, (name, recipe, overrides) in enumerate(runs):
-            start, folder = time.perf_counter(), Path(tmp) / str(index)
+            folder = Path(tmp) / str(index)
             if recipe.startswith(PEER):
                 seed, generated = peers[name]
                 shared = samples if (seed, generated) == (0, 0.0) else peer_samples(args.model, seed, generated)
-                peer_compress(recipe.removeprefix(PEER), model_dir, shared, folder)
+                command = peer_command(recipe.removeprefix(PEER), model_dir, shared, folder)
             else:
-                oneshot(model=str(model_dir), recipe=recipe, overrides=overrides, output_dir=str(folder))
-            seconds = time.perf_counter() - start
-            compressed, _ = load_checkpoint(folder)
-            report["rows"][name] = {**score(compressed, ids, args.max_windows), "seconds": seconds}
-            del compressed
+                command = our_command(recipe, overrides, model_dir, folder)
+            run = measured_run(command, Path(tmp) / f"{index}.log", timeout=args.timeout)
+            if run["ok"]:
+                compressed, _ = load_checkpoint(folder)
+                measured = {"seconds": run["wall_s"], "peak_rss_mb": run["peak_rss_mb"]}
+                report["rows"][name] = {**score(compressed, ids, args.max_windows), **measured}
+                report["rows"][name]["size_mb"] = checkpoint_size_mb(folder)
+                del compressed
+            else:  # the other runs still go ahead: one failure should not cost an unattended invocation its rows
+                report["rows"][name] = {"error": run["error"], "seconds": run["wall_s"]}
             print(f"{name}: {json.dumps(report['rows'][name])}", flush=True)
             (args.results / f"{args.name}.json").write_text(json.dumps(report, indent=2))
             (args.results / f"{args.name}.md").write_text(markdown(report))
