@@ -17,15 +17,11 @@ import torch
 from torch import nn
 
 from compress.formats import QuantizedLinear
-from compress.formats.w4a16 import scheme_key
+from compress.formats.w4a16 import scheme_key, tensor_version
 from compress.kernels import ops
 from compress.kernels.w4a16 import KERNEL_BITS, repack_n_contiguous
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def _version(x: torch.Tensor) -> int:
-    return -1 if x.is_inference() else x._version  # inference tensors keep no version counter
 
 
 class FusedProjections:
@@ -52,7 +48,7 @@ class FusedProjections:
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member ``index``'s output for ``x``: from the group's last launch if that launch read this very tensor
         and this member has not taken its slice yet, else from a new launch that serves the others too."""
-        if x is self._input and _version(x) == self._input_version and index in self._pending:
+        if x is self._input and tensor_version(x) == self._input_version and index in self._pending:
             out = self._pending.pop(index)
             if not self._pending:
                 self._input = None  # every member served: hold no activations between layers
@@ -71,7 +67,7 @@ class FusedProjections:
         )
         outputs = {i: stacked[..., start:stop] for i, (start, stop) in enumerate(self.slices)}
         out = outputs.pop(index)
-        self._input, self._input_version, self._pending = x, _version(x), outputs
+        self._input, self._input_version, self._pending = x, tensor_version(x), outputs
         return out
 
 

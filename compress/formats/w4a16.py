@@ -162,9 +162,7 @@ class QuantizedLinear(nn.Module):
     def _buffers_key(self) -> tuple:
         """Changes when the packed weight or its scales are moved or overwritten: what the derived copies (kernel
         layout, CPU dense weight) depend on. Inference tensors keep no version counter; their storage decides."""
-        return tuple(
-            (t.data_ptr(), -1 if t.is_inference() else t._version) for t in (self.weight_packed, self.weight_scale)
-        )
+        return tuple((t.data_ptr(), tensor_version(t)) for t in (self.weight_packed, self.weight_scale))
 
     def _cpu_dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight in ``dtype`` (fp32 scales, as the reference path); with ``keep_dense_on_cpu``
@@ -210,6 +208,12 @@ class QuantizedLinear(nn.Module):
             f"in={self.in_features}, out={self.out_features}, int{self.num_bits} {kind} g{self.group_size}"
             f"{', act_order' if self.weight_g_idx is not None else ''}"
         )
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """How many in-place writes ``t`` has seen, -1 for an inference tensor (which keeps no counter): half of the
+    key that tells a derived copy (kernel layout, dense weight, a fused group's pending output) it went stale."""
+    return -1 if t.is_inference() else t._version
 
 
 def scheme_key(module: QuantizedLinear) -> tuple[int, bool, int | None, bool]:
