@@ -7,8 +7,8 @@ Each recipe compresses the default model with ``compress.oneshot`` (the recipe's
 the pydoc calibration split); each checkpoint, reloaded from disk, and the fp32 baseline are scored by
 ``evals/perplexity.py`` with the run's protocol (512-token windows) on two texts: the out-of-domain headline (the
 run's default ``eval.data``: 2% of Shakespeare's works) and the in-domain held-out split of the calibration source
-(pydoc). Prints and writes ``benchmarks/results/quality.{json,md}``; each ratio is to the baseline of the same text,
-measured in the same run.
+(pydoc). Prints and writes ``benchmarks/results/quality-recipes.{json,md}``; each ratio is to the baseline of the same
+text, measured in the same run. ``benchmarks/quality_table.py`` joins it with the other measurements into quality.md.
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def main() -> None:
             del compressed
             print(f"{recipe}: {json.dumps(report['recipes'][recipe])}", flush=True)
             args.results.mkdir(parents=True, exist_ok=True)
-            (args.results / "quality.json").write_text(json.dumps(report, indent=2))
-            (args.results / "quality.md").write_text(markdown(report))
+            (args.results / "quality-recipes.json").write_text(json.dumps(report, indent=2))
+            (args.results / "quality-recipes.md").write_text(markdown(report))
     print(markdown(report))
 
 
