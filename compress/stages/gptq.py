@@ -150,8 +150,8 @@ def gptq_quantize(
     The column walk runs on the transposed weight, where a column is one contiguous row, in six tensor ops per
     column (divide, round, clamp, residual, ratio, rank-1 update of the block's later columns) on one thread; the
     columns after the block get one matrix update per block (lazy batch updates). ``keep_positions`` also returns
-    where each compensated weight fell on the integer grid before rounding (a starting point for a rounding
-    optimizer: how close each weight came to rounding the other way)."""
+    where each compensated weight fell on the grid before rounding, in units of its scale (a starting point for a
+    rounding optimizer: how close each weight came to rounding the other way)."""
     if grid is not None and act_order:
         raise CompressError(f"{name}: act_order is not supported with FP4 formats; set act_order=false")
     dtype = torch.float32 if grid is not None else scale_dtype or weight.dtype
@@ -172,7 +172,7 @@ def gptq_quantize(
     Wt = W.t().contiguous()  # [in, out], compensated in place block by block
     del W
     centered = torch.empty_like(Wt)  # q - z of every column (FP4: its e2m1 code), in visiting order
-    positions = torch.empty_like(Wt) if keep_positions and grid is None else None  # w / s before rounding
+    positions = torch.empty_like(Wt) if keep_positions else None  # w / s before rounding (FP4: e2m1 units)
     with one_thread():
         for start in range(0, columns, block_size):
             end = min(start + block_size, columns)
@@ -190,6 +190,8 @@ def gptq_quantize(
                         params.set(g, *_group_params(pending, H[cols, cols], scheme, clip_search, dtype))
                 scale, w, q, error = params.float_scales[g], block[i], centered[column], errors[i]
                 if grid is not None:
+                    if positions is not None:
+                        torch.div(w, scale, out=positions[column])
                     code, value = grid.round(w, scale)
                     q.copy_(code)
                     torch.sub(w, value, out=error).div_(pivots[i])

@@ -20,8 +20,9 @@ How this implementation is shaped, and why:
   one layer of the default model in ten minutes on two cores).
 
 The export is the same ``QuantizedLinear`` (pack-quantized int2-8, symmetric or with zero points) that RTN and GPTQ
-write, with codes and scales computed by the arithmetic of :func:`compress.quant.quantize`: with V = 0 and no
-clipping the stage reproduces round-to-nearest bit for bit.
+write, with codes and scales computed by the arithmetic of :func:`compress.quant.quantize`, or with ``format:
+nvfp4`` / ``mxfp4`` the same ``Fp4Linear`` (e2m1 codes, fp8 or e8m0 group scales): with V = 0 and no clipping the
+stage reproduces round-to-nearest bit for bit.
 """
 
 from __future__ import annotations
@@ -38,10 +39,14 @@ from tqdm.auto import tqdm
 from compress import distributed
 from compress.calibration import FullPrecisionStream, LayerInputs, checked_output
 from compress.errors import CompressError
-from compress.formats import QuantizedLinear
+from compress.formats import Fp4Linear, QuantizedLinear
+from compress.fp4 import e2m1_codes, stored_group_scales
+from compress.kernels.fp4 import E2M1_MAX, e2m1_to_float, effective_group_scales
 from compress.quant import WeightScheme, quantize
 from compress.stages.base import LayerContext
+from compress.stages.fp4 import Fp4Grid, Fp4Layers
 from compress.stages.gptq import GPTQConfig, GPTQStage
+from compress.stages.hessian import input_groups
 from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, target_linears
 
 TINY = torch.finfo(torch.float16).tiny
@@ -69,6 +74,11 @@ class SignRoundConfig(WeightQuantConfig):
             raise ValueError(f"min_clip={self.min_clip} must be in (0, 1]")
         if self.init not in INITS:
             raise ValueError(f"init={self.init!r} must be one of {', '.join(INITS)}")
+        if self.activations != "none":
+            raise ValueError(
+                f"activations={self.activations!r}: signround learns weight rounding only; use activations=none "
+                "(W4A16, NVFP4A16, MXFP4A16), or gptq for W4A4"
+            )
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
@@ -162,6 +172,84 @@ class LearnedRounding(nn.Module):
         return QuantizedLinear.from_codes(codes, stored_scale, zero_point, self.scheme.bits, self.group, bias)
 
 
+def _e2m1_spacing(magnitude: torch.Tensor) -> torch.Tensor:
+    """Distance between neighbouring e2m1 values around ``magnitude``: 0.5 below 2, 1 below 4, 2 above."""
+    return torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0))
+
+
+def _e2m1_ste(x: torch.Tensor) -> torch.Tensor:
+    """The nearest e2m1 value (saturating at ±6) forward, identity inside the range backward."""
+    inside = x.clamp(-E2M1_MAX, E2M1_MAX)
+    return inside + (e2m1_to_float(e2m1_codes(inside)) - inside).detach()
+
+
+class LearnedFp4Rounding(LearnedRounding):
+    """The same learned rounding on the FP4 grid (NVFP4, MXFP4): ``position`` is in units of each group's effective
+    scale, rounded onto the e2m1 values ``{0, ±0.5, ..., ±6}``. The grid is not uniform, so an offset V moves a weight
+    by V times the spacing where it lies: |V| ≤ ½ reaches either neighbour, as on the integer grid. A clipped scale
+    is rounded through its stored form (fp8 times the global scale, or a power of two), straight through, so the
+    export stores the weight this module computed with; with V = 0 and no clipping it is round-to-nearest's."""
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        position: torch.Tensor,
+        scale: torch.Tensor,
+        global_scale: torch.Tensor | None,
+        scheme: WeightScheme,
+        dtype: torch.dtype,
+        layers: Fp4Layers,
+    ):
+        super().__init__(linear, position, scale, None, scheme, dtype)
+        self.register_buffer("global_scale", global_scale)
+        self.layers = layers
+
+    @classmethod
+    def nearest_fp4(
+        cls, linear: nn.Linear, grid: Fp4Grid, scheme: WeightScheme, dtype: torch.dtype, layers: Fp4Layers
+    ) -> LearnedFp4Rounding:
+        """From round-to-nearest on ``grid`` (NVFP4: its global scale comes from the stacked siblings)."""
+        weight = linear.weight.data.to(dtype)
+        scale = effective_group_scales(grid.scales(weight), grid.global_scale)
+        position = weight.float().view(linear.out_features, scale.shape[1], -1) / scale.unsqueeze(-1)
+        return cls(linear, position, scale, grid.global_scale, scheme, dtype, layers)
+
+    @classmethod
+    def from_fp4(
+        cls,
+        linear: nn.Linear,
+        quantized: Fp4Linear,
+        position: torch.Tensor,
+        scheme: WeightScheme,
+        dtype: torch.dtype,
+        layers: Fp4Layers,
+    ) -> LearnedFp4Rounding:
+        """From GPTQ's FP4 solution: its scales, and each compensated weight's position before it was rounded."""
+        global_scale = quantized.weight_global_scale
+        scale = effective_group_scales(quantized.weight_scale, global_scale)
+        return cls(linear, position, scale, global_scale, scheme, dtype, layers)
+
+    def _grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = (self.base_scale * self.clip).clamp(min=TINY)
+        stored = effective_group_scales(
+            stored_group_scales(scale.detach().squeeze(-1), self.global_scale), self.global_scale
+        )
+        scale = scale + (stored.unsqueeze(-1) - scale).detach()
+        unrounded = self.position * (self.base_scale / scale)
+        return unrounded + self.offset * _e2m1_spacing(unrounded.detach().abs()), scale
+
+    def quantized_weight(self) -> torch.Tensor:
+        unrounded, scale = self._grid()
+        return (_e2m1_ste(unrounded) * scale).view_as(self.linear.weight)
+
+    @torch.no_grad()
+    def export(self) -> Fp4Linear:
+        """The stored form: packed e2m1 codes, fp8 (or e8m0) group scales, the global scale."""
+        unrounded, scale = self._grid()
+        codes = e2m1_codes(unrounded).view_as(self.linear.weight)
+        return self.layers.module(self.linear, codes, scale.squeeze(-1), self.global_scale)
+
+
 @contextmanager
 def _frozen(layer: nn.Module) -> Iterator[None]:
     """The layer's own parameters take no gradient while the rounding parameters train."""
@@ -190,7 +278,7 @@ def _rows(value, rows: torch.Tensor, batch: int):
 class SignRoundStage(WeightQuantizerStage):
     name = "signround"
     Config = SignRoundConfig
-    formats = ("int",)
+    formats = ("int", "nvfp4", "mxfp4")
 
     def algorithm(self) -> str:
         c = self.config
@@ -208,7 +296,9 @@ class SignRoundStage(WeightQuantizerStage):
         self.gptq = None
         if c.init == "gptq":  # the same grid, GPTQ's defaults otherwise
             self.gptq = GPTQStage(
-                GPTQConfig(bits=c.bits, group_size=c.group_size, symmetric=c.symmetric, ignore=c.ignore)
+                GPTQConfig(
+                    bits=c.bits, group_size=c.group_size, symmetric=c.symmetric, ignore=c.ignore, format=c.format
+                )
             )
             self.gptq.keep_positions = True
             self.gptq.prepare(model)
@@ -237,10 +327,25 @@ class SignRoundStage(WeightQuantizerStage):
         """Each target's learnable rounding, from round-to-nearest or from GPTQ's solution (GPTQ runs on the layer
         first, on the same calibration inputs; its modules are then replaced by the refined ones)."""
         scheme = self.config.scheme
-        if self.gptq is None:
+        if self.gptq is None and self.fp4 is None:
             return {name: LearnedRounding.nearest(linear, scheme, ctx.dtype) for name, linear in targets.items()}
+        if self.gptq is None:  # FP4 from round-to-nearest: siblings that share an input share NVFP4's global scale
+            modules = {}
+            for names in input_groups(targets):
+                stacked = torch.cat([targets[name].weight.data for name in names]).to(ctx.dtype)
+                grid = Fp4Grid.for_weight(stacked, self.fp4.fmt, clip_search=False)
+                for name in names:
+                    modules[name] = LearnedFp4Rounding.nearest_fp4(targets[name], grid, scheme, ctx.dtype, self.fp4)
+            return modules
         self.gptq.process_layer(ctx)
         positions, self.gptq.positions = self.gptq.positions, {}
+        if self.fp4 is not None:
+            return {
+                name: LearnedFp4Rounding.from_fp4(
+                    linear, ctx.layer.get_submodule(name), positions[name], scheme, ctx.dtype, self.fp4
+                )
+                for name, linear in targets.items()
+            }
         return {
             name: LearnedRounding.starting_from(
                 linear, ctx.layer.get_submodule(name), positions[name], scheme, ctx.dtype

@@ -32,6 +32,12 @@ PRESETS = {  # compressed-tensors preset -> (our stage, the checkpoint format)
     "MXFP4A16": ({**FP4, "format": "mxfp4", "group_size": 32}, "mxfp4-pack-quantized"),
     "MXFP4": ({**FP4, "format": "mxfp4", "group_size": 32, "activations": "fp4"}, "mxfp4-pack-quantized"),
 }
+SIGNROUND = {"type": "signround", "iterations": 4, "batch_size": 2}
+CASES = [  # (compressed-tensors preset, stage, checkpoint format): every preset, and SignRound's FP4 exports
+    *((preset, *PRESETS[preset]) for preset in PRESETS),
+    ("NVFP4A16", {**SIGNROUND, "format": "nvfp4", "group_size": 16}, "nvfp4-pack-quantized"),
+    ("MXFP4A16", {**SIGNROUND, "format": "mxfp4", "group_size": 32, "init": "gptq"}, "mxfp4-pack-quantized"),
+]
 
 
 def _bf16_model(**overrides):
@@ -43,9 +49,8 @@ def _bf16_model(**overrides):
     return model
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
-def test_checkpoint_is_the_compressed_tensors_preset_and_transformers_loads_it(tmp_path, preset):
-    stage, fmt = PRESETS[preset]
+@pytest.mark.parametrize(("preset", "stage", "fmt"), CASES, ids=[f"{p}-{s['type']}" for p, s, _ in CASES])
+def test_checkpoint_is_the_compressed_tensors_preset_and_transformers_loads_it(tmp_path, preset, stage, fmt):
     model = _bf16_model()
     compress_model(model, [stage], torch.randint(0, 320, (4, 32)), CPU, batch_size=4)
     save_checkpoint(model, None, tmp_path / "ckpt")

@@ -7,11 +7,14 @@ from helpers import build_tiny_llama, relative_error
 from compress.calibration import decoder_layers
 from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.formats import QuantizedLinear
+from compress.formats import Fp4Linear, QuantizedLinear
+from compress.fp4 import e2m1_codes
+from compress.kernels.fp4 import pack_fp4
 from compress.quant import WeightScheme, quantize
 from compress.stages import build_chain
+from compress.stages.fp4 import Fp4Grid, Fp4Layers, rtn_fp4
 from compress.stages.gptq import gptq_quantize
-from compress.stages.signround import LearnedRounding
+from compress.stages.signround import LearnedFp4Rounding, LearnedRounding
 
 SAMPLES = torch.randint(0, 320, (8, 48), generator=torch.Generator().manual_seed(0))
 TOKENS = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -82,10 +85,83 @@ def test_bad_arguments_are_refused_in_one_line(args, message):
         build_chain([{"type": "signround", **args}])
 
 
-def test_fp4_formats_are_refused_before_any_work():
-    model = build_tiny_llama()
-    with pytest.raises(CompressError, match="signround writes format int weights, not format=nvfp4"):
-        compress_model(model, [{"type": "signround", "format": "nvfp4", "group_size": 16}], SAMPLES)
+def test_fp4_activations_are_refused_before_any_work():
+    with pytest.raises(CompressError, match="signround learns weight rounding only; use activations=none"):
+        build_chain([{"type": "signround", "format": "nvfp4", "group_size": 16, "activations": "fp4"}])
+
+
+@pytest.mark.parametrize(("fmt", "group"), [("nvfp4", 16), ("mxfp4", 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp4_untrained_parameters_export_exactly_round_to_nearest(fmt, group, dtype):
+    """On the e2m1 grid too: V = 0 and no clipping is RTN's codes and scales (compress.stages.fp4.rtn_fp4), and
+    after training the weight the module computes with is the one its export stores."""
+    linear = torch.nn.Linear(64, 24, bias=False)
+    with torch.no_grad():
+        linear.weight[:, :group] *= 20  # groups of very different ranges: the fp8 / e8m0 scales matter
+    grid = Fp4Grid.for_weight(linear.weight.data.to(dtype), fmt, clip_search=False)
+    module = LearnedFp4Rounding.nearest_fp4(
+        linear, grid, WeightScheme(4, group, True, fmt), dtype, Fp4Layers(fmt, False)
+    )
+    exported = module.export()
+    codes, scale, global_scale = rtn_fp4(linear.weight.data.to(dtype), fmt)
+    assert torch.equal(exported.weight_packed, pack_fp4(codes)) and torch.equal(exported.weight_scale, scale)
+    with torch.no_grad():
+        module.offset.uniform_(-0.5, 0.5)
+        module.clip.uniform_(0.6, 1.0)
+    exported = module.export()
+    assert not torch.equal(exported.weight_packed, pack_fp4(codes))  # the offsets and clipping changed codes
+    assert torch.equal(module.quantized_weight().detach(), exported.dequantized_weight().float())
+
+
+def test_an_offset_within_half_a_spacing_reaches_either_fp4_neighbour():
+    """e2m1 is not uniform (0.5 apart below 2, 1 below 4, 2 above): an offset is scaled by the spacing where the
+    weight lies, so ±½ takes 2.9 to 2 or 3 and 4.9 to 4 or 6: the grid values on either side of it, as an integer
+    position reaches its floor or its ceiling."""
+    position = torch.tensor([[0.7, 2.9, 4.9, -1.2]])
+    linear = torch.nn.Linear(4, 1, bias=False)
+    module = LearnedFp4Rounding(linear, position, torch.ones(1, 1), None, WeightScheme(4, 4, True, "mxfp4"),
+                                torch.float32, Fp4Layers("mxfp4", False))  # fmt: skip
+    with torch.no_grad():
+        assert module.quantized_weight().tolist() == [[0.5, 3.0, 4.0, -1.0]]
+        module.offset.fill_(0.49)
+        assert module.quantized_weight().tolist() == [[1.0, 3.0, 6.0, -1.0]]
+        module.offset.fill_(-0.49)
+        assert module.quantized_weight().tolist() == [[0.5, 2.0, 4.0, -1.5]]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_learned_rounding_beats_round_to_nearest_on_the_model_output(fmt):
+    group = 16 if fmt == "nvfp4" else 32
+    expected = _logits(build_tiny_llama(), SAMPLES)
+    errors = {}
+    for name, stage in {
+        "rtn": {"type": "rtn"},
+        "signround": {"type": "signround", "iterations": 30, "batch_size": 4},
+        "gptq": {"type": "gptq"},
+        "signround from gptq": {"type": "signround", "init": "gptq", "iterations": 30, "lr": 0.005},
+    }.items():
+        model = build_tiny_llama()
+        compress_model(model, [{**stage, "format": fmt, "group_size": group}], SAMPLES, batch_size=8)
+        assert isinstance(decoder_layers(model)[0].self_attn.q_proj, Fp4Linear)
+        errors[name] = relative_error(_logits(model, SAMPLES), expected)
+    assert errors["signround"] < 0.8 * errors["rtn"], errors
+    assert errors["signround from gptq"] < errors["gptq"], errors
+
+
+def test_gptq_fp4_positions_round_to_its_codes():
+    """GPTQ keeps each FP4 weight's position in units of its group's scale: rounded onto e2m1 it is GPTQ's code, so
+    SignRound from GPTQ starts from GPTQ's stored layer exactly."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 64, generator=generator) @ torch.randn(64, 64, generator=generator)
+    linear = torch.nn.Linear(64, 24, bias=True)
+    scheme, layers = WeightScheme(4, 16, True, "nvfp4"), Fp4Layers("nvfp4", False)
+    grid = Fp4Grid.for_weight(linear.weight.data, "nvfp4")
+    result = gptq_quantize(linear.weight.data, x.T @ x, scheme, grid=grid, keep_positions=True)
+    assert torch.equal(e2m1_codes(result.positions), result.codes.to(torch.uint8))
+    gptq = layers.module(linear, result.codes, result.scale, grid.global_scale)
+    start = LearnedFp4Rounding.from_fp4(linear, gptq, result.positions, scheme, torch.float32, layers)
+    assert torch.equal(start.export().weight_packed, gptq.weight_packed)
+    assert torch.equal(start.export().weight_scale, gptq.weight_scale)
 
 
 @pytest.mark.parametrize(("symmetric", "act_order"), [(True, False), (False, True)])
