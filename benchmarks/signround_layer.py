@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--layer", type=int, default=0)
     parser.add_argument("--runs", nargs="+", default=RUNS)
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--name", default="signround-layer", help="results file stem")
     args = parser.parse_args()
     from compress.calibration import capture_first_layer_inputs, decoder_layers, run_layer
     from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
@@ -82,9 +83,14 @@ def main() -> None:
         error = sum(float((o - r).pow(2).sum()) for o, r in zip(out, reference, strict=True))
         rows[run] = {"error": error, "seconds": seconds}
         print(f"{run}: {rows[run]}", flush=True)
+        write(args, rows)  # after every run: a long schedule keeps what it measured if it is stopped
+    print((args.results / f"{args.name}.md").read_text())
+
+
+def write(args: argparse.Namespace, rows: dict[str, dict]) -> None:
     base = rows[args.runs[0]]
     lines = [
-        f"# One layer quantized every way (layer {args.layer}, int4 g64 symmetric)",
+        f"# One layer quantized every way (layer {args.layer}; int4 g64 symmetric unless a run names its format)",
         "",
         "Output error ‖layer′(x) − layer(x)‖² over all 64 x 512 calibration tokens (pydoc), relative to the first "
         f"row; the layer's inputs come from the full-precision model. {platform.machine()} {os.cpu_count()} CPUs, "
@@ -100,9 +106,8 @@ def main() -> None:
         ),
     ]
     args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "signround-layer.json").write_text(json.dumps({"layer": args.layer, "rows": rows}, indent=2))
-    (args.results / "signround-layer.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    (args.results / f"{args.name}.json").write_text(json.dumps({"layer": args.layer, "rows": rows}, indent=2))
+    (args.results / f"{args.name}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
