@@ -24,6 +24,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 SOURCES = [  # oldest first; a later file's row replaces an earlier one of the same model and run
     "quality-recipes",
     "signround-int4",
+    "self-calibration",
     "int3",
     "gptq-input-correction-int4",
     "gptq-vs-llmcompressor-seeds",
@@ -50,6 +51,9 @@ ORDER = [
     ("mxfp4", "mxfp4"),
 ]
 TEXTS = ("out_of_domain", "in_domain")
+# A recipe whose shipped settings changed: rows measured before the change are shown under the overrides that
+# reproduce what was measured then.
+CHANGED = {"rotate_gptq_int4": ("2026-11-26 19:00", "rotate_gptq_int4 data=pydoc")}
 
 
 def measured_rows(sources: list[str], results: Path) -> dict[str, dict[str, dict]]:
@@ -59,15 +63,17 @@ def measured_rows(sources: list[str], results: Path) -> dict[str, dict[str, dict
         path = results / f"{stem}.json"
         if not path.is_file():
             continue
-        report = json.loads(path.read_text())
-        base = report["baseline"]
-        for run, row in (report.get("rows") or report.get("recipes") or {}).items():
-            if "error" in row:
-                continue
-            entry = {f"{text}_ratio": row[text]["perplexity"] / base[text]["perplexity"] for text in TEXTS}
-            entry.update({key: row.get(key) for key in ("seconds", "peak_rss_mb", "size_mb")})
-            entry.update(source=stem, date=report["date"], scored_tokens=base["out_of_domain"]["tokens"])
-            models.setdefault(report["model"], {})[run] = entry
+        stored = json.loads(path.read_text())
+        for report in stored.get("invocations", [stored]):  # a file may join several invocations
+            base = report["baseline"]
+            for run, row in (report.get("rows") or report.get("recipes") or {}).items():
+                if "error" in row:
+                    continue
+                entry = {f"{text}_ratio": row[text]["perplexity"] / base[text]["perplexity"] for text in TEXTS}
+                entry.update({key: row.get(key) for key in ("seconds", "peak_rss_mb", "size_mb")})
+                entry.update(source=stem, date=report["date"], scored_tokens=base["out_of_domain"]["tokens"])
+                changed_at, then = CHANGED.get(run, ("", run))
+                models.setdefault(report["model"], {})[then if report["date"] < changed_at else run] = entry
     return models
 
 
