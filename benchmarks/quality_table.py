@@ -30,8 +30,8 @@ SOURCES = [  # oldest first; a later file's row replaces an earlier one of the s
     "gptq-vs-llmcompressor-seeds",
     "quality-gemma3-270m",
     "quality-formats",
-    "quality-shipped",
-    "quality-gemma3-270m-seeds",
+    "quality-nvfp4",
+    "quality-nvfp4-peer",
 ]
 PEER = "llm-compressor:"
 # llm-compressor's presets beside the recipe they compete with (benchmarks/peer_comparison.SCHEMES, reversed)
