@@ -79,13 +79,11 @@ def measured_rows(sources: list[str], results: Path) -> dict[str, dict[str, dict
 
 def _rank(run: str) -> tuple[int, int, str]:
     """Our recipe, then its variants (seeds, overrides), then the peer preset it competes with."""
-    recipe = run.removeprefix(PEER).split()[0]
+    is_peer, recipe = run.startswith(PEER), run.removeprefix(PEER).split()[0]
     for index, (ours, peer) in enumerate(ORDER):
-        if recipe == ours:
-            return index, 0, run
-        if run.startswith(PEER) and recipe == peer:
-            return index, 1, run
-    return len(ORDER), 0, run
+        if recipe == (peer if is_peer else ours):  # preset and recipe may share a name (fp8_dynamic, nvfp4a16)
+            return index, int(is_peer), run
+    return len(ORDER), int(is_peer), run
 
 
 def _cell(value: float | None, digits: int = 0) -> str:
