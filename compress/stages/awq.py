@@ -4,7 +4,10 @@ Idea: the few input channels with large activations matter most. Scaling such a 
 operation feeding it down by ``s``) leaves the float model unchanged but shrinks that channel's relative rounding
 error. Per mapping (an operation and the linears it feeds) we search ``s = mean|x|^a / mean|w|^(1-a)`` over a grid of
 exponents ``a`` ("duo scaling"; plain ``mean|x|^a`` when off), keeping the identity when nothing beats it, then
-search a per-group clipping ratio that minimises each linear's output error, then round to the grid.
+search a per-group clipping ratio that minimises each linear's output error, then round to the grid. With
+``rounding: gptq`` the scaled linears are rounded by GPTQ instead (true-sequential, its own Hessian-weighted clipping
+search): AWQ makes the salient channels coarse-grid friendly, GPTQ then spends each rounding error on the columns not
+yet rounded. The two act on different things (the grid's placement, the rounding decisions), so they compose.
 
 Which op feeds which linears, per family (Gemma's (1 + w) norms, Phi-3's fused linears): ``compress.stages.mappings``.
 
@@ -27,6 +30,7 @@ from compress.calibration import observe_inputs
 from compress.errors import CompressError
 from compress.quant import fake_quantize
 from compress.stages.base import LayerContext
+from compress.stages.gptq import GPTQConfig, GPTQStage
 from compress.stages.mappings import Mapping, family_mappings, fold_scale, layer_mappings, previous_width
 from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, target_linears
 
@@ -38,6 +42,7 @@ class AWQConfig(WeightQuantConfig):
     clip: bool = True
     clip_grid: int = 20  # shrink steps of 1/clip_grid ...
     max_shrink: float = 0.5  # ... down to (1 - max_shrink) of the range
+    rounding: str = "rtn"  # rtn: clip search then round to nearest; gptq: GPTQ's error-compensating rounding
 
 
 NO_CLIP = ("q_proj", "k_proj", "qkv_proj")  # their error passes through softmax, where clipping outliers hurts
@@ -62,17 +67,29 @@ class AWQStage(WeightQuantizerStage):
 
     def algorithm(self) -> str:
         c = self.config
-        clip = f", per-group clipping search ({c.clip_grid} steps to {1 - c.max_shrink:g})" if c.clip else ""
         scales = f"AWQ: activation-aware scales (grid {c.grid}, duo scaling {c.duo_scaling})"
+        if c.rounding == "gptq":
+            return f"{scales}, then {self._rounder().gptq_options()}, {c.scheme.describe()}"
+        clip = f", per-group clipping search ({c.clip_grid} steps to {1 - c.max_shrink:g})" if c.clip else ""
         return f"{scales}{clip}, then round-to-nearest, {c.scheme.describe()}"
+
+    def _rounder(self) -> GPTQStage:
+        """The GPTQ stage that rounds the scaled linears (``rounding: gptq``), on the same scheme and ignore list."""
+        c = self.config
+        return GPTQStage(GPTQConfig(bits=c.bits, group_size=c.group_size, symmetric=c.symmetric, ignore=c.ignore))
 
     def prepare(self, model: nn.Module) -> None:
         if self.config.duo_scaling not in (True, False, "both"):
             raise CompressError(f"awq: duo_scaling={self.config.duo_scaling!r}; use true, false or both")
+        if self.config.rounding not in ("rtn", "gptq"):
+            raise CompressError(f"awq: rounding={self.config.rounding!r}; use rtn or gptq")
         family = family_mappings(model, "AWQ")
         self.mappings, self.norm_offset = family.mappings, family.norm_offset
         super().prepare(model)
         self.scaled_mappings = 0
+        self.rounder = self._rounder() if self.config.rounding == "gptq" else None
+        if self.rounder is not None:
+            self.rounder.prepare(model)
 
     def process_layer(self, ctx: LayerContext) -> None:
         if ctx.inputs is None:
@@ -90,6 +107,10 @@ class AWQStage(WeightQuantizerStage):
                 self.scaled_mappings += 1
                 for name in mapping.linears:
                     input_scale[name] = self._expand(ctx, mapping, scale)
+        if self.rounder is not None:  # its Hessians are gathered from the scaled layer, one input group at a time
+            self.rounder.process_layer(ctx)
+            self.stats.update({f"{ctx.name}.{name}": self.rounder.stats[f"{ctx.name}.{name}"] for name in targets})
+            return
         for name in targets:
             owner = next(m for m in mappings if name in m.linears)
             clip = 1.0
@@ -100,6 +121,12 @@ class AWQStage(WeightQuantizerStage):
                     gram = gram * inverse[:, None] * inverse[None, :]
                 clip = self._search_clip(ctx.layer.get_submodule(name).weight.data, gram)
             self.quantize_linear(ctx.layer, name, f"{ctx.name}.{name}", clip, scale_dtype=ctx.dtype)
+
+    def finalize(self, model: nn.Module) -> dict:
+        summary = super().finalize(model)
+        if self.rounder is not None:
+            summary.update({k: v for k, v in self.rounder.finalize(model).items() if k not in summary})
+        return summary
 
     # -- calibration statistics -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -46,6 +46,25 @@ def test_awq_beats_rtn_on_held_out_tokens():
     assert _logit_error(awq, reference, held_out) < 0.8 * _logit_error(rtn, reference, held_out)
 
 
+def test_awq_with_gptq_rounding_beats_awq_with_rtn():
+    """AWQ's scales, then GPTQ's error-compensating rounding instead of round-to-nearest."""
+    generator = torch.Generator().manual_seed(0)
+    samples = torch.randint(0, 320, (16, 64), generator=generator)
+    held_out = torch.randint(0, 320, (8, 64), generator=generator)
+    reference = _outlier_model()
+    awq, _ = _compress("awq", samples)
+    gptq, _ = _compress("gptq", samples)
+    awq_gptq, summary = _compress("awq", samples, rounding="gptq")
+    assert summary["quantized_linears"] == 14 and summary["mean_hessian_rel_error"] > 0
+    assert isinstance(awq_gptq.model.layers[1].mlp.down_proj, QuantizedLinear)
+    error = _logit_error(awq_gptq, reference, held_out)
+    assert error < 0.9 * _logit_error(awq, reference, held_out) and error < _logit_error(gptq, reference, held_out)
+    [stage] = build_chain([{"type": "awq", "rounding": "gptq"}])
+    assert stage.algorithm().startswith("AWQ: activation-aware scales (grid 20, duo scaling both), then GPTQ (")
+    with pytest.raises(CompressError, match=r"awq: rounding='gtpq'; use rtn or gptq"):
+        build_chain([{"type": "awq", "rounding": "gtpq"}])[0].prepare(_outlier_model())
+
+
 def test_awq_scaling_alone_leaves_the_float_model_unchanged():
     """Folding 1/s into the previous op and s into the linears must be exact, including the GQA v→o mapping."""
     model = _outlier_model()
