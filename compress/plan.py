@@ -297,7 +297,10 @@ def _working_bytes(stage, shape: ModelShape, widest: int, largest: int, seq_len:
             autograd += 3 * shape.layer_params * fp32  # offsets, clip ratios, gradients, best iterate
         return hessians + weights + autograd
     if stage.name in ("awq", "smoothquant"):
-        return 4 * widest * widest * fp32 + 2 * largest * fp32
+        search = 4 * widest * widest * fp32 + 2 * largest * fp32
+        if getattr(stage.config, "rounding", "rtn") == "gptq":  # the GPTQ rounding after the search
+            return max(search, 3 * widest * widest * fp32 + 4 * 2 * largest * fp32)
+        return search
     return 2 * largest * fp32
 
 
@@ -307,9 +310,13 @@ def _stage_seconds(stage, shape: ModelShape, tokens: int, seq_len: int, rate: fl
     if stage.name in ("gptq", "w8a8", "mixed", "sparsegpt"):
         return layer_forward + _gptq_seconds(shape, tokens, rate)
     if stage.name == "awq":
-        grid = getattr(stage.config, "grid", 20) * 2 + getattr(stage.config, "clip_grid", 20)
-        search = sum(grid * 2 * o * i * i for o, i in shape.linears) / (rate * EFFICIENCY["awq"])
-        return layer_forward + search
+        c = stage.config
+        gptq_rounding = getattr(c, "rounding", "rtn") == "gptq"
+        candidates = c.grid * (2 if c.duo_scaling == "both" else 1)
+        candidates += c.clip_grid if c.clip and not gptq_rounding else 0  # GPTQ does its own clipping search
+        search = sum(candidates * 2 * o * i * i for o, i in shape.linears) / (rate * EFFICIENCY["awq"])
+        rounding = layer_forward + _gptq_seconds(shape, tokens, rate) if gptq_rounding else 0.0
+        return layer_forward + search + rounding
     if stage.name == "signround":
         c = stage.config
         steps = c.iterations * 3 * 2 * shape.layer_params * c.batch_size * seq_len  # forward + backward

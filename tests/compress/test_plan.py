@@ -96,3 +96,19 @@ def test_a_chain_that_reads_no_calibration_plans_no_sampling(tiny_model_dir):
     config = compose("rtn_int4", ["stages.0.group_size=32", "data.generated=1.0"], str(tiny_model_dir))
     plan = estimate(model_shape(tiny_model_dir), build_chain(config.stages), config, "tiny", Probe(10.0), 1000)
     assert "sample" not in plan.seconds and "sample" not in plan.phases_ram_mb
+
+
+def test_awq_with_gptq_rounding_is_planned_as_awq_scales_plus_gptq(tiny_model_dir):
+    """rounding=gptq drops AWQ's clipping search and adds GPTQ's Hessians and column walk (and their memory)."""
+    shape = model_shape(tiny_model_dir)
+
+    def compress_seconds(recipe: str, *overrides: str) -> tuple[float, float]:
+        config = compose(recipe, ["stages.0.group_size=32", "data=pydoc", *overrides], str(tiny_model_dir))
+        plan = estimate(shape, build_chain(config.stages), config, "tiny", Probe(10.0), eval_tokens=1000)
+        return plan.seconds["compress"], plan.phases_ram_mb["compress"]
+
+    rtn, gptq = compress_seconds("awq_int4", "stages.0.rounding=rtn"), compress_seconds("awq_int4")
+    scales_only = compress_seconds("awq_int4", "stages.0.rounding=rtn", "stages.0.clip=false")
+    gptq_alone = compress_seconds("gptq_int4")
+    assert gptq[0] > max(rtn[0], scales_only[0], gptq_alone[0])
+    assert gptq[1] >= gptq_alone[1]
