@@ -51,9 +51,20 @@ ORDER = [
     ("mxfp4", "mxfp4"),
 ]
 TEXTS = ("out_of_domain", "in_domain")
-# A recipe whose shipped settings changed: rows measured before the change are shown under the overrides that
-# reproduce what was measured then.
-CHANGED = {"rotate_gptq_int4": ("2026-11-26 19:00", "rotate_gptq_int4 data=pydoc")}
+# A recipe whose shipped settings changed: its date, the overrides that give back what it ran with before, and the
+# settings it ships with now. A row measured before the change is shown with the first (those the row does not set
+# itself: `data.generated=...` keeps its own data); overrides that spell what ships now are dropped from any row.
+CHANGED = {
+    "rotate_gptq_int4": ("2026-11-26 19:00", ["data=pydoc"], ["data=sampled"]),
+    "awq_int4": (
+        "2026-11-26 22:30",
+        ["stages.0.rounding=rtn", "data=pydoc"],
+        ["stages.0.rounding=gptq", "data=sampled"],
+    ),
+    "rotate_gptq_int3": ("2026-11-26 22:30", ["data=pydoc"], ["data=sampled"]),
+}
+# A run spelled as overrides of one recipe that another recipe ships (after CHANGED): shown under the shipped name.
+SHIPPED_AS = {"rotate_gptq_int4 data=pydoc stages.1.bits=3": "rotate_gptq_int3 data=pydoc"}
 
 
 def measured_rows(sources: list[str], results: Path) -> dict[str, dict[str, dict]]:
@@ -72,9 +83,24 @@ def measured_rows(sources: list[str], results: Path) -> dict[str, dict[str, dict
                 entry = {f"{text}_ratio": row[text]["perplexity"] / base[text]["perplexity"] for text in TEXTS}
                 entry.update({key: row.get(key) for key in ("seconds", "peak_rss_mb", "size_mb")})
                 entry.update(source=stem, date=report["date"], scored_tokens=base["out_of_domain"]["tokens"])
-                changed_at, then = CHANGED.get(run, ("", run))
-                models.setdefault(report["model"], {})[then if report["date"] < changed_at else run] = entry
+                models.setdefault(report["model"], {})[as_measured(run, report["date"])] = entry
     return models
+
+
+def as_measured(run: str, date: str) -> str:
+    """``run`` spelled against today's recipes: a row measured before its recipe changed gets the overrides that
+    give back the settings it ran with; overrides equal to what the recipe ships now are left out."""
+    recipe, *overrides = run.split()
+    changed_at, then, now = CHANGED.get(recipe, ("", [], []))
+    own = {override.split("=")[0] for override in overrides}
+
+    def overridden(key: str) -> bool:  # the row sets it, or a key inside it (data.generated=1.0 sets data)
+        return any(mine == key or mine.startswith(f"{key}.") for mine in own)
+
+    if date < changed_at:
+        overrides = [override for override in then if not overridden(override.split("=")[0])] + overrides
+    spelled = " ".join([recipe, *(override for override in overrides if override not in now)])
+    return SHIPPED_AS.get(spelled, spelled)
 
 
 def _rank(run: str) -> tuple[int, int, str]:
