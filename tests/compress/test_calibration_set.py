@@ -113,15 +113,17 @@ def test_a_chain_that_reads_no_calibration_samples_nothing(tiny_model_dir, tmp_p
     assert (checkpoint / "model.safetensors").is_file() and not (artifacts / "calibration").exists()
 
 
-def test_the_rotation_recipe_calibrates_on_samples_until_the_user_names_a_text(tmp_path):
-    """rotate_gptq_int4 ships with `data: sampled` (the figure docs/results.md measured with data.generated=1.0);
-    any data option a user names replaces the whole group, so their text is not silently ignored for samples."""
+def test_the_rotation_and_awq_recipes_calibrate_on_samples_until_the_user_names_a_text(tmp_path):
+    """rotate_gptq_int4, rotate_gptq_int3 and awq_int4 ship with `data: sampled` (the figures docs/results.md
+    measured with data.generated=1.0); any data option a user names replaces the whole group, so their text is not
+    silently ignored for samples."""
     from compress.recipe import compose, resolve_shortcuts
 
-    assert compose("rotate_gptq_int4").data == DataSpec(source="pydoc", generated=1.0)
     corpus = tmp_path / "mine.jsonl"
     corpus.write_text(json.dumps({"text": "my own workload"}) + "\n")
-    for named in (["data=pydoc"], resolve_shortcuts([f"data={corpus}"])):
-        assert compose("rotate_gptq_int4", named).data.generated == 0.0
+    for recipe in ("rotate_gptq_int4", "rotate_gptq_int3", "awq_int4"):
+        assert compose(recipe).data == DataSpec(source="pydoc", generated=1.0)
+        for named in (["data=pydoc"], resolve_shortcuts([f"data={corpus}"])):
+            assert compose(recipe, named).data.generated == 0.0
     assert compose("gptq_int4").data.generated == 0.0  # the other recipes still cut pydoc windows
     assert compose("gptq_int4", ["data=sampled"]).data == compose("rotate_gptq_int4").data
