@@ -25,8 +25,9 @@ run: setup
 	$(BIN)/python -c "from compress.models import default_model_dir; default_model_dir()"
 	$(BIN)/python -m compress run recipe=$(RECIPE) $(ARGS)
 
+# The tests run torch on one thread each (tests/conftest.py), so one pytest worker per core: 2 on CI.
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 $(ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --durations=15 $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .
