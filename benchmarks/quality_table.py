@@ -32,6 +32,10 @@ SOURCES = [  # oldest first; a later file's row replaces an earlier one of the s
     "quality-formats",
     "quality-nvfp4",
     "quality-nvfp4-peer",
+    "gemma3-270m-seeds",
+    "quality-awq-gptq",
+    "gemma3-270m-awq-gptq",
+    "awq-gptq-sampled-seed1",
 ]
 PEER = "llm-compressor:"
 # llm-compressor's presets beside the recipe they compete with (benchmarks/peer_comparison.SCHEMES, reversed)
@@ -54,14 +58,11 @@ TEXTS = ("out_of_domain", "in_domain")
 # A recipe whose shipped settings changed: its date, the overrides that give back what it ran with before, and the
 # settings it ships with now. A row measured before the change is shown with the first (those the row does not set
 # itself: `data.generated=...` keeps its own data); overrides that spell what ships now are dropped from any row.
+SAMPLED = ["data=sampled", "data.generated=1.0"]  # data: sampled is pydoc's group with every window generated
 CHANGED = {
-    "rotate_gptq_int4": ("2026-11-26 19:00", ["data=pydoc"], ["data=sampled"]),
-    "awq_int4": (
-        "2026-11-26 22:30",
-        ["stages.0.rounding=rtn", "data=pydoc"],
-        ["stages.0.rounding=gptq", "data=sampled"],
-    ),
-    "rotate_gptq_int3": ("2026-11-26 22:30", ["data=pydoc"], ["data=sampled"]),
+    "rotate_gptq_int4": ("2026-11-26 19:00", ["data=pydoc"], SAMPLED),
+    "awq_int4": ("2026-11-26 22:30", ["stages.0.rounding=rtn", "data=pydoc"], ["stages.0.rounding=gptq", *SAMPLED]),
+    "rotate_gptq_int3": ("2026-11-26 22:30", ["data=pydoc"], SAMPLED),
 }
 # A run spelled as overrides of one recipe that another recipe ships (after CHANGED): shown under the shipped name.
 SHIPPED_AS = {"rotate_gptq_int4 data=pydoc stages.1.bits=3": "rotate_gptq_int3 data=pydoc"}
