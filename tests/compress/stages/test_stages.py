@@ -33,10 +33,13 @@ def _logit_error(model, reference, tokens):
         return (model(tokens).logits - reference(tokens).logits).pow(2).mean().item()
 
 
-def test_awq_beats_rtn_on_held_out_tokens():
+def _calibration_and_held_out() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    samples = torch.randint(0, 320, (16, 64), generator=generator)
-    held_out = torch.randint(0, 320, (8, 64), generator=generator)
+    return torch.randint(0, 320, (16, 64), generator=generator), torch.randint(0, 320, (8, 64), generator=generator)
+
+
+def test_awq_beats_rtn_on_held_out_tokens():
+    samples, held_out = _calibration_and_held_out()
     reference = _outlier_model()
     rtn, rtn_summary = _compress("rtn", samples)
     awq, awq_summary = _compress("awq", samples)
@@ -48,9 +51,7 @@ def test_awq_beats_rtn_on_held_out_tokens():
 
 def test_awq_with_gptq_rounding_beats_awq_with_rtn():
     """AWQ's scales, then GPTQ's error-compensating rounding instead of round-to-nearest."""
-    generator = torch.Generator().manual_seed(0)
-    samples = torch.randint(0, 320, (16, 64), generator=generator)
-    held_out = torch.randint(0, 320, (8, 64), generator=generator)
+    samples, held_out = _calibration_and_held_out()
     reference = _outlier_model()
     awq, _ = _compress("awq", samples)
     gptq, _ = _compress("gptq", samples)
