@@ -311,7 +311,7 @@ def _stage_seconds(stage, shape: ModelShape, tokens: int, seq_len: int, rate: fl
         return layer_forward + _gptq_seconds(shape, tokens, rate)
     if stage.name == "awq":
         c = stage.config
-        gptq_rounding = getattr(c, "rounding", "rtn") == "gptq"
+        gptq_rounding = c.rounding == "gptq"
         candidates = c.grid * (2 if c.duo_scaling == "both" else 1)
         candidates += c.clip_grid if c.clip and not gptq_rounding else 0  # GPTQ does its own clipping search
         search = sum(candidates * 2 * o * i * i for o, i in shape.linears) / (rate * EFFICIENCY["awq"])
