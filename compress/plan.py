@@ -285,21 +285,26 @@ def goes_model_free(config, stages: list) -> bool:
     return not config.eval.perplexity and not active() and model_free_eligible(stages) is None
 
 
+def _gptq_working_bytes(widest: int, largest: int) -> float:
+    """GPTQ's peak beyond the layer: H, its inverse and the Cholesky factor of the widest input, and working copies
+    of the largest stacked weight (gate/up) while compensating."""
+    fp32 = DTYPE_BYTES["F32"]
+    return 3 * widest * widest * fp32 + 4 * 2 * largest * fp32
+
+
 def _working_bytes(stage, shape: ModelShape, widest: int, largest: int, seq_len: int) -> float:
     """A stage's own peak beyond the layer and the activations."""
-    fp32 = 4
+    fp32 = DTYPE_BYTES["F32"]
     if stage.name in ("gptq", "w8a8", "mixed", "sparsegpt", "signround"):
-        hessians = 3 * widest * widest * fp32  # H, its inverse, the Cholesky factor
-        weights = 4 * 2 * largest * fp32  # stacked gate/up: working copies while compensating
         autograd = 0
         if stage.name == "signround":
             autograd = stage.config.batch_size * seq_len * (12 * shape.hidden + 6 * widest) * fp32
             autograd += 3 * shape.layer_params * fp32  # offsets, clip ratios, gradients, best iterate
-        return hessians + weights + autograd
+        return _gptq_working_bytes(widest, largest) + autograd
     if stage.name in ("awq", "smoothquant"):
         search = 4 * widest * widest * fp32 + 2 * largest * fp32
         if getattr(stage.config, "rounding", "rtn") == "gptq":  # the GPTQ rounding after the search
-            return max(search, 3 * widest * widest * fp32 + 4 * 2 * largest * fp32)
+            return max(search, _gptq_working_bytes(widest, largest))
         return search
     return 2 * largest * fp32
 
