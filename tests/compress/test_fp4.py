@@ -6,13 +6,16 @@ import torch
 from compressed_tensors.compressors.mxfp4 import MXFP4PackedCompressor
 from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
 from compressed_tensors.quantization import preset_name_to_scheme
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
 
 from compress.errors import CompressError
 from compress.fp4 import (
     e2m1_codes,
+    e2m1_round,
     fake_quantize_fp4,
+    fake_quantize_fp4_activations,
     mxfp4_scales,
     nvfp4_global_scale,
     nvfp4_scales,
@@ -76,6 +79,28 @@ def test_rounding_equals_compressed_tensors_cast_to_fp4_on_a_dense_sweep():
     theirs = cast_to_fp4(sweep.clamp(-6, 6).clone())
     assert torch.equal(ours, theirs)
     assert torch.equal(torch.signbit(ours), torch.signbit(theirs))
+
+
+def test_rounded_values_are_the_decoded_codes_at_every_tie_and_its_neighbours():
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    around = torch.cat([ties, torch.nextafter(ties, torch.tensor(9.0)), torch.nextafter(ties, torch.tensor(-9.0))])
+    values = torch.cat([around, -around, torch.randn(10_000) * 4, torch.tensor([float("inf"), -float("inf"), -0.0])])
+    rounded, decoded = e2m1_round(values), e2m1_to_float(e2m1_codes(values))
+    assert torch.equal(rounded, decoded)
+    assert torch.equal(torch.signbit(rounded), torch.signbit(decoded))
+
+
+@pytest.mark.parametrize(("preset", "fmt"), [("NVFP4", "nvfp4"), ("MXFP4", "mxfp4")])
+def test_activation_rounding_equals_compressed_tensors_dynamic_fake_quant(preset, fmt):
+    """W4A4 inputs: per token and group, NVFP4 against a calibrated global scale, as compressed-tensors computes."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 256) * torch.rand(256) * 5
+    args = preset_name_to_scheme(preset, ["Linear"]).input_activations
+    global_scale = generate_gparam(x.amin(), x.amax()) if fmt == "nvfp4" else None
+    groups = x.reshape(x.shape[0], -1, args.group_size)
+    scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args, global_scale=global_scale)
+    theirs = fake_quantize(x, scale, zero_point, args, global_scale=global_scale)
+    assert torch.equal(fake_quantize_fp4_activations(x, fmt, global_scale), theirs)
 
 
 def compressed_tensors_checkpoint(weight: torch.Tensor, preset: str) -> dict[str, torch.Tensor]:
