@@ -10,8 +10,9 @@ compresses the model (``--model``, default the default model) through ``compress
 one after the other, so wall times (load, calibrate, quantize, save) and peak RSS (GNU time, as
 ``benchmarks/peer_comparison.measured_run``) are comparable; the first run is the time reference.
 ``llm-compressor:<scheme>`` runs that preset of ``benchmarks/peer_llmcompressor.py`` on the same calibration ids, the
-same way (``seed=N`` and
-``data.generated=X`` after it give the peer the windows our run with those overrides cuts or samples): with
+same way (``seed=N``,
+``data.generated=X`` and ``data.num_samples=N`` after it give the peer the windows our run with those overrides cuts
+or samples): with
 ``artifacts/peer-venv/bin/python`` when that venv exists, else with this Python and ``artifacts/peer-site`` on the
 path (``pip install --target artifacts/peer-site --no-deps llmcompressor==0.14.0.1 compressed-tensors loguru``).
 Every checkpoint is reloaded and scored like
@@ -60,26 +61,32 @@ def peer_command(scheme: str, model_dir: Path, samples: torch.Tensor, output: Pa
     return ["env", path, sys.executable, str(ROOT / "benchmarks" / "peer_llmcompressor.py"), *script]
 
 
-PEER_OVERRIDES = ("seed", "data.generated")  # what decides a run's calibration ids, so a peer can share them
+PEER_OVERRIDES = ("seed", "data.generated", "data.num_samples")  # what decides a run's calibration ids
 
 
-def peer_options(overrides: list[str]) -> tuple[int, float]:
-    """``(seed, data.generated)`` of a peer run's overrides; anything else is refused before any run starts."""
+def peer_options(overrides: list[str]) -> tuple[int, float, int]:
+    """``(seed, data.generated, data.num_samples)`` of a peer run's overrides; anything else is refused before any
+    run starts."""
+    from compress.data import DataSpec
+
     options = dict(override.split("=", 1) for override in overrides)
     unknown = sorted(set(options) - set(PEER_OVERRIDES))
     if unknown:
         raise SystemExit(f"a peer run takes only {', '.join(PEER_OVERRIDES)}; got {', '.join(unknown)}")
-    return int(options.get("seed", 0)), float(options.get("data.generated", 0.0))
+    default = DataSpec()
+    generated = float(options.get("data.generated", default.generated))
+    return int(options.get("seed", 0)), generated, int(options.get("data.num_samples", default.num_samples))
 
 
-def peer_samples(model_name: str, seed: int, generated: float) -> torch.Tensor:
-    """The calibration ids our run cuts (and samples) with ``seed=seed data.generated=generated``."""
+def peer_samples(model_name: str, seed: int, generated: float, num_samples: int) -> torch.Tensor:
+    """The calibration ids our run cuts (and samples) with ``seed=seed data.generated=generated
+    data.num_samples=num_samples``."""
     from compress.calibration_set import calibration_set
     from compress.data import DataSpec, load_corpus
     from compress.models import ModelSpec, load
 
     model, tokenizer = load(ModelSpec(path=model_name, lazy=False))
-    spec = DataSpec(generated=generated)
+    spec = DataSpec(generated=generated, num_samples=num_samples)
     return calibration_set(model, tokenizer, load_corpus(spec).calibration_text, spec, seed)
 
 
@@ -106,7 +113,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"# {report['title']}",
         "",
-        f"Model `{report['model']}` (fp32), each recipe's own calibration (64 x 512 tokens of pydoc, the share "
+        f"Model `{report['model']}` (fp32), each recipe's own calibration (64 x 512 tokens of pydoc unless "
+        "`data.num_samples` says otherwise, the share "
         f"`data.generated` of them sampled from the model itself, its time in compress s; a peer's preset gets the "
         f"same ids). Perplexity: 512-token windows, out-of-domain = {scored['out_of_domain']} scored tokens "
         f"of Shakespeare, in-domain = {scored['in_domain']} scored held-out pydoc tokens. Time ratio against "
@@ -149,8 +157,8 @@ def main() -> None:
         for index, (name, recipe, overrides) in enumerate(runs):
             folder = Path(tmp) / str(index)
             if recipe.startswith(PEER):
-                seed, generated = peers[name]
-                shared = samples if (seed, generated) == (0, 0.0) else peer_samples(args.model, seed, generated)
+                options = peers[name]
+                shared = samples if options == peer_options([]) else peer_samples(args.model, *options)
                 command = peer_command(recipe.removeprefix(PEER), model_dir, shared, folder)
             else:
                 command = our_command(recipe, overrides, model_dir, folder)
