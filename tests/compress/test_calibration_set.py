@@ -114,16 +114,25 @@ def test_a_chain_that_reads_no_calibration_samples_nothing(tiny_model_dir, tmp_p
 
 
 def test_the_rotation_and_awq_recipes_calibrate_on_samples_until_the_user_names_a_text(tmp_path):
-    """rotate_gptq_int4, rotate_gptq_int3 and awq_int4 ship with `data: sampled` (the figures docs/results.md
+    """rotate_gptq_int4, rotate_gptq_int3, awq_int4 and awq_int4_kv_int8 ship with `data: sampled` (the figures docs/results.md
     measured with data.generated=1.0); any data option a user names replaces the whole group, so their text is not
     silently ignored for samples."""
     from compress.recipe import compose, resolve_shortcuts
 
     corpus = tmp_path / "mine.jsonl"
     corpus.write_text(json.dumps({"text": "my own workload"}) + "\n")
-    for recipe in ("rotate_gptq_int4", "rotate_gptq_int3", "awq_int4"):
+    for recipe in ("rotate_gptq_int4", "rotate_gptq_int3", "awq_int4", "awq_int4_kv_int8"):
         assert compose(recipe).data == DataSpec(source="pydoc", generated=1.0)
         for named in (["data=pydoc"], resolve_shortcuts([f"data={corpus}"])):
             assert compose(recipe, named).data.generated == 0.0
     assert compose("gptq_int4").data.generated == 0.0  # the other recipes still cut pydoc windows
     assert compose("gptq_int4", ["data=sampled"]).data == compose("rotate_gptq_int4").data
+
+
+def test_awq_int4_kv_int8_quantizes_the_weights_exactly_as_awq_int4():
+    """Its name promises awq_int4 plus an int8 KV cache: the same weight stage, the same calibration."""
+    from compress.recipe import compose
+
+    with_kv, plain = compose("awq_int4_kv_int8"), compose("awq_int4")
+    assert with_kv.stages[0] == plain.stages[0] and with_kv.data == plain.data
+    assert [stage["type"] for stage in with_kv.stages] == ["awq", "kv_cache"]
