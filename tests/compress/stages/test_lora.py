@@ -123,3 +123,14 @@ def test_merge_must_come_before_pruning_and_quantization():
     message = r"stages.1 \(lora_merge\) comes after stages.0 \(sparsegpt\); merge adapters first"
     with pytest.raises(CompressError, match=message):
         build_chain([{"type": "sparsegpt"}, {"type": "lora_merge", "adapters": ["x"]}])
+
+
+def test_lora_merge_awq_int4_quantizes_the_merged_weights_as_awq_int4():
+    """The same AWQ stage as the headline recipe; calibration stays on text (a model's own samples would come from
+    the base model, before its adapters are merged)."""
+    from compress.recipe import compose
+
+    merged = compose("lora_merge_awq_int4", ["stages.0.adapters=[adapter]"])
+    assert [stage["type"] for stage in merged.stages] == ["lora_merge", "awq"]
+    assert merged.stages[1] == compose("awq_int4").stages[0]
+    assert merged.data.generated == 0.0
