@@ -36,6 +36,8 @@ SOURCES = [  # oldest first; a later file's row replaces an earlier one of the s
     "quality-awq-gptq",
     "gemma3-270m-awq-gptq",
     "awq-gptq-sampled-seed1",
+    "int3-signround",
+    "gemma3-270m-formats",
 ]
 PEER = "llm-compressor:"
 # llm-compressor's presets beside the recipe they compete with (benchmarks/peer_comparison.SCHEMES, reversed)
