@@ -39,6 +39,10 @@ def recipe(scheme: str, alpha: float) -> list:
 
         # In llm-compressor 0.14 AWQ only searches and applies scales; the quantizer that follows sets the scheme.
         return [AWQModifier(duo_scaling=True), QuantizationModifier(config_groups=W4A16_G64, ignore=["lm_head"])]
+    if scheme == "awq_gptq_w4a16":  # AWQ's scales, then GPTQ rounds the scaled weights: the chain awq_int4 runs
+        from llmcompressor.modifiers.transform.awq import AWQModifier
+
+        return [AWQModifier(duo_scaling=True), GPTQModifier(config_groups=W4A16_G64, ignore=["lm_head"])]
     if scheme == "smoothquant_w8a8":
         from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 

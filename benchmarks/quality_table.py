@@ -44,6 +44,7 @@ PEER = "llm-compressor:"
 ORDER = [
     ("rtn_int4", "rtn_w4a16"),
     ("awq_int4", "awq_w4a16"),
+    ("awq_int4", "awq_gptq_w4a16"),  # the peer chain nearest awq_int4 (AWQ scales, GPTQ rounding)
     ("gptq_int4", "gptq_w4a16"),
     ("autoround_int4", None),
     ("rotate_gptq_int4", "spinquant_gptq_w4a16"),
