@@ -38,6 +38,9 @@ SOURCES = [  # oldest first; a later file's row replaces an earlier one of the s
     "awq-gptq-sampled-seed1",
     "int3-signround",
     "gemma3-270m-formats",
+    "gemma3-270m-awq-peer",
+    "gemma3-270m-awq-gptq-peer",
+    "gemma3-270m-awq-peer-seeds",
 ]
 PEER = "llm-compressor:"
 # llm-compressor's presets beside the recipe they compete with (benchmarks/peer_comparison.SCHEMES, reversed)
