@@ -114,9 +114,9 @@ def test_a_chain_that_reads_no_calibration_samples_nothing(tiny_model_dir, tmp_p
 
 
 def test_the_rotation_and_awq_recipes_calibrate_on_samples_until_the_user_names_a_text(tmp_path):
-    """rotate_gptq_int4, rotate_gptq_int3, awq_int4 and awq_int4_kv_int8 ship with `data: sampled` (the figures docs/results.md
-    measured with data.generated=1.0); any data option a user names replaces the whole group, so their text is not
-    silently ignored for samples."""
+    """rotate_gptq_int4, rotate_gptq_int3, awq_int4 and awq_int4_kv_int8 ship with `data: sampled` (the figures
+    docs/results.md measured with data.generated=1.0); any data option a user names replaces the whole group, so
+    their text is not silently ignored for samples."""
     from compress.recipe import compose, resolve_shortcuts
 
     corpus = tmp_path / "mine.jsonl"
