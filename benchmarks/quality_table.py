@@ -41,6 +41,7 @@ SOURCES = [  # oldest first; a later file's row replaces an earlier one of the s
     "gemma3-270m-awq-peer",
     "gemma3-270m-awq-gptq-peer",
     "gemma3-270m-awq-peer-seeds",
+    "quality-nvfp4-awq-sampled",
 ]
 PEER = "llm-compressor:"
 # llm-compressor's presets beside the recipe they compete with (benchmarks/peer_comparison.SCHEMES, reversed)
