@@ -106,8 +106,16 @@ def experiment_id(client, name: str) -> str:
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
+    from mlflow.exceptions import MlflowException
+
     location = (artifacts_dir() / "mlflow-artifacts").resolve().as_uri()
-    return client.create_experiment(name, artifact_location=location)
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except MlflowException:  # a run started beside this one created it after our lookup: use theirs
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
 
 
 def mark_orphaned_runs(client, experiment: str) -> list[str]:

@@ -246,3 +246,19 @@ def test_unwritable_storage_fails_fast_in_one_line_without_leftovers(tiny_model_
     assert not (work / "runs").exists()  # the store was checked before any folder was made
     assert results["left_on_full_disk"] in ([], [".progress"])  # the half-written staging folder is gone; the walk's
     # progress stays, to continue from once there is room
+
+
+def test_a_run_that_loses_the_race_to_create_the_experiment_uses_the_winners(tmp_path, monkeypatch, empty_mlflow_db):
+    """Two runs starting together on a fresh store both find no experiment; the second create fails on the unique
+    name (seen in CI as exit 4, 'a bug'). The loser must read the winner's experiment instead."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("COMPRESS_ARTIFACTS", str(tmp_path / "artifacts"))
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    winner, loser = MlflowClient(tracking_uri=uri), MlflowClient(tracking_uri=uri)
+    stale = [None]  # the loser's first lookup ran before the winner's create
+    real_lookup = loser.get_experiment_by_name
+    monkeypatch.setattr(loser, "get_experiment_by_name", lambda name: stale.pop() if stale else real_lookup(name))
+    created = experiment_id(winner, "compress")
+    assert experiment_id(loser, "compress") == created
