@@ -28,7 +28,6 @@ from compress.kernels.fp4 import (
     MXFP4_GROUP,
     NVFP4_GROUP,
     dequantize_fp4_reference,
-    e2m1_to_float,
     effective_group_scales,
     pack_fp4,
 )
@@ -65,7 +64,11 @@ def e2m1_round(values: torch.Tensor) -> torch.Tensor:
 
 def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
     """uint8 codes of :func:`e2m1_round`'s values: ``sign << 3 | index`` into the grid."""
-    rounded = e2m1_round(values)
+    return _codes_of_rounded(e2m1_round(values))
+
+
+def _codes_of_rounded(rounded: torch.Tensor) -> torch.Tensor:
+    """uint8 codes of values already on the e2m1 grid."""
     magnitude = rounded.abs()
     index = torch.where(magnitude < 2, magnitude * 2, torch.where(magnitude < 4, magnitude + 2, magnitude / 2 + 4))
     return index.to(torch.uint8) | (torch.signbit(rounded).to(torch.uint8) << 3)
@@ -146,8 +149,8 @@ def quantize_to_grid(values: torch.Tensor, scale: torch.Tensor) -> tuple[torch.T
     weight column ``[N]`` and its rows' group scales ``[N]``): returns (uint8 codes, dequantized fp32 values).
     The step GPTQ takes per column, with the same rounding as :func:`quantize_nvfp4` / :func:`quantize_mxfp4`."""
     scale = scale.float()
-    codes = e2m1_codes(values.float() / scale)
-    return codes, e2m1_to_float(codes) * scale
+    rounded = e2m1_round(values.float() / scale)  # the grid value itself: no decode of the codes needed
+    return _codes_of_rounded(rounded), rounded * scale
 
 
 FP4_GROUPS = {"nvfp4": NVFP4_GROUP, "mxfp4": MXFP4_GROUP}
