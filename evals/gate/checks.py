@@ -8,10 +8,11 @@ straddles the limit, about how many items would decide it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from compress.evals.gate import stats
-from compress.evals.gate.stats import INCONCLUSIVE, PASS, Interval
+from compress.evals.gate.stats import BLOCK, INCONCLUSIVE, PASS, Interval
 
 
 @dataclass
@@ -30,6 +31,10 @@ class Check:
     confidence: float
     items_to_decide: int | None = None  # about how many items in all would decide an inconclusive check
     summary: str = ""
+    # the wider interval a BLOCK is read from when several blocking checks share the gate (familywise control)
+    block_confidence: float | None = None
+    block_low: float | None = None
+    block_high: float | None = None
 
     @property
     def passed(self) -> bool:
@@ -40,8 +45,12 @@ class Check:
 
 
 def _check(
-    layer, metric, candidate, baseline, interval: Interval, limit, at_most, limit_text, wording, at=None
-) -> Check:
+    layer, metric, candidate, baseline, interval_at: Callable[[float], Interval], confidence, limit, at_most,
+    limit_text, wording, at=None,
+) -> Check:  # fmt: skip
+    """``interval_at(level)``: the check's interval at any confidence level, kept (outside the dataclass fields, so
+    gate.json stays plain data) for :func:`familywise`."""
+    interval = interval_at(confidence)
     verdict = stats.verdict(interval, limit, at_most)
     needed = stats.items_to_decide(interval, limit, at) if verdict == INCONCLUSIVE else None
     check = Check(
@@ -49,6 +58,27 @@ def _check(
         verdict, interval.items, interval.confidence, needed,
     )  # fmt: skip
     check.summary = f"{wording(check)}: {verdict.upper()}" + _more(check)
+    check._rejudge = (interval_at, at_most, wording)
+    return check
+
+
+def familywise(check: Check, block_confidence: float) -> Check:
+    """Read ``check``'s BLOCK again from its interval at ``block_confidence`` (:func:`stats.familywise_confidence`):
+    a block that the wider interval no longer supports becomes INCONCLUSIVE. A PASS stays as it is (intersection-
+    union: every check must pass). Checks made without an interval function are left alone."""
+    rejudge = getattr(check, "_rejudge", None)
+    if rejudge is None or block_confidence <= check.confidence or check.verdict != BLOCK:
+        return check
+    interval_at, at_most, wording = rejudge
+    wide = interval_at(block_confidence)
+    check.block_confidence, check.block_low, check.block_high = block_confidence, wide.low, wide.high
+    if stats.verdict(wide, check.limit, at_most) == BLOCK:
+        return check
+    check.verdict = INCONCLUSIVE
+    check.summary = (
+        f"{wording(check)}: INCONCLUSIVE (outside the limit at {check.confidence:.0%}, but not at the familywise "
+        f"{block_confidence:.2%} a block needs: {wide.low:.4g}–{wide.high:.4g}; more items would decide it)"
+    )
     return check
 
 
@@ -68,31 +98,44 @@ def _ratio(value: float) -> str:
     return f"{value:.4f}" if abs(value) < 10 else f"{value:.4g}"
 
 
-def ratio_check(layer, metric, candidate_nll: list[float], baseline_nll: list[float], max_ratio, confidence) -> Check:
-    """Perplexity ratio from per-window mean NLLs: exp of the mean per-window difference, interval likewise."""
-    interval = stats.paired_difference(candidate_nll, baseline_nll, confidence).map(math.exp)
+def ratio_check(
+    layer, metric, candidate_nll: list[float], baseline_nll: list[float], max_ratio, confidence, positions=None, block=1
+) -> Check:
+    """Perplexity ratio from per-window mean NLLs: exp of the mean per-window difference, interval likewise (over
+    blocks of neighbouring windows when ``positions`` place them in the text)."""
+
+    def interval_at(level: float) -> Interval:
+        return stats.paired_difference(candidate_nll, baseline_nll, level, positions, block).map(math.exp)
+
     candidate, baseline = math.exp(_mean(candidate_nll)), math.exp(_mean(baseline_nll))
 
     def wording(check):
         side = "≤" if check.high <= max_ratio else ">" if check.low > max_ratio else "vs"
         return f"{metric} ×{_ratio(check.estimate)} ({_ci(check, _ratio)}) {side} the {max_ratio:g}× limit"
 
-    return _check(layer, metric, candidate, baseline, interval, max_ratio, True, f"≤ {max_ratio:g} × baseline", wording)
+    limit_text = f"≤ {max_ratio:g} × baseline"
+    return _check(layer, metric, candidate, baseline, interval_at, confidence, max_ratio, True, limit_text, wording)
 
 
-def value_check(layer, metric, candidate_nll: list[float], max_value, confidence) -> Check:
+def value_check(layer, metric, candidate_nll: list[float], max_value, confidence, positions=None, block=1) -> Check:
     """Hard ceiling on the candidate's perplexity: exp of its mean window NLL and interval."""
-    interval = stats.mean_interval(candidate_nll, confidence).map(math.exp)
+
+    def interval_at(level: float) -> Interval:
+        return stats.block_mean_interval(candidate_nll, positions, block, level).map(math.exp)
 
     def wording(check):
         return f"{metric} {check.estimate:.4g} ({_ci(check)}) vs the {max_value:g} ceiling"
 
-    return _check(layer, metric, interval.estimate, None, interval, max_value, True, f"≤ {max_value:g}", wording)
+    candidate = math.exp(_mean(candidate_nll))
+    return _check(layer, metric, candidate, None, interval_at, confidence, max_value, True, f"≤ {max_value:g}", wording)
 
 
 def drop_check(layer, metric, candidate: list[float], baseline: list[float], max_drop_points, confidence) -> Check:
     """Accuracy change in points from paired 0/1 outcomes; passes when the whole interval is above −max_drop."""
-    interval = stats.paired_proportion_difference(candidate, baseline, confidence).map(_points)
+
+    def interval_at(level: float) -> Interval:
+        return stats.paired_proportion_difference(candidate, baseline, level).map(_points)
+
     candidate_value, baseline_value = _mean(candidate), _mean(baseline)
     count = len(candidate)
     gained = sum(1 for c, b in zip(candidate, baseline, strict=True) if c and not b)
@@ -108,41 +151,55 @@ def drop_check(layer, metric, candidate: list[float], baseline: list[float], max
         )
 
     limit, limit_text = -max_drop_points, f"≥ baseline − {max_drop_points:g} points"
-    return _check(layer, metric, candidate_value, baseline_value, interval, limit, False, limit_text, wording, at)
+    return _check(
+        layer, metric, candidate_value, baseline_value, interval_at, confidence, limit, False, limit_text, wording, at
+    )
 
 
-def mean_check(layer, metric, values: list[float], bound, at_most: bool, confidence, baseline=None) -> Check:
-    """A hard bound on the mean of per-item values (mean KL per window, share of same-top positions)."""
-    interval = stats.mean_interval(values, confidence)
+def mean_check(
+    layer, metric, values: list[float], bound, at_most: bool, confidence, baseline=None, positions=None, block=1
+) -> Check:
+    """A hard bound on the mean of per-item values (mean KL per window, share of same-top positions), over blocks
+    of neighbouring windows when ``positions`` place them in the text."""
+
+    def interval_at(level: float) -> Interval:
+        return stats.block_mean_interval(values, positions, block, level)
 
     def wording(check):
         return f"{metric} {check.estimate:.4g} ({_ci(check)}) vs the {'≤' if at_most else '≥'} {bound:g} limit"
 
     limit_text = f"{'≤' if at_most else '≥'} {bound:g}"
-    return _check(layer, metric, interval.estimate, baseline, interval, bound, at_most, limit_text, wording)
+    return _check(layer, metric, _mean(values), baseline, interval_at, confidence, bound, at_most, limit_text, wording)
 
 
 def accuracy_floor_check(layer, metric, outcomes: list[float], minimum, confidence) -> Check:
     """A hard floor on the candidate's accuracy, on its Wilson interval."""
-    interval = stats.proportion_interval(outcomes, confidence)
+
+    def interval_at(level: float) -> Interval:
+        return stats.proportion_interval(outcomes, level)
 
     def wording(check):
         return f"{metric} {check.estimate:.0%} ({_ci(check, lambda v: f'{v:.0%}')}) vs the ≥ {minimum:g} minimum"
 
-    return _check(layer, metric, interval.estimate, None, interval, minimum, False, f"≥ {minimum:g}", wording)
+    share = _mean(outcomes)
+    return _check(layer, metric, share, None, interval_at, confidence, minimum, False, f"≥ {minimum:g}", wording)
 
 
 def log_ratio_check(layer, metric, candidate: list[float], baseline: list[float], max_ratio, confidence) -> Check:
     """Latency: the geometric mean of per-repeat candidate/baseline ratios (paired by repeat), interval likewise."""
-    interval = stats.paired_difference(
-        [math.log(value) for value in candidate], [math.log(value) for value in baseline], confidence
-    ).map(math.exp)
+    log_candidate, log_baseline = [math.log(value) for value in candidate], [math.log(value) for value in baseline]
+
+    def interval_at(level: float) -> Interval:
+        return stats.paired_difference(log_candidate, log_baseline, level).map(math.exp)
 
     def wording(check):
         return f"{metric} ratio ×{check.estimate:.3f} ({_ci(check, lambda v: f'{v:.3f}')}) vs the {max_ratio:g}× limit"
 
     limit_text = f"≤ {max_ratio:g} × baseline"
-    return _check(layer, metric, _median(candidate), _median(baseline), interval, max_ratio, True, limit_text, wording)
+    return _check(
+        layer, metric, _median(candidate), _median(baseline), interval_at, confidence, max_ratio, True, limit_text,
+        wording,
+    )  # fmt: skip
 
 
 def at_chance(baseline_outcomes: list[float], chance: float, confidence: float) -> bool:

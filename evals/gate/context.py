@@ -58,3 +58,6 @@ class GateContext:
     reference: dict[str, torch.Tensor] | None = None  # the baseline's top-k distributions (compress.evals.divergence)
     reference_cached: str | None = None  # the cache file the baseline's pass was read from, if it was
     window_confidence: float = 0.95  # per look: lowered when gate.decide may look several times (Bonferroni)
+    # the stream the window layers score (compress.evals.gate.windows.scoring_ids) and each window's place in the text
+    window_ids: torch.Tensor | None = None
+    window_positions: list[int] = field(default_factory=list)

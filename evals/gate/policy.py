@@ -26,6 +26,7 @@ class PerplexityPolicy:
     max_ratio: float | None = 1.05  # candidate ppl ≤ max_ratio × baseline ppl (judged on the interval)
     max_value: float | None = None  # hard ceiling on candidate ppl
     decide_max_windows: int | None = None  # gate.decide=true adds windows up to this (null: the whole text)
+    block_windows: int = 4  # windows side by side in the text are read in blocks of this many (stats.blocks_of)
 
 
 @dataclass
@@ -114,6 +115,7 @@ class GatePolicy:
     enforce: bool = False  # `compress run` exits 1 (block) / 3 (inconclusive) only when true (the gate command always)
     layers: list[str] = field(default_factory=lambda: list(LAYER_ORDER))
     confidence: float = 0.95  # of every interval a verdict is read from
+    familywise: bool = True  # a BLOCK is read at the Bonferroni level over the blocking checks (stats.py)
     decide: bool = False  # an INCONCLUSIVE perplexity/KL verdict scores more windows until decided (up to a cap)
     backend: str = "auto"  # one of BACKENDS
     engine: dict[str, Any] = field(default_factory=dict)  # compress.engine.EngineConfig options
@@ -158,6 +160,10 @@ def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
     windows, cap = resolved.perplexity.max_windows, resolved.perplexity.decide_max_windows
     if windows is not None and windows < 2:
         raise CompressError(f"gate.perplexity.max_windows={windows}; an interval needs at least 2 windows")
+    if resolved.perplexity.block_windows < 1:
+        raise CompressError(
+            f"gate.perplexity.block_windows={resolved.perplexity.block_windows}; use 1 (windows independent) or more"
+        )
     if cap is not None and windows is not None and cap < windows:
         raise CompressError(f"gate.perplexity.decide_max_windows={cap} is below max_windows={windows}; raise it")
     return resolved

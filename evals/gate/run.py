@@ -16,12 +16,13 @@ from pathlib import Path
 
 from compress.data import tokenize
 from compress.evals import generation, loading
+from compress.evals.gate.checks import familywise
 from compress.evals.gate.context import GateContext, Subject
 from compress.evals.gate.layers import LAYERS, CannotJudge
 from compress.evals.gate.policy import GatePolicy, policy_dict, resolve_policy
 from compress.evals.gate.report import clear_verdict, write_report
 from compress.evals.gate.result import GateResult, LayerResult
-from compress.evals.gate.stats import BLOCK, INCONCLUSIVE, PASS
+from compress.evals.gate.stats import BLOCK, INCONCLUSIVE, PASS, familywise_confidence
 from compress.evals.gate.windows import cached_baseline
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ class LayerRun:
             return LayerResult(self.name, "cannot_judge", seconds=self.seconds, metrics=self.metrics, note=note)
         metrics, checks = judged
         blocking = getattr(context.policy, self.name).blocking
+        if blocking and context.policy.familywise:
+            family = blocking_checks(context.policy, context.selected)
+            checks = [familywise(check, familywise_confidence(check.confidence, family)) for check in checks]
         verdicts = {check.verdict for check in checks}
         verdict = BLOCK if BLOCK in verdicts else INCONCLUSIVE if INCONCLUSIVE in verdicts else PASS
         status = {PASS: "pass", BLOCK: "fail", INCONCLUSIVE: "inconclusive"}[verdict] if blocking else "warn"
@@ -75,6 +79,31 @@ class LayerRun:
             log.error("gate layer %s raised:\n%s", self.name, traceback.format_exc())
             self.error = f"{type(error).__name__}: {error}"
         self.seconds += time.perf_counter() - start
+
+
+def blocking_checks(policy: GatePolicy, selected: list[str]) -> int:
+    """How many blocking checks the gate may run: the family a BLOCK's level is shared over (every limit set on a
+    selected, enabled, blocking layer; one accuracy check per lm-eval task and per long-context task). Counting a
+    check that ends up not judged only makes the level stricter."""
+    limits = {
+        "perplexity": ("max_ratio", "max_value"),
+        "kl": ("max_mean", "min_same_top"),
+        "json": ("max_validity_drop_points", "max_compliance_drop_points", "min_validity"),
+        "needle": ("max_drop_points", "min_accuracy"),
+        "latency": ("max_ttft_ratio", "max_tpot_ratio"),
+    }
+    count = 0
+    for name in selected:
+        layer = getattr(policy, name)
+        if not (layer.enabled and layer.blocking):
+            continue
+        if name == "lm_eval":
+            count += (int(layer.local_task) + len(layer.tasks)) * (layer.max_drop_points is not None)
+        elif name == "long_context":
+            count += len(layer.tasks) * (layer.max_drop_points is not None)
+        else:
+            count += sum(getattr(layer, key) is not None for key in limits[name])
+    return max(1, count)
 
 
 def run_gate(

@@ -2,12 +2,20 @@
 
 Both sides of the gate are scored on the same items (perplexity windows, multiple-choice questions, needle prompts),
 so each check is a statement about the mean of per-item *differences*, which cancels the items' own difficulty:
-- continuous scores (per-window NLL, per-window KL, per-repeat log latency): Student-t interval of the mean;
+- continuous scores (per-window NLL, per-window KL, per-repeat log latency): Student-t interval of the mean; windows
+  that lie side by side in one stretch of text are not independent draws (a scene shares its vocabulary and its
+  difficulty), so they are grouped into blocks and the interval is read across blocks (:func:`block_mean_interval`);
 - 0/1 outcomes (accuracies): the Agresti–Min interval for a difference of paired proportions (Wald after adding
   half a count to each cell of the 2×2 table), which stays honest when no item flips: ten agreeing prompts give
   ±16 points, not a zero-width interval.
 A check PASSes when its whole interval lies inside the limit, BLOCKs when it lies entirely outside, and is
 INCONCLUSIVE when it straddles the limit: the items measured cannot tell.
+
+Familywise: a gate runs several blocking checks, and a lossless checkpoint must not be blocked by one of them by
+chance. A BLOCK is therefore read from a wider interval (:func:`familywise_confidence`, Bonferroni over the blocking
+checks: Holm's step-down rejects at least one hypothesis exactly when its smallest p-value clears Bonferroni's level,
+and the gate's verdict only asks whether any check blocks). A PASS needs every check to pass, an intersection-union
+test whose error is each check's own, so it keeps the unadjusted interval.
 """
 
 from __future__ import annotations
@@ -70,10 +78,59 @@ def mean_interval(values: list[float], confidence: float = 0.95) -> Interval:
     return Interval(mean, mean - half, mean + half, count, confidence)
 
 
-def paired_difference(candidate: list[float], baseline: list[float], confidence: float = 0.95) -> Interval:
-    """Interval of mean(candidate − baseline) over paired continuous scores."""
+def blocks_of(positions: list[int], block: int) -> list[int]:
+    """Which block each item falls in: items whose ``positions`` (their windows' places in the text) follow one
+    another form one stretch, cut into blocks of at most ``block`` items; an item with no neighbour is its own
+    block. Windows spread over a long text are then independent items, a contiguous run is a few blocks."""
+    if block < 1:
+        raise ValueError(f"a block holds at least one item, not {block}")
+    order = sorted(range(len(positions)), key=positions.__getitem__)
+    labels, current, in_block, previous = [0] * len(positions), -1, 0, None
+    for index in order:
+        position = positions[index]
+        if previous is None or position != previous + 1 or in_block == block:
+            current, in_block = current + 1, 0
+        labels[index], in_block, previous = current, in_block + 1, position
+    return labels
+
+
+def block_mean_interval(
+    values: list[float], positions: list[int] | None = None, block: int = 1, confidence: float = 0.95
+) -> Interval:
+    """Interval of the mean of ``values`` when neighbouring items are correlated: the variance is the larger of the
+    independent-items one and the cluster-robust one over blocks (:func:`blocks_of`), read against Student t with
+    one degree of freedom less than the number of blocks. Every item in its own block: :func:`mean_interval`."""
+    count = len(values)
+    labels = blocks_of(positions if positions is not None else list(range(count)), block)
+    clusters = len(set(labels))
+    if clusters == count:
+        return mean_interval(values, confidence)
+    mean = sum(values) / count
+    if clusters < 2:
+        return Interval(mean, -math.inf, math.inf, count, confidence)
+    totals: dict[int, float] = {}
+    for label, value in zip(labels, values, strict=True):
+        totals[label] = totals.get(label, 0.0) + value - mean
+    robust = clusters / (clusters - 1) * sum(total**2 for total in totals.values()) / count**2
+    independent = sum((value - mean) ** 2 for value in values) / (count - 1) / count
+    half = _critical(confidence, clusters - 1) * math.sqrt(max(robust, independent))
+    return Interval(mean, mean - half, mean + half, count, confidence)
+
+
+def paired_difference(
+    candidate: list[float],
+    baseline: list[float],
+    confidence: float = 0.95,
+    positions: list[int] | None = None,
+    block: int = 1,
+) -> Interval:
+    """Interval of mean(candidate − baseline) over paired continuous scores (blocked as :func:`block_mean_interval`
+    when ``positions`` place the items in a text)."""
     _same_items(candidate, baseline)
-    return mean_interval([c - b for c, b in zip(candidate, baseline, strict=True)], confidence)
+    differences = [c - b for c, b in zip(candidate, baseline, strict=True)]
+    if positions is None:
+        return mean_interval(differences, confidence)
+    return block_mean_interval(differences, positions, block, confidence)
 
 
 def paired_proportion_difference(candidate: list[float], baseline: list[float], confidence: float = 0.95) -> Interval:
@@ -110,6 +167,12 @@ def proportion_interval(outcomes: list[float], confidence: float = 0.95) -> Inte
     centre = (share + z**2 / (2 * count)) / denominator
     half = z * math.sqrt(share * (1 - share) / count + z**2 / (4 * count**2)) / denominator
     return Interval(share, max(0.0, centre - half), min(1.0, centre + half), count, confidence)
+
+
+def familywise_confidence(confidence: float, checks: int) -> float:
+    """The two-sided level at which each of ``checks`` blocking checks may BLOCK so that a checkpoint inside every
+    limit is wrongly blocked by any of them with probability at most (1 − ``confidence``) / 2 (Bonferroni)."""
+    return 1 - (1 - confidence) / max(1, checks)
 
 
 def verdict(interval: Interval, limit: float, at_most: bool) -> str:

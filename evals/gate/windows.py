@@ -5,6 +5,12 @@ disk by model, tokens and protocol; the candidate's pass measures its perplexity
 reference at once. Both layers judge the same windows, item by item: the interval of the perplexity ratio is over
 per-window NLL differences, the KL's over per-window means.
 
+Which windows: when the gate scores fewer windows than the text holds, it takes them spread over the whole text
+(:func:`spread_order`: any first n of that order lie evenly across it), not the first n: windows side by side share a
+scene, a topic, a difficulty, and an interval over one stretch says little about the rest of the text. Windows that do
+lie side by side (the whole text scored, or the run's own pass) are read in blocks of ``perplexity.block_windows``
+(``compress.evals.gate.stats.block_mean_interval``). docs/gate.md has the coverage this buys.
+
 ``gate.decide=true``: while a perplexity or KL check is INCONCLUSIVE, the candidate scores more windows (at least
 twice as many each look, or as many as the interval says would decide it) up to ``perplexity.decide_max_windows``.
 Looking several times at a growing sample inflates the error rate, so each look's interval is widened to
@@ -16,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 from compress.evals.divergence import (
     DivergenceMeter,
@@ -32,6 +40,45 @@ from compress.evals.gate.policy import GatePolicy
 from compress.evals.gate.stats import INCONCLUSIVE
 from compress.evals.perplexity import PerplexityResult, available_windows, evaluation_windows, resident_perplexity
 from compress.paths import artifacts_dir
+
+
+def spread_order(count: int) -> list[int]:
+    """The window indices ``0 .. count−1`` in van der Corput order (0, ½, ¼, ¾, ⅛, ... of the text): every prefix of
+    it is spread evenly over the text, so adding windows (``gate.decide``) keeps the sample spread."""
+    bits = max(1, (count - 1).bit_length())
+    order, seen = [], set()
+    for step in range(1 << bits):
+        point = int(format(step, f"0{bits}b")[::-1], 2) / (1 << bits)
+        index = int(point * count)
+        if index not in seen:
+            seen.add(index)
+            order.append(index)
+    return order
+
+
+def scoring_ids(context: GateContext) -> torch.Tensor:
+    """The token stream the gate scores, window after window: the evaluation text's windows in :func:`spread_order`
+    when the gate scores fewer than all of them, else the text as it is; sets ``context.window_positions`` (each
+    scored window's place in the text)."""
+    if context.window_ids is None:
+        seq_len = context.policy.perplexity.seq_len
+        available = available_windows(context.evaluation_ids, seq_len)
+        wanted = context.policy.perplexity.max_windows or available
+        order = spread_order(available) if 2 <= wanted < available else list(range(available))
+        windows = context.evaluation_ids[: available * seq_len].view(available, seq_len)
+        context.window_ids = windows[order].reshape(-1) if order != sorted(order) else context.evaluation_ids
+        context.window_positions = order
+    return context.window_ids
+
+
+def positions_of(context: GateContext, count: int) -> list[int]:
+    """The text positions of the first ``count`` windows judged: the gate's own order, or the caller's windows in
+    text order (``compress run`` scores its evaluation text from the first window on)."""
+    if context.scores_source != "gate":
+        first = context.scores["candidate"].get("first_window", 0)
+        return list(range(first, first + count))
+    scoring_ids(context)
+    return context.window_positions[:count]
 
 
 def window_plan(context: GateContext) -> tuple[int, int]:
@@ -70,7 +117,7 @@ def cached_baseline(context: GateContext, subject: Subject) -> bool:
         return subject.label in context.scores
     policy, top_k = context.policy.perplexity, context.policy.kl.top_k
     _, cap = window_plan(context)
-    path = reference_path(cache_dir(context.policy), subject.folder, context.evaluation_ids, policy.seq_len, top_k)
+    path = reference_path(cache_dir(context.policy), subject.folder, scoring_ids(context), policy.seq_len, top_k)
     reference = load_reference(path, cap)
     if reference is None:
         return False
@@ -83,7 +130,7 @@ def cached_baseline(context: GateContext, subject: Subject) -> bool:
 def _measure_baseline(context: GateContext, subject: Subject) -> dict:
     policy, top_k = context.policy.perplexity, context.policy.kl.top_k
     _, cap = window_plan(context)
-    ids = context.evaluation_ids
+    ids = scoring_ids(context)
     if not _records_reference(context):
         return _score(subject, context, cap, None).to_dict()
     recorder = ReferenceRecorder(cap, policy.seq_len - 1, top_k)
@@ -128,7 +175,7 @@ def _measure_candidate(context: GateContext, subject: Subject) -> dict:
 def _score(subject: Subject, context: GateContext, windows: int, observer, first_window: int = 0) -> PerplexityResult:
     policy = context.policy.perplexity
     return resident_perplexity(
-        subject.model, context.evaluation_ids, policy.seq_len, policy.batch_size, windows,
+        subject.model, scoring_ids(context), policy.seq_len, policy.batch_size, windows,
         label=f"perplexity ({subject.label})", progress=False, observer=observer, first_window=first_window,
     )  # fmt: skip
 
@@ -157,30 +204,35 @@ def window_checks(context: GateContext, candidate: dict, layers=("perplexity", "
     if len(baseline_nll) < count:
         raise ValueError(f"the baseline scored {len(baseline_nll)} windows, the candidate {count}: they must match")
     confidence = context.window_confidence
+    placed = {"positions": positions_of(context, count), "block": context.policy.perplexity.block_windows}
     found = []
     if "perplexity" in layers and "perplexity" in context.selected:
         policy = context.policy.perplexity
         if policy.max_ratio is not None:
             found.append(
                 gate_checks.ratio_check(
-                    "perplexity", "perplexity", candidate_nll, baseline_nll, policy.max_ratio, confidence
+                    "perplexity", "perplexity", candidate_nll, baseline_nll, policy.max_ratio, confidence, **placed
                 )  # fmt: skip
             )
         if policy.max_value is not None:
             found.append(
-                gate_checks.value_check("perplexity", "perplexity_value", candidate_nll, policy.max_value, confidence)
+                gate_checks.value_check(
+                    "perplexity", "perplexity_value", candidate_nll, policy.max_value, confidence, **placed
+                )  # fmt: skip
             )
     divergence = candidate.get("divergence")
     if "kl" in layers and "kl" in context.selected and divergence and "window_kl" in divergence:
         policy = context.policy.kl
         if policy.max_mean is not None:
             found.append(
-                gate_checks.mean_check("kl", "kl_mean", divergence["window_kl"], policy.max_mean, True, confidence)
+                gate_checks.mean_check(
+                    "kl", "kl_mean", divergence["window_kl"], policy.max_mean, True, confidence, **placed
+                )  # fmt: skip
             )
         if policy.min_same_top is not None:
             found.append(
                 gate_checks.mean_check(
-                    "kl", "same_top", divergence["window_same_top"], policy.min_same_top, False, confidence
+                    "kl", "same_top", divergence["window_same_top"], policy.min_same_top, False, confidence, **placed
                 )  # fmt: skip
             )
     return found
@@ -191,6 +243,8 @@ def _protocol(context: GateContext, windows: int) -> dict:
     return {
         "seq_len": policy.seq_len if context.scores_source == "gate" else context.scores["candidate"]["seq_len"],
         "windows": windows,
+        "window_positions": positions_of(context, windows),
+        "block_windows": policy.block_windows,
         "measured_by": context.scores_source,
         "confidence": context.window_confidence,
         "decide": context.policy.decide,

@@ -138,10 +138,14 @@ def _ratio_interval(result):
 
 
 def test_limits_around_a_measured_ratio_give_all_three_verdicts(pair, texts, tmp_path):
-    policy = {**WINDOW_LAYERS, "perplexity": {"seq_len": 128, "max_windows": 24}, "kl": {"max_mean": 10.0}}
+    # one check's three verdicts, so no familywise widening of its BLOCK (tested on its own below)
+    policy = {
+        **WINDOW_LAYERS, "familywise": False, "perplexity": {"seq_len": 128, "max_windows": 24},
+        "kl": {"max_mean": 10.0},
+    }  # fmt: skip
     first = run_gate(pair["candidate"], pair["baseline"], policy, tmp_path / "first", evaluation_texts=texts)
     check = _ratio_interval(first)
-    assert check.low < check.estimate < check.high and check.estimate > 1.0
+    assert check.low < check.estimate < check.high
     for limit, expected in ((check.estimate, "inconclusive"), (check.high * 1.02, "pass"), (check.low * 0.98, "block")):
         limited = {**policy, "perplexity": {**policy["perplexity"], "max_ratio": float(limit)}}
         result = run_gate(pair["candidate"], pair["baseline"], limited, tmp_path / expected, evaluation_texts=texts)
@@ -212,7 +216,11 @@ def test_passes_the_caller_measured_are_judged_before_any_model_loads(pair, toke
     }
     loaded = []
     monkeypatch.setattr(loading, "load_for_eval", lambda source: loaded.append(source))
-    policy = {"layers": ["perplexity", "json"], "backend": "transformers", "perplexity": {"max_ratio": 0.99}}
+    # six windows side by side: read one by one here (block_windows=1), two blocks of four would decide nothing
+    policy = {
+        "layers": ["perplexity", "json"], "backend": "transformers",
+        "perplexity": {"max_ratio": 0.99, "block_windows": 1},
+    }  # fmt: skip
     result = run_gate(
         pair["candidate"], pair["baseline"], policy, tmp_path, evaluation_texts=texts, measured=measured
     )  # fmt: skip
@@ -256,3 +264,13 @@ def test_the_policy_defaults_are_the_default_gate():
 
     default = OmegaConf.to_container(OmegaConf.load(recipes_dir() / "gate" / "default.yaml"))
     assert policy_dict(resolve_policy(default)) == policy_dict(GatePolicy())
+
+
+def test_the_gate_scores_windows_spread_over_the_text_not_its_first_ones(pair, texts, tmp_path):
+    """Windows side by side share a scene; a gate that scores a few of many windows takes them across the text."""
+    policy = {**WINDOW_LAYERS, "perplexity": {"seq_len": 64, "max_windows": 4}, "kl": {"max_mean": 10.0}}
+    result = run_gate(pair["candidate"], pair["baseline"], policy, tmp_path, evaluation_texts=texts)
+    protocol = result.to_dict()["layers"][0]["metrics"]["protocol"]
+    positions = protocol["window_positions"]
+    assert len(positions) == 4 and positions[0] == 0 and max(positions) > 4 * 4  # spread, not 0-3
+    assert protocol["block_windows"] == 4

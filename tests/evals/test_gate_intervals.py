@@ -1,0 +1,86 @@
+"""Gate v3's statistics: intervals over blocks of neighbouring windows, spread windows, familywise BLOCKs."""
+
+import math
+import random
+
+import pytest
+
+from compress.evals.gate import checks, stats
+from compress.evals.gate.policy import resolve_policy
+from compress.evals.gate.run import blocking_checks
+from compress.evals.gate.windows import spread_order
+
+
+def test_blocks_follow_stretches_of_adjacent_windows():
+    assert stats.blocks_of([0, 1, 2, 3, 4, 5, 6, 7, 8], 4) == [0, 0, 0, 0, 1, 1, 1, 1, 2]
+    assert stats.blocks_of([0, 8, 4, 12], 4) == [0, 2, 1, 3]  # spread windows: each its own block
+    assert stats.blocks_of([5, 6, 20, 21, 22], 2) == [0, 0, 1, 1, 2]
+    with pytest.raises(ValueError, match="at least one item"):
+        stats.blocks_of([0, 1], 0)
+
+
+def test_spread_windows_keep_the_independent_interval():
+    values = [random.Random(seed).gauss(0, 1) for seed in range(12)]
+    spread = stats.block_mean_interval(values, [3 * index for index in range(12)], 4)
+    independent = stats.mean_interval(values)
+    assert (spread.low, spread.high) == pytest.approx((independent.low, independent.high))
+
+
+def test_a_contiguous_run_with_a_drifting_mean_gets_a_wider_interval():
+    """Two halves of one text at different levels (two scenes): windows side by side are not independent draws, and
+    reading the run in blocks must say so."""
+    rng = random.Random(0)
+    values = [(0.0 if index < 12 else 1.0) + rng.gauss(0, 0.2) for index in range(24)]
+    independent = stats.mean_interval(values)
+    blocked = stats.block_mean_interval(values, list(range(24)), 4)
+    assert blocked.estimate == pytest.approx(independent.estimate)
+    assert blocked.high - blocked.low > 1.5 * (independent.high - independent.low)
+
+
+def test_one_block_cannot_give_a_finite_interval():
+    interval = stats.block_mean_interval([0.1, 0.2, 0.3], [0, 1, 2], 4)
+    assert interval.low == -math.inf and interval.high == math.inf
+
+
+def test_spread_order_lists_every_window_once_and_any_prefix_is_spread():
+    for count in (1, 2, 7, 53, 64, 480):
+        order = spread_order(count)
+        assert sorted(order) == list(range(count))
+    order = spread_order(480)
+    for size in (12, 24):
+        prefix = sorted(order[:size])
+        gaps = [after - before for before, after in zip(prefix, prefix[1:], strict=False)]
+        assert min(gaps) >= 480 // (2 * size) and max(gaps) <= 2 * 480 // size
+
+
+def test_familywise_turns_a_marginal_block_inconclusive_and_keeps_a_clear_one():
+    rng = random.Random(1)
+    baseline = [rng.gauss(3.0, 0.3) for _ in range(24)]
+    candidate = [value + 0.06 + rng.gauss(0, 0.05) for value in baseline]
+    check = checks.ratio_check("perplexity", "perplexity", candidate, baseline, 1.05, 0.95)
+    assert check.verdict == "block"
+    margin = check.low * 0.9999  # a limit just under the 95% interval: blocks at 95%, not at 99.5%
+    marginal = checks.ratio_check("perplexity", "perplexity", candidate, baseline, margin, 0.95)
+    assert marginal.verdict == "block"
+    level = stats.familywise_confidence(0.95, 10)
+    assert level == pytest.approx(0.995)
+    assert checks.familywise(marginal, level).verdict == "inconclusive"
+    assert "familywise 99.50%" in marginal.summary and marginal.block_low < margin
+    clear = checks.ratio_check("perplexity", "perplexity", candidate, baseline, 1.0, 0.95)
+    assert checks.familywise(clear, level).verdict == "block" and clear.block_low > 1.0
+
+
+def test_familywise_never_touches_a_pass():
+    outcomes = [1.0] * 40
+    check = checks.drop_check("lm_eval", "acc", outcomes, outcomes, 30.0, 0.95)
+    assert check.verdict == "pass"
+    assert checks.familywise(check, 0.999).verdict == "pass" and check.block_confidence is None
+
+
+def test_the_family_counts_the_blocking_limits_the_policy_sets():
+    default = resolve_policy(None)
+    # perplexity 1, kl 1, lm_eval 1 (the local task), json 2, needle 1, long_context 3 (one per task), latency 1
+    assert blocking_checks(default, default.layers) == 10
+    fewer = resolve_policy({"json": {"blocking": False}, "latency": {"enabled": False}})
+    assert blocking_checks(fewer, fewer.layers) == 7
+    assert blocking_checks(default, ["perplexity", "kl"]) == 2
