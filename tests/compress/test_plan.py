@@ -1,16 +1,23 @@
 """The pre-flight plan: read from headers only, a disk figure that matches the checkpoint written, one-line refusals."""
 
+import copy
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from compress import oneshot
 from compress.__main__ import main
 from compress.compression import compress_model
+from compress.paths import recipes_dir
 from compress.errors import CompressError
-from compress.plan import Plan, Probe, estimate, model_shape
-from compress.recipe import compose
+from compress.plan import ModelShape, Plan, Probe, estimate, model_shape
+from compress.recipe import available, compose
 from compress.resume import WalkProgress
 from compress.stages import build_chain
 
@@ -112,3 +119,56 @@ def test_awq_with_gptq_rounding_is_planned_as_awq_scales_plus_gptq(tiny_model_di
     gptq_alone = compress_seconds("gptq_int4")
     assert gptq[0] > max(rtn[0], scales_only[0], gptq_alone[0])
     assert gptq[1] >= gptq_alone[1]
+
+
+# The default model's dimensions (SmolLM2-135M's config.json: 30 layers, hidden 576, 9 query / 3 KV heads of 64,
+# MLP 1536, vocab 49152, tied embeddings), in bfloat16 files: a shape with every term of the plan well above zero.
+SMOLLM2 = ModelShape(
+    layers=30,
+    hidden=576,
+    vocab=49152,
+    layer_params=2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576 + 2 * 576,
+    outside_params=49152 * 576 + 576,
+    linears=[(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)],
+    stored_bytes=2 * 134_515_008,
+    other_files_bytes=3_500_000,
+    dtype_bytes=2,
+)
+RECORDED = Path(__file__).with_name("plan_estimates.json")
+
+
+def adapters_for(recipe: str) -> list[str]:
+    """An adapter for each adapter-merging stage, which a recipe leaves to the command line (never read here)."""
+    stages = yaml.safe_load((recipes_dir() / f"{recipe}.yaml").read_text())["stages"]
+    return [f"stages.{i}.adapters=[adapter]" for i, stage in enumerate(stages) if stage["type"] == "lora_merge"]
+
+
+def recorded_estimates() -> dict[str, dict]:
+    """Every shipped recipe's plan on ``SMOLLM2`` with a fixed probe, as run plans it and as a run with no
+    evaluation (the model-free route for data-free chains); all but the process's own RSS."""
+    found = {}
+    for recipe in available():
+        composed = compose(recipe, adapters_for(recipe))
+        for label, perplexity in (("run", composed.eval.perplexity), ("no_eval", False)):
+            config = copy.deepcopy(composed)
+            config.eval.perplexity = perplexity
+            plan = estimate(SMOLLM2, build_chain(config.stages), config, "smollm2", Probe(10.0), eval_tokens=30_000)
+            found[f"{recipe}/{label}"] = {
+                "phases_ram_mb": plan.phases_ram_mb,
+                "disk_mb": plan.disk_mb,
+                "seconds": plan.seconds,
+                "progress_mb": plan.progress_mb,
+                "accelerator_mb": plan.accelerator_mb,
+                "notes": plan.notes,
+            }
+    return found
+
+
+def test_the_shipped_recipes_plans_stay_as_recorded():
+    """The plan's numbers for every shipped recipe, recorded before stages declared their own costs (round five):
+    moving the cost model into the stages must not change any of them. ``COMPRESS_RECORD_PLANS=1`` records anew
+    (only for a deliberate change of the model)."""
+    found = recorded_estimates()
+    if os.environ.get("COMPRESS_RECORD_PLANS") == "1":
+        RECORDED.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
+    assert found == json.loads(RECORDED.read_text())
