@@ -3,6 +3,7 @@
 import copy
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,13 @@ from transformers import AutoModelForCausalLM
 from compress import oneshot
 from compress.__main__ import main
 from compress.compression import compress_model
-from compress.paths import recipes_dir
 from compress.errors import CompressError
+from compress.paths import recipes_dir
 from compress.plan import ModelShape, Plan, Probe, estimate, model_shape
 from compress.recipe import available, compose
 from compress.resume import WalkProgress
-from compress.stages import build_chain
+from compress.stages import STAGES, Stage, build_chain
+from compress.stages.base import LayerWork
 
 
 def test_shape_comes_from_headers_and_matches_the_weights(tiny_model_dir):
@@ -172,3 +174,44 @@ def test_the_shipped_recipes_plans_stay_as_recorded():
     if os.environ.get("COMPRESS_RECORD_PLANS") == "1":
         RECORDED.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
     assert found == json.loads(RECORDED.read_text())
+
+
+@dataclass
+class ToyConfig:
+    seconds: float = 0.0  # per layer
+    squares: int = 0  # working memory: this many fp32 squares of the widest input
+    streams: int = 0
+
+
+class ToyStage(Stage):
+    """A new stage that prices its own work: the plan must take its numbers, having never heard of it."""
+
+    name = "toy"
+    Config = ToyConfig
+
+    def extra_streams(self) -> int:
+        return self.config.streams
+
+    def working_bytes(self, work: LayerWork) -> float:
+        return self.config.squares * work.widest * work.widest * 4
+
+    def layer_seconds(self, work: LayerWork) -> float:
+        return self.config.seconds
+
+
+def test_a_new_stage_is_planned_by_its_own_declared_cost(tiny_model_dir, monkeypatch):
+    monkeypatch.setitem(STAGES, "toy", ToyStage)  # a new stage: its file and its registration
+    shape = model_shape(tiny_model_dir)
+    config = compose("rtn_int4", ["stages.0.group_size=32", "eval.perplexity=false"], str(tiny_model_dir))
+
+    def plan(**cost) -> Plan:
+        return estimate(shape, build_chain([{"type": "toy", **cost}]), config, "tiny", Probe(10.0), eval_tokens=0)
+
+    free, costly = plan(), plan(seconds=7.0, squares=1000, streams=3)
+    assert costly.seconds["compress"] - free.seconds["compress"] == pytest.approx(shape.layers * 7.0)
+    activations = config.data.num_samples * config.data.seq_len * shape.hidden * 4
+    widest = max(i for _, i in shape.linears)
+    assert (costly.phases_ram_mb["compress"] - free.phases_ram_mb["compress"]) * 2**20 == pytest.approx(
+        3 * activations + 1000 * widest * widest * 4
+    )  # its streams and its working set
+    assert costly.progress_mb > free.progress_mb  # resuming keeps its streams' inputs too
