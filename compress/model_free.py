@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from compress import distributed
 from compress.calibration import restore_dtypes, upcast
 from compress.checkpoint import (
     CheckpointSummary,
@@ -45,7 +46,6 @@ from compress.stages import LayerContext, Stage, prepare_stages
 from compress.stages.hessian import input_groups
 from compress.stages.weights import target_linears
 
-MODEL_FREE_STAGES = ("rtn", "fp8", "w8a8")  # round-to-nearest stages whose process_layer treats each group alone
 SUPPORTED = "rtn (not NVFP4 W4A4), fp8 (activations=dynamic) or w8a8 (weights=rtn)"
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 ROUTER = ".mlp.gate"  # MoE routers: transformers' TopKRouter modules (not linears), kept dense by every stage
@@ -66,9 +66,16 @@ def model_free_eligible(stages: list[Stage]) -> str | None:
     stage = stages[0]
     if stage.needs_calibration:
         return f"stages.0 ({stage.name}) calibrates on layer inputs ({stage.algorithm()}); use {SUPPORTED}"
-    if stage.name not in MODEL_FREE_STAGES:
+    if not stage.runs_model_free:
         return f"stages.0 ({stage.name}) is not a round-to-nearest weight quantizer; use {SUPPORTED}"
     return None
+
+
+def goes_model_free(config, stages: list[Stage]) -> bool:
+    """The run's route, which ``compress.pipeline`` takes and the plan predicts: a checked ``RunConfig`` whose chain
+    is data-free (above) and that asks no perplexity pass, in one process, is quantized here from the weight files;
+    every other run walks the layers (``compress.compression``)."""
+    return not config.eval.perplexity and not distributed.active() and model_free_eligible(stages) is None
 
 
 def quantize_model_free(

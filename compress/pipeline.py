@@ -24,11 +24,11 @@ from compress.distributed import select_device
 from compress.errors import CompressError
 from compress.evaluation import EvaluationText, RunEvaluation, release_gate
 from compress.memory import release_freed_memory
-from compress.model_free import quantize_model_free
+from compress.model_free import goes_model_free, quantize_model_free
 from compress.models import check_model_source, load, resolve_model_path
 from compress.moe import unfuse_experts
 from compress.paths import artifacts_dir
-from compress.plan import goes_model_free, preflight
+from compress.plan import preflight
 from compress.report import Timer, peak_rss_mb, run_metrics, run_report, write_report
 from compress.resume import WalkProgress, open_for_run, run_progress_folder
 from compress.rundir import raise_if_terminated, sigterm_as_interrupt, staged_run_folder

@@ -6,11 +6,13 @@ The model (``docs/run.md``, "The plan"):
 - **RAM**: this process as it stands (interpreter, torch, transformers: measured, not guessed) plus the largest of
   the run's phases. The pipeline streams the model layer by layer in every phase, so a phase holds the parts outside
   the decoder stack, one layer widened to fp32, the activations of every calibration (or evaluation) token at the
-  hidden width, and the phase's own working set (an evaluation's logits, GPTQ's Hessians, SignRound's autograd).
+  hidden width, and the phase's own working set (an evaluation's logits; in compression, what each stage declares it
+  holds: Hessians, autograd, ...).
 - **Disk**: the checkpoint as the formats store it (``compress.formats``: codes, scales, zero points), plus what
   stays dense in the save dtype; the run folder is staged next to its final place and renamed, so nothing doubles.
 - **Time**: floating-point operations per phase divided by the probe's measured fp32 matmul rate, times an
-  efficiency factor per kind of work fitted once on the default model on a 2-core CPU (``EFFICIENCY``).
+  efficiency factor per kind of work fitted once on the default model on a 2-core CPU; each stage prices its own
+  work per layer (``Stage.layer_seconds``, ``working_bytes``, ``extra_streams``), so no stage is named here.
 """
 
 from __future__ import annotations
@@ -29,18 +31,18 @@ from compress.calibration_set import SAMPLING_BATCH, generated_windows, spec_for
 from compress.errors import CompressError, EnvironmentFailure
 from compress.formats import w4a16, w8a8
 from compress.memory import current_rss_mb
+from compress.model_free import goes_model_free
 from compress.quant import FP4_GROUP_SIZES
+from compress.stages.base import FORWARD_EFFICIENCY, LayerWork
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I8": 1}
 DTYPE_BYTES.update({"U8": 1, "I16": 2, "BOOL": 1})
 MB = 2**20
 log = logging.getLogger(__name__)
-# Reached rate ÷ probe rate, per kind of work (a first fit on SmolLM2-135M, fp32, 2 CPU cores): a layer's forward
-# on a batch of thousands of tokens runs at about the probe's rate; AWQ's candidate errors and SignRound's small
-# forward + backward batches at about half; elementwise work (round-to-nearest) is bound by memory, not arithmetic.
-EFFICIENCY = {"forward": 1.0, "sample": 0.2, "awq": 0.5, "signround": 0.5, "elementwise": 0.003}
+# Reached rate ÷ probe rate of sampling calibration windows from the model: one token per forward pass of a batch
+# (a first fit on SmolLM2-135M, fp32, 2 CPU cores); a forward's and each stage's own are declared with the stages.
+SAMPLE_EFFICIENCY = 0.2
 READ_BYTES_PER_SECOND = 200 * MB  # a layer read from its weight file and widened (lazy loading)
-COLUMN_SECONDS = 1e-4  # GPTQ's column walk: a handful of small tensor calls per column
 HEAD_CHUNK = 128  # positions whose logits exist at once in a perplexity pass (evals/perplexity.py)
 # Decoder layers whose weight-file pages stay resident while the model is read lazily (memory-mapped safetensors:
 # pages read stay in the process's RSS until the kernel reclaims them); fit on the default model's runs.
@@ -229,33 +231,32 @@ def estimate(
     if sampled:
         cache = 2 * shape.layers * SAMPLING_BATCH * data.seq_len * shape.hidden * shape.dtype_bytes  # keys and values
         phases["sample"] = shape.params * shape.dtype_bytes + cache + SAMPLING_BATCH * shape.vocab * fp32 * 2
-    streams = 2 + sum(_extra_streams(s) for s in stages)
-    widest = max((i for _, i in shape.linears), default=shape.hidden)
-    largest = max((o * i for o, i in shape.linears), default=0)
-    working = max((_working_bytes(s, shape, widest, largest, data.seq_len) for s in stages), default=0)
+    rate = probe.gflops * 1e9
+    work = LayerWork(shape.layer_params, shape.hidden, shape.linears, calibration_tokens, data.seq_len, rate)
+    streams = 2 + sum(s.extra_streams() for s in stages)
+    working = max((s.working_bytes(work) for s in stages), default=0)
     phases["compress"] = mapped + 2 * layer32 + calibration_tokens * hidden_act * streams + working
     model_free = goes_model_free(config, stages)
     if model_free:  # one group of linears (or the embedding) read, widened and quantized
         embedding = shape.vocab * shape.hidden * (shape.dtype_bytes + fp32)
-        phases["compress"] = max(2 * largest * (shape.dtype_bytes + fp32), embedding)
+        phases["compress"] = max(2 * work.largest * (shape.dtype_bytes + fp32), embedding)
     host = current_rss_mb() + max(phases.values()) / MB
     # on an accelerator each phase holds the same working set there, less the weight pages mapped on the host
     accelerator = max(v - mapped for v in phases.values()) / MB if accelerated else None
 
-    rate = probe.gflops * 1e9
     layer_flops = 2 * shape.layer_params + 2 * data.seq_len * shape.hidden  # per token: weights + attention
     token_flops = shape.layers * layer_flops + 2 * shape.hidden * shape.vocab
     seconds = {}
     if evaluation.perplexity:
         passes = 2 + (evaluation.reference == "rtn")
-        seconds["evaluate"] = passes * eval_tokens * token_flops / (rate * EFFICIENCY["forward"])
+        seconds["evaluate"] = passes * eval_tokens * token_flops / (rate * FORWARD_EFFICIENCY)
     if sampled:  # one token per forward pass of a batch: far below the matmul rate (0 when cached)
-        seconds["sample"] = sampled * data.seq_len * token_flops / (rate * EFFICIENCY["sample"])
+        seconds["sample"] = sampled * data.seq_len * token_flops / (rate * SAMPLE_EFFICIENCY)
     calibrated = any(stage.needs_calibration for stage in stages)
-    walk = calibration_tokens * layer_flops / (rate * EFFICIENCY["forward"]) if calibrated else 0.0  # the forward
+    walk = calibration_tokens * layer_flops / (rate * FORWARD_EFFICIENCY) if calibrated else 0.0  # the forward
     compress = shape.layers * (walk + shape.layer_params * shape.dtype_bytes / READ_BYTES_PER_SECOND)
     for stage in stages:
-        compress += shape.layers * _stage_seconds(stage, shape, calibration_tokens, data.seq_len, rate)
+        compress += shape.layers * stage.layer_seconds(work)
     seconds["compress"] = compress
     seconds["save"] = disk / (200 * MB)  # writing the checkpoint: ~200 MB/s including serialization
     notes = []
@@ -268,77 +269,6 @@ def estimate(
     elif config.resume:  # every finished layer as the walk holds it, and each rank's last two cursors of inputs
         progress = shape.layers * layer_bytes + 2 * calibration_tokens * hidden_act * (streams - 1) * calibrated
     return Plan(model_name, host, phases_mb, disk / MB, seconds, probe.gflops, accelerator, notes, progress / MB)
-
-
-def _extra_streams(stage) -> int:
-    """Activation copies beyond the walk's inputs and outputs: full-precision streams and targets."""
-    if stage.name == "signround":
-        return 2
-    return 1 if getattr(stage.config, "input_correction", False) else 0
-
-
-def goes_model_free(config, stages: list) -> bool:
-    """What ``run`` decides (``compress.pipeline``): a data-free chain with no perplexity pass, in one process."""
-    from compress.distributed import active
-    from compress.model_free import model_free_eligible
-
-    return not config.eval.perplexity and not active() and model_free_eligible(stages) is None
-
-
-def _gptq_working_bytes(widest: int, largest: int) -> float:
-    """GPTQ's peak beyond the layer: H, its inverse and the Cholesky factor of the widest input, and working copies
-    of the largest stacked weight (gate/up) while compensating."""
-    fp32 = DTYPE_BYTES["F32"]
-    return 3 * widest * widest * fp32 + 4 * 2 * largest * fp32
-
-
-def _working_bytes(stage, shape: ModelShape, widest: int, largest: int, seq_len: int) -> float:
-    """A stage's own peak beyond the layer and the activations."""
-    fp32 = DTYPE_BYTES["F32"]
-    if stage.name in ("gptq", "w8a8", "mixed", "sparsegpt", "signround"):
-        autograd = 0
-        if stage.name == "signround":
-            autograd = stage.config.batch_size * seq_len * (12 * shape.hidden + 6 * widest) * fp32
-            autograd += 3 * shape.layer_params * fp32  # offsets, clip ratios, gradients, best iterate
-        return _gptq_working_bytes(widest, largest) + autograd
-    if stage.name in ("awq", "smoothquant"):
-        search = 4 * widest * widest * fp32 + 2 * largest * fp32
-        if getattr(stage.config, "rounding", "rtn") == "gptq":  # the GPTQ rounding after the search
-            return max(search, _gptq_working_bytes(widest, largest))
-        return search
-    return 2 * largest * fp32
-
-
-def _stage_seconds(stage, shape: ModelShape, tokens: int, seq_len: int, rate: float) -> float:
-    """One layer's work in a stage beyond the walk's own forward."""
-    layer_forward = 2 * shape.layer_params * tokens / (rate * EFFICIENCY["forward"])
-    if stage.name in ("gptq", "w8a8", "mixed", "sparsegpt"):
-        return layer_forward + _gptq_seconds(shape, tokens, rate)
-    if stage.name == "awq":
-        c = stage.config
-        gptq_rounding = c.rounding == "gptq"
-        candidates = c.grid * (2 if c.duo_scaling == "both" else 1)
-        candidates += c.clip_grid if c.clip and not gptq_rounding else 0  # GPTQ does its own clipping search
-        search = sum(candidates * 2 * o * i * i for o, i in shape.linears) / (rate * EFFICIENCY["awq"])
-        rounding = layer_forward + _gptq_seconds(shape, tokens, rate) if gptq_rounding else 0.0
-        return layer_forward + search + rounding
-    if stage.name == "signround":
-        c = stage.config
-        steps = c.iterations * 3 * 2 * shape.layer_params * c.batch_size * seq_len  # forward + backward
-        start = _gptq_seconds(shape, tokens, rate) + layer_forward if c.init == "gptq" else 0.0
-        return start + layer_forward + steps / (rate * EFFICIENCY["signround"])
-    if stage.needs_calibration:
-        return layer_forward
-    return 20 * shape.layer_params / (rate * EFFICIENCY["elementwise"])
-
-
-def _gptq_seconds(shape: ModelShape, tokens: int, rate: float) -> float:
-    """Hessians (one per input: q/k/v and gate/up share theirs), the Cholesky factors and the column walk, whose
-    per-column tensor calls (``COLUMN_SECONDS`` each column) outweigh its arithmetic at these widths."""
-    shared = 4 / 7  # a dense layer's 7 linears read 4 distinct inputs (q/k/v and gate/up share theirs)
-    hessians = sum(shared * tokens * i * i + i**3 for _, i in shape.linears) / (rate * EFFICIENCY["forward"])
-    columns = sum(i for _, i in shape.linears) * COLUMN_SECONDS
-    return hessians + columns
 
 
 def plan_for(config, stages: list, model_folder: Path) -> Plan:

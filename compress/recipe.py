@@ -3,8 +3,10 @@ both the library (``compress.oneshot``) and the command line (``python -m compre
 same files, checks and one-line errors apply to both.
 
 Hydra composes ``recipes/<recipe>.yaml`` with the ``model/``, ``data/`` and ``gate/`` groups against the run schema
-(``compress.config``); shortcuts (``model=<folder or hub id>``, ``data=<file or dataset>``) are resolved first, and
-stage arguments the recipe file leaves at their defaults are made settable.
+(``compress.config``); the recipe's name (run id, ``recipe.yaml``, MLflow tag, report) is its file name, so a copied
+file names its runs by itself (a ``recipe:`` key that says otherwise is refused); shortcuts (``model=<folder or hub
+id>``, ``data=<file or dataset>``) are resolved first, and stage arguments the recipe file leaves at their defaults
+are made settable.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def compose_job(recipe: str, overrides: list[str]) -> RunConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException, MissingConfigException
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from compress.config import RunConfig, build_run_config
@@ -124,7 +127,19 @@ def compose_job(recipe: str, overrides: list[str]) -> RunConfig:
         raise CompressError(str(error).strip().splitlines()[0] + options) from None
     except (HydraException, OmegaConfBaseException) as error:
         raise config_error(error, schema=RunConfig) from None
+    written = None if OmegaConf.is_missing(composed, "recipe") else composed.recipe
+    check_recipe_name(recipes_dir() / f"{recipe}.yaml", written)
+    composed.recipe = recipe
     return build_run_config(composed)
+
+
+def check_recipe_name(path: Path, written: object) -> None:
+    """A recipe in the recipes folder is named by its file: Hydra picks it by file name, so a ``recipe:`` key inside
+    that disagrees (a copy of another recipe) would label the run, its checkpoint and its MLflow run as the other."""
+    if written is not None and written != path.stem:
+        raise CompressError(
+            f"{path.name} says recipe: {written}, but a recipe is named by its file ({path.stem}); delete that line"
+        )
 
 
 def compose(recipe: RecipeLike, overrides: Sequence[str] = (), model: str | None = None) -> RunConfig:

@@ -57,6 +57,7 @@ class W8A8Stage(GPTQStage):
 
     name = "w8a8"
     Config = W8A8Config
+    runs_model_free = True  # with weights=rtn, when it reads no calibration inputs
 
     def __init__(self, config: W8A8Config):
         super().__init__(config)
@@ -127,6 +128,7 @@ class FP8Stage(WeightQuantizerStage):
 
     name = "fp8"
     Config = FP8Config
+    runs_model_free = True  # with dynamic activations, when it reads no calibration inputs
 
     def __init__(self, config: FP8Config):
         super().__init__(config)

@@ -29,9 +29,17 @@ from compress import distributed
 from compress.calibration import observe_inputs
 from compress.errors import CompressError
 from compress.quant import fake_quantize
-from compress.stages.base import LayerContext
+from compress.stages.base import LayerContext, LayerWork
 from compress.stages.gptq import GPTQConfig, GPTQStage
-from compress.stages.mappings import Mapping, family_mappings, fold_scale, layer_mappings, previous_width
+from compress.stages.hessian import hessian_walk_bytes, hessian_walk_seconds
+from compress.stages.mappings import (
+    Mapping,
+    family_mappings,
+    fold_scale,
+    layer_mappings,
+    previous_width,
+    scale_search_bytes,
+)
 from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, target_linears
 
 
@@ -64,6 +72,23 @@ def output_error(delta: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
 class AWQStage(WeightQuantizerStage):
     name = "awq"
     Config = AWQConfig
+    SEARCH_EFFICIENCY = 0.5  # candidate errors reach about half the probe's matmul rate (fit on the default model)
+
+    def working_bytes(self, work: LayerWork) -> float:
+        if self.config.rounding == "gptq":  # GPTQ's rounding after the search
+            return max(scale_search_bytes(work), hessian_walk_bytes(work))
+        return scale_search_bytes(work)
+
+    def layer_seconds(self, work: LayerWork) -> float:
+        """Its own forward, every candidate scale's (and clipping ratio's) output error, and GPTQ's rounding when
+        asked (which does its own clipping search, so AWQ's is skipped)."""
+        c = self.config
+        gptq_rounding = c.rounding == "gptq"
+        candidates = c.grid * (2 if c.duo_scaling == "both" else 1)
+        candidates += c.clip_grid if c.clip and not gptq_rounding else 0
+        search = sum(candidates * 2 * o * i * i for o, i in work.linears) / (work.rate * self.SEARCH_EFFICIENCY)
+        rounding = work.forward_seconds() + hessian_walk_seconds(work) if gptq_rounding else 0.0
+        return work.forward_seconds() + search + rounding
 
     def algorithm(self) -> str:
         c = self.config

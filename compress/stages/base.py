@@ -7,6 +7,10 @@ Lifecycle, driven by ``compress.compression.compress_model``:
    ``needs_calibration`` (several consecutive stages share one walk over the layers); a stage that must see the
    whole model at once (``layerwise = False``: adapter merging, distillation) implements ``process_model`` instead;
 4. ``finalize(model)`` returns a summary for the report (what was done, per-layer statistics).
+
+A stage also prices its own work for the pre-flight plan (``compress.plan``, which names no stage): its activation
+streams, its working memory and its seconds per decoder layer, from a ``LayerWork``; and it says whether
+``compress.model_free`` may run it straight from the weight files (``runs_model_free``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,40 @@ from torch import nn
 from compress.calibration import LayerInputs
 from compress.errors import CompressError, did_you_mean, unknown_key_error
 from compress.quant import matches
+
+FP32_BYTES = 4
+# Reached rate ÷ probe rate for the work every stage shares (a first fit on SmolLM2-135M, fp32, 2 CPU cores): a
+# layer's forward on a batch of thousands of tokens runs at about the probe's rate; elementwise work (round-to-nearest)
+# is bound by memory, not arithmetic. A stage with its own kind of work declares its own (AWQ, SignRound).
+FORWARD_EFFICIENCY = 1.0
+ELEMENTWISE_EFFICIENCY = 0.003
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """What the pre-flight plan knows of one decoder layer's work before any weight is read, for a stage to price
+    its own: the layer's shape (safetensors headers), the calibration tokens and this machine's fp32 matmul rate."""
+
+    layer_params: int  # one decoder layer's parameters (all experts)
+    hidden: int
+    linears: list[tuple[int, int]]  # (out, in) of the layer's linears, experts one by one, routers excluded
+    tokens: int  # calibration tokens
+    seq_len: int  # calibration window length
+    rate: float  # the probe's fp32 matmul rate, FLOP/s
+
+    @property
+    def widest(self) -> int:
+        """The widest input of a linear (Hessians and scale searches are square in it)."""
+        return max((i for _, i in self.linears), default=self.hidden)
+
+    @property
+    def largest(self) -> int:
+        """The most weights of one linear."""
+        return max((o * i for o, i in self.linears), default=0)
+
+    def forward_seconds(self) -> float:
+        """The layer's forward over every calibration token, at the measured rate."""
+        return 2 * self.layer_params * self.tokens / (self.rate * FORWARD_EFFICIENCY)
 
 
 @dataclass
@@ -53,6 +91,9 @@ class Stage(ABC):
     quantizes_kv_cache: ClassVar[bool] = False  # calibrates KV-cache scales: one per recipe, its kv_cache_scheme saved
     merges_adapters: ClassVar[bool] = False  # merges adapters into dense weights: must precede any compression
     heals: ClassVar[bool] = False  # trains the compressed model back (distillation): must follow a compression
+    # process_layer treats each input group of linears alone, so without calibration inputs it can run from the
+    # weight files with no model built (compress.model_free)
+    runs_model_free: ClassVar[bool] = False
     teacher_position: int | None = None  # healing stages: set by build_chain to the first compressing stage
     metrics_sink: Callable[[dict[str, float], int], None] | None = None  # step metrics (loss curves) → MLflow
     seconds: float = 0.0  # wall time spent in this stage's own work (the pipeline adds it up for the report)
@@ -88,6 +129,23 @@ class Stage(ABC):
     def algorithm(self) -> str:
         """One line saying exactly what runs, with the settings that change the result (the report quotes it)."""
         return self.name
+
+    def extra_streams(self) -> int:
+        """Activation copies the stage keeps beyond the walk's inputs and outputs (full-precision inputs, targets),
+        each as large as the calibration activations."""
+        return 1 if getattr(self.config, "input_correction", False) else 0
+
+    def working_bytes(self, work: LayerWork) -> float:
+        """The stage's own peak memory beyond the layer and the activations: by default a quantized copy of the
+        largest linear and its scales."""
+        return 2 * work.largest * FP32_BYTES
+
+    def layer_seconds(self, work: LayerWork) -> float:
+        """One layer's work in this stage beyond the walk's own forward: by default one forward over the calibration
+        tokens when the stage reads them, else an elementwise pass over the weights."""
+        if self.needs_calibration:
+            return work.forward_seconds()
+        return 20 * work.layer_params / (work.rate * ELEMENTWISE_EFFICIENCY)
 
     def prepare(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
         """Fail fast on a model this stage cannot handle."""

@@ -31,12 +31,14 @@ from compress.formats import QuantizedLinear
 from compress.kernels.dequant import dequantize_codes
 from compress.memory import release_freed_memory
 from compress.quant import WeightScheme, all_finite
-from compress.stages.base import LayerContext
+from compress.stages.base import LayerContext, LayerWork
 from compress.stages.cross_moments import CrossMoments
 from compress.stages.fp4 import Fp4Grid
 from compress.stages.hessian import (
     cholesky_inverse_upper,
     collect_hessians,
+    hessian_walk_bytes,
+    hessian_walk_seconds,
     input_groups,
     one_thread,
     sequential_hessians,
@@ -288,6 +290,13 @@ class GPTQStage(WeightQuantizerStage):
         options += ["Hessian-weighted clipping search"] if c.clip_search else []
         options += ["input correction (GPTAQ)"] if c.input_correction else []
         return f"GPTQ ({', '.join(options) or 'plain'})"
+
+    def working_bytes(self, work: LayerWork) -> float:
+        return hessian_walk_bytes(work)
+
+    def layer_seconds(self, work: LayerWork) -> float:
+        """Its own forward (the layer's outputs for the next) and the Hessian walk."""
+        return work.forward_seconds() + hessian_walk_seconds(work)
 
     keep_positions = False  # set by a rounding optimizer that starts from GPTQ's solution (signround init=gptq)
 

@@ -26,7 +26,7 @@ from compress import distributed
 from compress.calibration import LayerInputs, _StopForward, checked_output, observe_inputs
 from compress.errors import CompressError
 from compress.moe import all_tokens_through_experts
-from compress.stages.base import LayerContext
+from compress.stages.base import FORWARD_EFFICIENCY, FP32_BYTES, LayerContext, LayerWork
 
 log = logging.getLogger(__name__)
 
@@ -334,3 +334,21 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+COLUMN_SECONDS = 1e-4  # the column walk (GPTQ, SparseGPT): a handful of small tensor calls per column
+
+
+def hessian_walk_bytes(work: LayerWork) -> float:
+    """The peak of a Hessian-compensated stage beyond the layer (GPTQ, SparseGPT): H, its inverse and the Cholesky
+    factor of the widest input, and working copies of the largest stacked weight (gate/up) while compensating."""
+    return 3 * work.widest * work.widest * FP32_BYTES + 4 * 2 * work.largest * FP32_BYTES
+
+
+def hessian_walk_seconds(work: LayerWork) -> float:
+    """Hessians (one per input: q/k/v and gate/up share theirs), the Cholesky factors and the column walk, whose
+    per-column tensor calls (``COLUMN_SECONDS`` each column) outweigh its arithmetic at these widths."""
+    shared = 4 / 7  # a dense layer's 7 linears read 4 distinct inputs (q/k/v and gate/up share theirs)
+    hessians = sum(shared * work.tokens * i * i + i**3 for _, i in work.linears) / (work.rate * FORWARD_EFFICIENCY)
+    columns = sum(i for _, i in work.linears) * COLUMN_SECONDS
+    return hessians + columns

@@ -27,6 +27,7 @@ from torch import nn
 
 from compress.calibration import decoder_layers
 from compress.errors import CompressError
+from compress.stages.base import FP32_BYTES, LayerWork
 
 
 @dataclass(frozen=True)
@@ -225,3 +226,9 @@ def fold_scale(
     for name in (*mapping.linears, *mapping.followers):
         linear = layer.get_submodule(name)
         linear.weight.data = (linear.weight.data.float() * per_input).to(linear.weight.dtype)
+
+
+def scale_search_bytes(work: LayerWork) -> float:
+    """The peak of a stage that chooses scales from the activations of a mapping (AWQ, SmoothQuant): the inputs'
+    statistics square in the widest input and candidate copies of the largest linear."""
+    return 4 * work.widest * work.widest * FP32_BYTES + 2 * work.largest * FP32_BYTES

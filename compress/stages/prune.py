@@ -29,10 +29,12 @@ from compress.errors import CompressError
 from compress.moe import check_weights_handled
 from compress.quant import all_finite
 from compress.sparsity import NMPattern, attach_mask, check_masks_held, mask_of, nm_keep_mask
-from compress.stages.base import LayerContext, Stage
+from compress.stages.base import LayerContext, LayerWork, Stage
 from compress.stages.hessian import (
     cholesky_inverse_upper,
     collect_hessians,
+    hessian_walk_bytes,
+    hessian_walk_seconds,
     input_groups,
     one_thread,
     sequential_hessians,
@@ -215,6 +217,13 @@ class SparseGPTStage(PruneStage):
     name = "sparsegpt"
     Config = SparseGPTConfig
     input_statistic = "gram"
+
+    def working_bytes(self, work: LayerWork) -> float:
+        return hessian_walk_bytes(work)
+
+    def layer_seconds(self, work: LayerWork) -> float:
+        """Its own forward and the Hessian walk (OBS updates column by column, as GPTQ's)."""
+        return work.forward_seconds() + hessian_walk_seconds(work)
 
     def prune(self, weight, statistic, name):
         c = self.config

@@ -23,6 +23,7 @@ class RTNStage(WeightQuantizerStage):
     name = "rtn"
     Config = RTNConfig
     needs_calibration = False  # except NVFP4 W4A4, whose input global scales are calibrated
+    runs_model_free = True
     formats = ("int", "nvfp4", "mxfp4")
 
     def algorithm(self) -> str:

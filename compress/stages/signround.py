@@ -43,10 +43,10 @@ from compress.formats import Fp4Linear, QuantizedLinear
 from compress.fp4 import e2m1_codes, stored_group_scales
 from compress.kernels.fp4 import E2M1_MAX, e2m1_to_float, effective_group_scales
 from compress.quant import WeightScheme, quantize
-from compress.stages.base import LayerContext
+from compress.stages.base import FP32_BYTES, LayerContext, LayerWork
 from compress.stages.fp4 import Fp4Grid, Fp4Layers
 from compress.stages.gptq import GPTQConfig, GPTQStage
-from compress.stages.hessian import input_groups
+from compress.stages.hessian import hessian_walk_bytes, hessian_walk_seconds, input_groups
 from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, target_linears
 
 TINY = torch.finfo(torch.float16).tiny
@@ -279,6 +279,24 @@ class SignRoundStage(WeightQuantizerStage):
     name = "signround"
     Config = SignRoundConfig
     formats = ("int", "nvfp4", "mxfp4")
+    STEP_EFFICIENCY = 0.5  # small forward + backward batches reach about half the probe's rate (default model)
+
+    def extra_streams(self) -> int:
+        return 2  # the full-precision inputs and the layer's full-precision outputs, its targets
+
+    def working_bytes(self, work: LayerWork) -> float:
+        """GPTQ's peak (its start) and autograd's: activations of a batch and, per weight, offsets, clipping
+        ratios, gradients and the best iterate."""
+        autograd = self.config.batch_size * work.seq_len * (12 * work.hidden + 6 * work.widest) * FP32_BYTES
+        autograd += 3 * work.layer_params * FP32_BYTES
+        return hessian_walk_bytes(work) + autograd
+
+    def layer_seconds(self, work: LayerWork) -> float:
+        """GPTQ's start when asked, its own forward, and forward + backward of every step."""
+        c = self.config
+        steps = c.iterations * 3 * 2 * work.layer_params * c.batch_size * work.seq_len
+        start = hessian_walk_seconds(work) + work.forward_seconds() if c.init == "gptq" else 0.0
+        return start + work.forward_seconds() + steps / (work.rate * self.STEP_EFFICIENCY)
 
     def algorithm(self) -> str:
         c = self.config

@@ -20,8 +20,8 @@ from compress.calibration import observe_inputs
 from compress.errors import CompressError
 from compress.moe import check_weights_handled
 from compress.quant import matches
-from compress.stages.base import LayerContext, Stage
-from compress.stages.mappings import family_mappings, fold_scale, layer_mappings
+from compress.stages.base import LayerContext, LayerWork, Stage
+from compress.stages.mappings import family_mappings, fold_scale, layer_mappings, scale_search_bytes
 
 
 @dataclass
@@ -38,6 +38,9 @@ class SmoothQuantStage(Stage):
     name = "smoothquant"
     Config = SmoothQuantConfig
     needs_dense_weights = True  # folds scales into weights: illegal once they are quantized
+
+    def working_bytes(self, work: LayerWork) -> float:
+        return scale_search_bytes(work)
 
     def prepare(self, model: nn.Module) -> None:
         check_weights_handled(model, self.name)

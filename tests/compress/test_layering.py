@@ -1,6 +1,7 @@
 """Imports point one way, down the declared order of layers (``LAYERS``, the README's architecture section), with no
 cycle among modules, for every module under compress/, evals/ and kernels/. Read from the source with ``ast``, so a
-lazy import inside a function counts as much as one at the top.
+lazy import inside a function counts as much as one at the top, and so does ``importlib.import_module`` of a name the
+source spells out (a string, an f-string's fixed package, or a module-level table of names).
 
 The third-party rules on top of the order:
 
@@ -10,14 +11,18 @@ The third-party rules on top of the order:
   scheme a checkpoint loads into); never Hydra, MLflow, lm-eval, the pipeline or the gate.
 * ``evals/`` may add the gate's own libraries (lm-eval, matplotlib, jsonschema, omegaconf for its policy schema,
   tqdm) and the runtime side of ``compress`` (engine, checkpoint, models, errors, data, formats, quant, and the
-  layer-walk and memory helpers ``compress.models`` itself uses: calibration, memory), but never
+  layer-walk, memory and location helpers ``compress.models`` itself uses: calibration, memory, paths), but never
   ``compress.pipeline``, ``compress.commands``, ``compress.tracking``, ``compress.config``, nor MLflow: the app layer
   records the gate's verdict.
+
+Each rule covers every file below its folder (``evals/gate/`` too), and the checkout's ``benchmarks/`` (not in the
+wheel) is loaded by the ``bench`` command alone.
 """
 
 from __future__ import annotations
 
 import ast
+import shutil
 import sys
 from pathlib import Path
 
@@ -41,6 +46,7 @@ EVALS_ALLOWED = RUNTIME_ALLOWED | {
     "compress.models",
     "compress.calibration",
     "compress.memory",
+    "compress.paths",
     "compress.data",
     "compress.typed",
     "lm_eval",
@@ -216,14 +222,63 @@ def test_the_order_and_cycle_checks_catch_what_they_should(tmp_path):
 
 def import_statements(path: Path) -> list[tuple[str, str | None]]:
     """``(module, name)`` for every absolute import in ``path`` at any depth: ``import x`` gives ``("x", None)``,
-    ``from x import y`` gives ``("x", "y")``."""
+    ``from x import y`` gives ``("x", "y")``, ``importlib.import_module("x")`` gives ``("x", None)``."""
+    tree = ast.parse(path.read_text(), str(path))
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(alias.name, None) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
             found += [(node.module, alias.name) for alias in node.names]
+    found += [(module, None) for module in dynamic_imports(tree)[0]]
     return found
+
+
+def dynamic_imports(tree: ast.Module) -> tuple[list[str], list[int]]:
+    """``(modules, lines)``: the modules that ``importlib.import_module`` / ``__import__`` calls load, as far as the
+    source spells them out (a string; an f-string's fixed package, ``f"compress.commands.{name}"`` →
+    ``compress.commands``; a name or subscript of a module-level constant, a string or a table of them: every string
+    it holds), and the lines of calls whose module cannot be read from the source."""
+    tables = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    tables[target.id] = node.value
+    modules, unread = [], []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and node.args and _imports_by_name(node.func)):
+            continue
+        names = _spelled_modules(node.args[0], tables)
+        modules += names
+        if not names:
+            unread.append(node.lineno)
+    return modules, unread
+
+
+def _imports_by_name(func: ast.expr) -> bool:
+    if isinstance(func, ast.Attribute):
+        return func.attr == "import_module" and isinstance(func.value, ast.Name) and func.value.id == "importlib"
+    return isinstance(func, ast.Name) and func.id in ("import_module", "__import__")
+
+
+def _spelled_modules(argument: ast.expr, tables: dict[str, ast.expr]) -> list[str]:
+    """The module names an ``import_module`` argument can take, read from the source; [] when it cannot be read."""
+    if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
+        return [argument.value]
+    if isinstance(argument, ast.JoinedStr):  # the fixed text before the first {field}, up to its last dot
+        head = argument.values[0] if argument.values else None
+        prefix = head.value if isinstance(head, ast.Constant) and isinstance(head.value, str) else ""
+        return [prefix.rsplit(".", 1)[0]] if "." in prefix else []
+    root = argument
+    while isinstance(root, ast.Subscript | ast.Attribute):
+        root = root.value
+    if not (isinstance(root, ast.Name) and root.id in tables):
+        return []
+    table = tables[root.id]
+    values = table.values if isinstance(table, ast.Dict) else [table]
+    values = [item for value in values for item in (value.elts if isinstance(value, ast.List | ast.Tuple) else [value])]
+    return [v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -238,8 +293,9 @@ def allowed(module: str, rules: set[str]) -> bool:
 
 
 def violations(folder: str, rules: set[str]) -> dict[str, list[str]]:
+    """Each file below ``folder`` (subfolders too) and the imports it makes that ``rules`` do not allow."""
     found = {}
-    for path in sorted((ROOT / folder).glob("*.py")):
+    for path in sorted((ROOT / folder).rglob("*.py")):
         name = str(path.relative_to(ROOT))
         bad = sorted(module for module in imported_modules(path) if not allowed(module, rules))
         if bad:
@@ -265,6 +321,64 @@ def test_the_rules_catch_an_upward_import(tmp_path, monkeypatch):
     (tmp_path / "evals" / "bad.py").write_text("def f():\n    from compress.tracking import flatten\n    import mlflow")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert violations("evals", EVALS_ALLOWED) == {"evals/bad.py": ["compress.tracking", "mlflow"]}
+
+
+PLANTED = """
+
+def _planted():
+    import importlib
+
+    from compress.commands.run import main
+
+    return main, importlib.import_module("compress.tracking")
+"""
+
+
+def test_both_rules_catch_an_upward_import_planted_in_a_subfolder(tmp_path, monkeypatch):
+    """A copy of ``evals/`` (its ``gate/`` subfolder too) passes both rules as it is; with a lazy import of the CLI
+    and an ``importlib`` import of MLflow's app module planted in ``gate/windows.py``, both report that file."""
+    shutil.copytree(ROOT / "evals", tmp_path / "evals", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("compress/commands/__init__.py", "compress/commands/run.py", "compress/tracking.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert violations("evals", EVALS_ALLOWED) == {} and upward_imports(project_imports(tmp_path)) == []
+    windows = tmp_path / "evals" / "gate" / "windows.py"
+    windows.write_text(windows.read_text() + PLANTED)
+    assert violations("evals", EVALS_ALLOWED) == {
+        "evals/gate/windows.py": ["compress.commands.run", "compress.tracking"]
+    }
+    assert upward_imports(project_imports(tmp_path)) == [
+        "compress.evals.gate.windows (evals) imports compress.commands.run (cli)",
+        "compress.evals.gate.windows (evals) imports compress.tracking (app)",
+    ]
+
+
+def test_importlib_imports_are_read_from_the_source():
+    """``bench`` loads the checkout's benchmarks through a table of names, ``__main__`` its command by an f-string:
+    both count as imports; a call whose module the source does not spell out would hide one, so none may exist."""
+    assert {("benchmarks.bench_kernels", None), ("benchmarks.kernel_peers", None)} <= set(
+        import_statements(ROOT / "compress" / "commands" / "bench.py")
+    )
+    assert ("compress.commands", None) in import_statements(ROOT / "compress" / "__main__.py")
+    unread = {
+        str(path.relative_to(ROOT)): lines
+        for folder in ("compress", "evals", "kernels")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if (lines := dynamic_imports(ast.parse(path.read_text()))[1])
+    }
+    assert unread == {}
+
+
+def test_only_the_bench_command_loads_the_checkouts_benchmarks():
+    """``benchmarks/`` is not in the wheel: a package module that imports it breaks an installed compress."""
+    users = {
+        str(path.relative_to(ROOT))
+        for folder in ("compress", "evals", "kernels")
+        for path in (ROOT / folder).rglob("*.py")
+        if any(module.split(".")[0] == "benchmarks" for module in imported_modules(path))
+    }
+    assert users == {"compress/commands/bench.py"}
 
 
 PIPELINE_USERS = {"compress/commands/run.py"}  # the CLI; its tests drive it through `main`

@@ -1,7 +1,14 @@
 """The pre-flight plan: read from headers only, a disk figure that matches the checkpoint written, one-line refusals."""
 
+import copy
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -9,10 +16,12 @@ from compress import oneshot
 from compress.__main__ import main
 from compress.compression import compress_model
 from compress.errors import CompressError
-from compress.plan import Plan, Probe, estimate, model_shape
-from compress.recipe import compose
+from compress.paths import recipes_dir
+from compress.plan import ModelShape, Plan, Probe, estimate, model_shape
+from compress.recipe import available, compose
 from compress.resume import WalkProgress
-from compress.stages import build_chain
+from compress.stages import STAGES, Stage, build_chain
+from compress.stages.base import LayerWork
 
 
 def test_shape_comes_from_headers_and_matches_the_weights(tiny_model_dir):
@@ -112,3 +121,97 @@ def test_awq_with_gptq_rounding_is_planned_as_awq_scales_plus_gptq(tiny_model_di
     gptq_alone = compress_seconds("gptq_int4")
     assert gptq[0] > max(rtn[0], scales_only[0], gptq_alone[0])
     assert gptq[1] >= gptq_alone[1]
+
+
+# The default model's dimensions (SmolLM2-135M's config.json: 30 layers, hidden 576, 9 query / 3 KV heads of 64,
+# MLP 1536, vocab 49152, tied embeddings), in bfloat16 files: a shape with every term of the plan well above zero.
+SMOLLM2 = ModelShape(
+    layers=30,
+    hidden=576,
+    vocab=49152,
+    layer_params=2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576 + 2 * 576,
+    outside_params=49152 * 576 + 576,
+    linears=[(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)],
+    stored_bytes=2 * 134_515_008,
+    other_files_bytes=3_500_000,
+    dtype_bytes=2,
+)
+RECORDED = Path(__file__).with_name("plan_estimates.json")
+
+
+def adapters_for(recipe: str) -> list[str]:
+    """An adapter for each adapter-merging stage, which a recipe leaves to the command line (never read here)."""
+    stages = yaml.safe_load((recipes_dir() / f"{recipe}.yaml").read_text())["stages"]
+    return [f"stages.{i}.adapters=[adapter]" for i, stage in enumerate(stages) if stage["type"] == "lora_merge"]
+
+
+def recorded_estimates() -> dict[str, dict]:
+    """Every shipped recipe's plan on ``SMOLLM2`` with a fixed probe, as run plans it and as a run with no
+    evaluation (the model-free route for data-free chains); all but the process's own RSS."""
+    found = {}
+    for recipe in available():
+        composed = compose(recipe, adapters_for(recipe))
+        for label, perplexity in (("run", composed.eval.perplexity), ("no_eval", False)):
+            config = copy.deepcopy(composed)
+            config.eval.perplexity = perplexity
+            plan = estimate(SMOLLM2, build_chain(config.stages), config, "smollm2", Probe(10.0), eval_tokens=30_000)
+            found[f"{recipe}/{label}"] = {
+                "phases_ram_mb": plan.phases_ram_mb,
+                "disk_mb": plan.disk_mb,
+                "seconds": plan.seconds,
+                "progress_mb": plan.progress_mb,
+                "accelerator_mb": plan.accelerator_mb,
+                "notes": plan.notes,
+            }
+    return found
+
+
+def test_the_shipped_recipes_plans_stay_as_recorded():
+    """The plan's numbers for every shipped recipe, recorded before stages declared their own costs (round five):
+    moving the cost model into the stages must not change any of them. ``COMPRESS_RECORD_PLANS=1`` records anew
+    (only for a deliberate change of the model)."""
+    found = recorded_estimates()
+    if os.environ.get("COMPRESS_RECORD_PLANS") == "1":
+        RECORDED.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
+    assert found == json.loads(RECORDED.read_text())
+
+
+@dataclass
+class ToyConfig:
+    seconds: float = 0.0  # per layer
+    squares: int = 0  # working memory: this many fp32 squares of the widest input
+    streams: int = 0
+
+
+class ToyStage(Stage):
+    """A new stage that prices its own work: the plan must take its numbers, having never heard of it."""
+
+    name = "toy"
+    Config = ToyConfig
+
+    def extra_streams(self) -> int:
+        return self.config.streams
+
+    def working_bytes(self, work: LayerWork) -> float:
+        return self.config.squares * work.widest * work.widest * 4
+
+    def layer_seconds(self, work: LayerWork) -> float:
+        return self.config.seconds
+
+
+def test_a_new_stage_is_planned_by_its_own_declared_cost(tiny_model_dir, monkeypatch):
+    monkeypatch.setitem(STAGES, "toy", ToyStage)  # a new stage: its file and its registration
+    shape = model_shape(tiny_model_dir)
+    config = compose("rtn_int4", ["stages.0.group_size=32", "eval.perplexity=false"], str(tiny_model_dir))
+
+    def plan(**cost) -> Plan:
+        return estimate(shape, build_chain([{"type": "toy", **cost}]), config, "tiny", Probe(10.0), eval_tokens=0)
+
+    free, costly = plan(), plan(seconds=7.0, squares=1000, streams=3)
+    assert costly.seconds["compress"] - free.seconds["compress"] == pytest.approx(shape.layers * 7.0)
+    activations = config.data.num_samples * config.data.seq_len * shape.hidden * 4
+    widest = max(i for _, i in shape.linears)
+    assert (costly.phases_ram_mb["compress"] - free.phases_ram_mb["compress"]) * 2**20 == pytest.approx(
+        3 * activations + 1000 * widest * widest * 4
+    )  # its streams and its working set
+    assert costly.progress_mb > free.progress_mb  # resuming keeps its streams' inputs too

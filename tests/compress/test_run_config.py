@@ -328,3 +328,33 @@ def test_the_api_sets_a_stage_key_the_recipe_file_leaves_at_its_default_as_the_c
 
     [stage] = compose("gptq_int4", ["stages.0.input_correction=true"]).stages
     assert stage["input_correction"] is True
+
+
+def copied_recipes(tmp_path: Path, monkeypatch) -> Path:
+    """A copy of the recipes folder that compress composes from (``$COMPRESS_RECIPES``)."""
+    folder = tmp_path / "recipes"
+    shutil.copytree(REPO / "recipes", folder)
+    monkeypatch.setenv("COMPRESS_RECIPES", str(folder))
+    return folder
+
+
+def test_a_copied_recipe_is_named_by_its_file_name(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Hydra picks ``recipes/<name>.yaml`` by file name; the run id, recipe.yaml, MLflow tag and report use the
+    composed ``recipe``: a copy must not carry its original's name into them."""
+    from compress.recipe import compose
+
+    folder = copied_recipes(tmp_path, monkeypatch)
+    shutil.copy(folder / "rtn_int4.yaml", folder / "my_rtn.yaml")
+    assert compose("my_rtn", model=str(tiny_model_dir)).recipe == "my_rtn"
+    assert main(["run", "recipe=my_rtn", f"model={tiny_model_dir}", "--cfg", "job"]) == 0
+    assert capsys.readouterr().out.startswith("recipe: my_rtn\n")
+
+
+def test_a_recipe_key_that_contradicts_the_file_name_is_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    from compress.recipe import compose
+
+    folder = copied_recipes(tmp_path, monkeypatch)
+    text = (folder / "rtn_int4.yaml").read_text().replace("stages:", "recipe: rtn_int4\nstages:", 1)
+    (folder / "my_rtn.yaml").write_text(text)  # a copy of a recipe that still says its original's name
+    with pytest.raises(CompressError, match=r"my_rtn.yaml says recipe: rtn_int4, but a recipe is named by its file"):
+        compose("my_rtn", model=str(tiny_model_dir))
