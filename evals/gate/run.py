@@ -23,7 +23,7 @@ from compress.evals.gate.policy import GatePolicy, policy_dict, resolve_policy
 from compress.evals.gate.report import clear_verdict, write_report
 from compress.evals.gate.result import GateResult, LayerResult
 from compress.evals.gate.stats import BLOCK, INCONCLUSIVE, PASS, familywise_confidence
-from compress.evals.gate.windows import cached_baseline
+from compress.evals.gate.windows import known
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,9 @@ def blocking_checks(policy: GatePolicy, selected: list[str]) -> int:
         layer = getattr(policy, name)
         if not (layer.enabled and layer.blocking):
             continue
-        if name == "lm_eval":
+        if name in WINDOW_LAYERS:
+            count += sum(getattr(layer, key) is not None for key in limits[name]) * (1 + len(policy.domains))
+        elif name == "lm_eval":
             count += (int(layer.local_task) + len(layer.tasks)) * (layer.max_drop_points is not None)
         elif name == "long_context":
             count += len(layer.tasks) * (layer.max_drop_points is not None)
@@ -168,7 +170,7 @@ def _needs(name: str, context: GateContext, subject: Subject) -> bool:
     if name not in WINDOW_LAYERS:
         return True
     try:
-        return not cached_baseline(context, subject)
+        return not known(context, subject)
     except Exception:  # noqa: BLE001 - measured (and failed closed) by the layer itself
         return True
 
@@ -282,6 +284,7 @@ def _prepare(
             ),
         }
         ids = tokenize(candidate_tokenizer, "\n\n".join(evaluation_texts))
+        domain_ids = _domain_ids(policy, selected, candidate_tokenizer)
         max_context = min(
             getattr(config, "max_position_embeddings", 2048) for config in (candidate_config, baseline_config)
         )
@@ -291,4 +294,15 @@ def _prepare(
         result.reasons.append(_setup_failed("prepare its inputs", error))
         return None
     context = GateContext(policy, list(evaluation_texts), ids, max_context, out_dir, selected=selected)
+    context.domain_ids = domain_ids
     return context, subjects
+
+
+def _domain_ids(policy: GatePolicy, selected: list[str], tokenizer) -> dict:
+    """The evaluation ids of each kind of text of the domain panel, when a window layer runs."""
+    if not policy.domains or not set(selected) & set(WINDOW_LAYERS):
+        return {}
+    from compress.data import domain_panel, load_corpus
+
+    panel = domain_panel()
+    return {name: tokenize(tokenizer, "\n\n".join(load_corpus(panel[name]).evaluation)) for name in policy.domains}

@@ -97,13 +97,43 @@ def window_plan(context: GateContext) -> tuple[int, int]:
     return first, cap
 
 
+def domain_contexts(context: GateContext) -> dict[str, GateContext]:
+    """One context per kind of text of the domain panel (``gate.domains``), made once from ``context``: the same
+    policy and sides, that domain's evaluation ids, its own scores and baseline reference."""
+    if context.domain_contexts is None:
+        context.domain_contexts = {
+            name: replace(
+                context,
+                evaluation_ids=ids,
+                scores={},
+                scores_source="gate",
+                reference=None,
+                reference_cached=None,
+                window_ids=None,
+                window_positions=[],
+                domain_ids={},
+                domain_contexts={},
+            )  # fmt: skip
+            for name, ids in context.domain_ids.items()
+        }
+    return context.domain_contexts
+
+
 def measure_windows(context: GateContext, subjects: list[Subject]) -> dict:
-    """Both layers' measurement, done once per side (the baseline first: the candidate's KL needs its reference)."""
-    for subject in sorted(subjects, key=lambda subject: subject.label != "baseline"):
-        if not cached_baseline(context, subject):
-            measure = _measure_baseline if subject.label == "baseline" else _measure_candidate
-            context.scores[subject.label] = measure(context, subject)
+    """Both layers' measurement, done once per side (the baseline first: the candidate's KL needs its reference), on
+    the evaluation text and on each domain of the panel."""
+    for each in (context, *domain_contexts(context).values()):
+        for subject in sorted(subjects, key=lambda subject: subject.label != "baseline"):
+            if not cached_baseline(each, subject):
+                measure = _measure_baseline if subject.label == "baseline" else _measure_candidate
+                each.scores[subject.label] = measure(each, subject)
     return {}
+
+
+def known(context: GateContext, subject: Subject) -> bool:
+    """Whether ``subject``'s passes are all known (given by the caller or cached) on every text the window layers
+    judge: then it need not be loaded for them."""
+    return all(cached_baseline(each, subject) for each in (context, *domain_contexts(context).values()))
 
 
 def _records_reference(context: GateContext) -> bool:
@@ -196,8 +226,11 @@ def cache_dir(policy: GatePolicy) -> Path:
     return Path(policy.cache_dir).expanduser() if policy.cache_dir else artifacts_dir() / "cache" / "gate-references"
 
 
-def window_checks(context: GateContext, candidate: dict, layers=("perplexity", "kl")) -> list[Check]:
-    """The perplexity and KL checks of ``candidate``'s windows against the same windows of the baseline."""
+def window_checks(
+    context: GateContext, candidate: dict, layers=("perplexity", "kl"), domain: str | None = None
+) -> list[Check]:
+    """The perplexity and KL checks of ``candidate``'s windows against the same windows of the baseline; on a
+    domain of the panel, each metric is named with it (``perplexity [code]``)."""
     baseline = context.scores["baseline"]
     count = len(candidate["window_nll"])
     candidate_nll, baseline_nll = candidate["window_nll"], baseline["window_nll"][:count]
@@ -211,13 +244,24 @@ def window_checks(context: GateContext, candidate: dict, layers=("perplexity", "
         if policy.max_ratio is not None:
             found.append(
                 gate_checks.ratio_check(
-                    "perplexity", "perplexity", candidate_nll, baseline_nll, policy.max_ratio, confidence, **placed
+                    "perplexity",
+                    _named("perplexity", domain),
+                    candidate_nll,
+                    baseline_nll,
+                    policy.max_ratio,
+                    confidence,
+                    **placed,
                 )  # fmt: skip
             )
         if policy.max_value is not None:
             found.append(
                 gate_checks.value_check(
-                    "perplexity", "perplexity_value", candidate_nll, policy.max_value, confidence, **placed
+                    "perplexity",
+                    _named("perplexity_value", domain),
+                    candidate_nll,
+                    policy.max_value,
+                    confidence,
+                    **placed,
                 )  # fmt: skip
             )
     divergence = candidate.get("divergence")
@@ -226,16 +270,55 @@ def window_checks(context: GateContext, candidate: dict, layers=("perplexity", "
         if policy.max_mean is not None:
             found.append(
                 gate_checks.mean_check(
-                    "kl", "kl_mean", divergence["window_kl"], policy.max_mean, True, confidence, **placed
+                    "kl",
+                    _named("kl_mean", domain),
+                    divergence["window_kl"],
+                    policy.max_mean,
+                    True,
+                    confidence,
+                    **placed,
                 )  # fmt: skip
             )
         if policy.min_same_top is not None:
             found.append(
                 gate_checks.mean_check(
-                    "kl", "same_top", divergence["window_same_top"], policy.min_same_top, False, confidence, **placed
+                    "kl",
+                    _named("same_top", domain),
+                    divergence["window_same_top"],
+                    policy.min_same_top,
+                    False,
+                    confidence,
+                    **placed,
                 )  # fmt: skip
             )
     return found
+
+
+def _named(metric: str, domain: str | None) -> str:
+    return metric if domain is None else f"{metric} [{domain}]"
+
+
+def _domain_checks(context: GateContext, layer: str) -> list[Check]:
+    return [
+        check
+        for name, each in domain_contexts(context).items()
+        for check in window_checks(each, each.scores["candidate"], (layer,), name)
+    ]
+
+
+def _panel(checks: list[Check]) -> dict:
+    """Each text's ratio and interval, and the worst of them: what the verdict line names."""
+    ratios = {_domain_of(check.metric): check for check in checks if check.metric.split(" [")[0] == "perplexity"}
+    domains = {
+        name: {"ratio": check.estimate, "low": check.low, "high": check.high, "windows": check.items}
+        for name, check in ratios.items()
+    }
+    worst = max(domains, key=lambda name: domains[name]["ratio"]) if domains else None
+    return {"domains": domains, "worst_domain": worst}
+
+
+def _domain_of(metric: str) -> str:
+    return metric.split(" [", 1)[1].rstrip("]") if " [" in metric else "evaluation"
 
 
 def _protocol(context: GateContext, windows: int) -> dict:
@@ -262,7 +345,10 @@ def judge_perplexity(context: GateContext, metrics: dict) -> tuple[dict, list[Ch
         ppl_ratio=candidate["perplexity"] / baseline_ppl,
         protocol=_protocol(context, count),
     )
-    return metrics, window_checks(context, candidate, ("perplexity",))
+    checks = window_checks(context, candidate, ("perplexity",)) + _domain_checks(context, "perplexity")
+    if context.domain_ids:
+        metrics.update(_panel(checks))
+    return metrics, checks
 
 
 def judge_kl(context: GateContext, metrics: dict) -> tuple[dict, list[Check]]:
@@ -274,4 +360,4 @@ def judge_kl(context: GateContext, metrics: dict) -> tuple[dict, list[Check]]:
     summary.update(context.scores["baseline"].get("divergence") or {})  # top_k and the tail mass it leaves out
     summary["reference_cached"] = context.reference_cached
     metrics.update(candidate=summary, protocol=_protocol(context, len(candidate["window_nll"])))
-    return metrics, window_checks(context, candidate, ("kl",))
+    return metrics, window_checks(context, candidate, ("kl",)) + _domain_checks(context, "kl")

@@ -84,3 +84,15 @@ def test_the_family_counts_the_blocking_limits_the_policy_sets():
     fewer = resolve_policy({"json": {"blocking": False}, "latency": {"enabled": False}})
     assert blocking_checks(fewer, fewer.layers) == 7
     assert blocking_checks(default, ["perplexity", "kl"]) == 2
+
+
+def test_each_domain_of_the_panel_adds_its_window_checks_to_the_family():
+    panel = resolve_policy({"domains": ["code", "technical"]})
+    assert blocking_checks(panel, panel.layers) == 10 + 2 * 2
+
+
+def test_an_unknown_domain_is_refused_naming_the_choices():
+    from compress.errors import CompressError
+
+    with pytest.raises(CompressError, match=r"gate.domains has unknown domains \['poetry'\]; choose from .*code"):
+        resolve_policy({"domains": ["poetry"]})

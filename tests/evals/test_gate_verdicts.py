@@ -274,3 +274,26 @@ def test_the_gate_scores_windows_spread_over_the_text_not_its_first_ones(pair, t
     positions = protocol["window_positions"]
     assert len(positions) == 4 and positions[0] == 0 and max(positions) > 4 * 4  # spread, not 0-3
     assert protocol["block_windows"] == 4
+
+
+def test_the_domain_panel_judges_each_kind_of_text_and_names_the_worst(pair, texts, tmp_path):
+    """gate.domains adds kinds of text to the perplexity and KL layers, each judged on its own interval; the verdict
+    line quotes the worst of them, named."""
+    policy = {
+        **WINDOW_LAYERS, "domains": ["code"], "perplexity": {"seq_len": 64, "max_windows": 4},
+        "kl": {"max_mean": 10.0},
+    }  # fmt: skip
+    result = run_gate(pair["candidate"], pair["baseline"], policy, tmp_path, evaluation_texts=texts)
+    perplexity, kl = result.layers[0], result.layers[1]
+    assert [check.metric for check in perplexity.checks] == ["perplexity", "perplexity [code]"]
+    assert [check.metric for check in kl.checks] == ["kl_mean", "kl_mean [code]"]
+    panel = perplexity.metrics["domains"]
+    assert set(panel) == {"evaluation", "code"} and panel["code"]["windows"] == 4
+    worst = perplexity.metrics["worst_domain"]
+    assert panel[worst]["ratio"] == max(row["ratio"] for row in panel.values())
+    assert (
+        result.headline()
+        == next(check for check in perplexity.checks if panel[worst]["ratio"] == check.estimate).describe()
+    )
+    code = next(check for check in perplexity.checks if check.metric == "perplexity [code]")
+    assert code.describe().startswith("perplexity [code] ×")
