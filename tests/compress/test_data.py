@@ -55,3 +55,17 @@ def test_calibration_windows_are_seeded_and_non_overlapping():
     assert calibration_samples(stream, 50, 100, seed=1).shape == (10, 100)  # only 10 windows exist
     with pytest.raises(CompressError, match="fewer than one window"):
         calibration_samples(torch.arange(10), 1, 100, seed=0)
+
+
+def test_the_domain_panel_ships_offline_and_never_overlaps_a_calibration_source():
+    """The gate's kinds of text (compress.data.domain_panel): code and technical prose come with Python itself;
+    none of their evaluation pieces is a piece of pydoc's topics (the shipped calibration source)."""
+    from compress.data import documents, domain_panel, load_corpus, pieces
+
+    pydoc = {piece for document in documents(DataSpec()) for piece in pieces(document)}
+    panel = domain_panel()
+    assert set(panel) == {"dialogue", "code", "technical"}
+    for name in ("code", "technical"):
+        evaluation = load_corpus(panel[name]).evaluation
+        assert len("".join(evaluation)) > 50_000 and not pydoc & set(evaluation), name
+    assert "def " in "".join(load_corpus(panel["code"]).evaluation)
