@@ -172,7 +172,10 @@ class Tracker:
 
         if self.parent is None:
             return
-        self.parent.metrics({"trials": len(result.trials), "passed": float(result.best is not None)})
+        undecided = verdict_counts(result.trials)[INCONCLUSIVE]
+        self.parent.metrics(
+            {"trials": len(result.trials), "trials_inconclusive": undecided, "passed": float(result.best is not None)}
+        )
         self.parent.tag("compress.search.outcome", result.line)
         if result.best is not None:
             self.parent.metrics({"best_bits_per_weight": result.best.bits_per_weight, "size_mb": result.best.size_mb})

@@ -373,6 +373,10 @@ def test_a_trial_planted_at_the_limit_scores_more_windows_and_is_recorded_undeci
     saved = json.loads((artifacts / "planted" / "search.json").read_text())
     assert saved["verdicts"] == {"pass": 0, "block": 0, "inconclusive": 1}
     assert "| INCONCLUSIVE: perplexity" in (artifacts / "planted" / "search.md").read_text()
+    from mlflow import MlflowClient
+
+    parent = MlflowClient(tracking_uri=f"sqlite:///{artifacts / 'mlflow.db'}").get_run(result.mlflow_run_id)
+    assert parent.data.metrics["trials_inconclusive"] == 1 and parent.data.metrics["passed"] == 0
 
 
 QUICK_LAYERS = ["perplexity", "kl", "lm_eval", "json", "needle", "long_context", "latency"]
