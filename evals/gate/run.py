@@ -222,9 +222,9 @@ def _run_layers(
     """Measure and judge each selected layer in order; the first BLOCK skips the layers after it.
 
     A side loads only when a layer still needs it, so layers whose numbers are known (the run's own perplexity
-    passes) are judged before any model loads. With one model in memory the baseline is measured and freed before
-    the candidate's side of the first layer that needs it: on every later layer at once, or with ``kept`` on the
-    window layers first and the others after the candidate's windows, so a trial that blocks there loads nothing
+    passes) are judged before any model loads. With one model in memory the baseline is measured on every layer
+    that needs it and freed before the candidate loads; with ``kept`` (a search) its window layers come first and
+    its other layers only after the candidate's windows did not block, so a trial that blocks there loads nothing
     more."""
     candidate, baseline = subjects["candidate"], subjects["baseline"]
     runs = [LayerRun(name) for name in selected]
@@ -234,7 +234,8 @@ def _run_layers(
     backend, engine_options = result.backend, dict(context.policy.engine)
     one_at_a_time = context.policy.models_in_memory == 1
     for index, run in enumerate(runs):
-        if one_at_a_time and not verdicts.blocked and _needs(run, context, baseline):
+        first_load = kept is None and candidate.model is None and _needs(run, context, candidate)
+        if one_at_a_time and not verdicts.blocked and (first_load or _needs(run, context, baseline)):
             _baseline_pass(runs[index:], context, subjects, verdicts, backend, engine_options, staged=kept is not None)
         sides = [side for side in (candidate, baseline) if not verdicts.blocked and _needs(run, context, side)]
         for side in sides:
@@ -263,6 +264,8 @@ def _baseline_pass(
             break
         if _needs(run, context, baseline):
             measured.append(run)
+    if not measured:
+        return
     subjects["candidate"].unload()
     if _loading(verdicts.blocked, baseline, backend, engine_options):
         for run in measured:
