@@ -449,3 +449,44 @@ def test_a_search_whose_trials_block_on_perplexity_measures_nothing_more(tiny_mo
     assert len(result.trials) == 2 and all(t.verdict == "block" for t in result.trials), result.line
     assert {layer for layer, _ in calls} <= {"perplexity", "kl"}, calls
     assert calls[("perplexity", "baseline")] == 1 and loads == {"baseline": 1, "candidate": 2}
+
+
+@pytest.mark.parametrize("models_in_memory", [1, 2])
+def test_a_gate_given_kept_baseline_measures_measures_no_baseline_layer_again(
+    tiny_model_dir, tmp_path, monkeypatch, models_in_memory
+):
+    """The seam a search's trials share (``run_gate(..., baseline_measures=)``): a second gate measures no baseline
+    layer again, except latency timed interleaved (two models in memory), which needs both sides at once; a gate on
+    another text starts afresh."""
+    import shutil
+
+    from compress.data import DataSpec, load_corpus
+    from compress.evals.gate import run_gate
+    from compress.evals.gate.run import BaselineMeasures
+
+    candidate = shutil.copytree(tiny_model_dir, tmp_path / "candidate")
+    calls, loads = _count_measurements(monkeypatch, tiny_model_dir)
+    policy = {
+        "models_in_memory": models_in_memory,
+        "backend": "transformers",
+        "layers": ["perplexity", "needle", "latency"],
+        "perplexity": {"seq_len": 64, "max_windows": 2},
+        "needle": {"context_lengths": [160], "depths": [0.5], "trials": 1},
+        "latency": {"prompt_tokens": 16, "new_tokens": 2, "repeats": 1, "warmup": 0, "blocking": False},
+    }
+    texts = load_corpus(DataSpec()).evaluation
+    kept = BaselineMeasures()
+    for number in (1, 2):
+        result = run_gate(candidate, tiny_model_dir, policy, tmp_path / f"{number}", evaluation_texts=texts,
+                          baseline_measures=kept)  # fmt: skip
+        assert result.layers[0].status == "pass" and all(
+            layer.status not in ("error", "skipped") for layer in result.layers
+        )
+    interleaved = models_in_memory == 2
+    assert {name: calls[(name, "baseline")] for name in policy["layers"]} == {
+        "perplexity": 1, "needle": 1, "latency": 2 if interleaved else 1,
+    }  # fmt: skip
+    assert all(calls[(name, "candidate")] == 2 for name in policy["layers"])
+    assert loads["baseline"] == 2  # one at a time: windows, then the rest; two: the first gate, interleaved latency
+    run_gate(candidate, tiny_model_dir, policy, tmp_path / "3", evaluation_texts=texts[1:], baseline_measures=kept)
+    assert calls[("perplexity", "baseline")] == calls[("needle", "baseline")] == 2
