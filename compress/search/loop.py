@@ -8,6 +8,7 @@ import math
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,34 +27,48 @@ from compress.search.spec import SEARCHABLE, SearchSpec
 from compress.stages import build_chain
 from compress.staging import sweep_stale_staging
 
+if TYPE_CHECKING:
+    from compress.evals.gate.run import BaselineMeasures
+
 log = logging.getLogger(__name__)
 
 
 def next_point(frontier: Frontier, trials: list[Trial], spec: SearchSpec, max_ratio: float | None) -> int | str:
-    """The frontier index of the next trial, or why the search ends: ``passed``, ``budget``."""
+    """The frontier index of the next trial, or why the search ends: ``passed``, ``budget``.
+
+    A trial the gate left INCONCLUSIVE (still undecided after ``gate.decide``'s extra windows) is not a pass, so the
+    search climbs past it, and not a block: it bounds no bisection, so the points below it stay open."""
     last = len(frontier) - 1
     if not trials:
         return 0 if spec.start_bits is None else frontier.at_most(spec.start_bits)
     passed = [t for t in trials if t.passed]
-    blocked = [t for t in trials if not t.passed]
+    failed = [t for t in trials if not t.passed]  # blocked or undecided: not a checkpoint the search may return
     if passed:
         best = min(passed, key=lambda t: t.point)
-        below = [t.point for t in blocked if t.point < best.point]
+        below = [t.point for t in failed if t.point < best.point and not t.undecided]
         low = max(below) if below else -1  # no block below: the frontier's smallest point is still untried
+        tried = {t.point for t in trials}
+        untried = [point for point in range(low + 1, best.point) if point not in tried]
         gap = frontier.bits_per_weight(best.point) - frontier.bits_per_weight(max(low, 0))
-        if best.point - low < 2 or gap <= spec.tolerance_bits:
+        if not untried or gap <= spec.tolerance_bits:
             return "passed"
         middle = (frontier.bits[max(low, 0)] + frontier.bits[best.point]) / 2
-        return int(min(max(np.searchsorted(frontier.bits, middle), low + 1), best.point - 1))
-    worst = max(blocked, key=lambda t: t.point)
+        point = int(min(max(np.searchsorted(frontier.bits, middle), low + 1), best.point - 1))
+        return point if point in untried else min(untried, key=lambda p: abs(float(frontier.bits[p]) - middle))
+    worst = max(failed, key=lambda t: t.point)
     if worst.point >= last:
         return "budget"
     ratio = worst.ppl_ratio
-    if max_ratio is not None and ratio is not None and ratio > max_ratio and worst.predicted_cost > 0:
-        # log(ppl ratio) ∝ predicted error, calibrated on the last block
-        target = spec.margin * math.log(max_ratio) * worst.predicted_cost / math.log(ratio)
-        meets = np.nonzero(frontier.cost[worst.point + 1 :] <= target)[0]
-        return worst.point + 1 + int(meets[0]) if len(meets) else last
+    if max_ratio is not None and ratio is not None and worst.predicted_cost > 0:
+        if ratio > max_ratio:  # log(ppl ratio) ∝ predicted error, calibrated on the last block
+            target = spec.margin * math.log(max_ratio) * worst.predicted_cost / math.log(ratio)
+        elif worst.undecided and any(reason.startswith("perplexity") for reason in worst.reasons):
+            target = spec.margin * worst.predicted_cost  # undecided at the limit: a little less error
+        else:
+            target = None
+        if target is not None:
+            meets = np.nonzero(frontier.cost[worst.point + 1 :] <= target)[0]
+            return worst.point + 1 + int(meets[0]) if len(meets) else last
     middle = (frontier.bits[worst.point] + frontier.bits[last]) / 2  # the failure says nothing about perplexity
     return int(max(np.searchsorted(frontier.bits, middle), worst.point + 1))
 
@@ -61,6 +76,7 @@ def next_point(frontier: Frontier, trials: list[Trial], spec: SearchSpec, max_ra
 def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchResult:
     """Sensitivity → frontier → trials for the composed base recipe ``config`` (a ``RunConfig``)."""
     from compress.evals.gate import resolve_policy
+    from compress.evals.gate.run import BaselineMeasures
 
     candidates = spec.check()
     position, quantizer = _weight_quantizer(config.stages)
@@ -91,6 +107,7 @@ def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchRe
         raise CompressError(budget_error(units, spec.budget_bits))
     folder.mkdir(parents=True)
     tracker = Tracker(config, spec, folder)
+    baseline = BaselineMeasures()  # measured once per layer for the whole search, lazily (cheapest first)
     trials: list[Trial] = []
     outcome = "max_trials"
     try:
@@ -105,7 +122,7 @@ def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchRe
             stage_args[position] = _mixed_stage(quantizer, allocation.per_module(units))
             trials.append(
                 _trial(config, len(trials) + 1, point, allocation, stage_args, samples, device, judged,
-                       trial_dir, tracker)
+                       trial_dir, tracker, baseline)
             )  # fmt: skip
         else:
             outcome = next_point(frontier, trials, spec, policy.perplexity.max_ratio)
@@ -140,8 +157,9 @@ def _mixed_stage(quantizer: dict, schemes: dict[str, str]) -> dict:
 
 
 def _trial(config, number: int, point: int, allocation: Allocation, stage_args: list[dict], samples, device,
-           texts: list[str], folder: Path, tracker: Tracker) -> Trial:  # fmt: skip
-    """Compress a fresh copy of the model with this allocation, save it, gate it, record it."""
+           texts: list[str], folder: Path, tracker: Tracker, baseline: BaselineMeasures) -> Trial:  # fmt: skip
+    """Compress a fresh copy of the model with this allocation, save it, gate it against the baseline's kept
+    measurements (measured by the first trial that needs each layer), record it."""
     from compress.evals.gate import run_gate
 
     model, tokenizer = load(config.model)
@@ -153,11 +171,12 @@ def _trial(config, number: int, point: int, allocation: Allocation, stage_args: 
         )
         summary = write_checkpoint(writer, model, tokenizer, stages, summaries, f"{config.recipe}-search", stage_args)
     del model
-    # the best is registered later; an INCONCLUSIVE verdict gets more windows (gate.decide), not a silent rejection
+    # the best is registered later; an INCONCLUSIVE verdict gets more windows (gate.decide) before it counts, and one
+    # still undecided at the cap is recorded as such: neither a pass nor a block (next_point)
     policy = replace(config.gate, decide=True, registry=replace(config.gate.registry, register=False))
     verdict = run_gate(
         checkpoint, resolve_model_path(config.model), policy, folder / "gate", evaluation_texts=texts,
-        candidate_label=str(checkpoint),
+        candidate_label=str(checkpoint), baseline_measures=baseline,
     )  # fmt: skip
     candidate_ppl = verdict.metric("perplexity", "perplexity")
     baseline_ppl = verdict.metric("perplexity", "perplexity", "baseline")

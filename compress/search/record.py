@@ -11,6 +11,8 @@ from compress.errors import ExitCode
 from compress.search.frontier import Allocation, Frontier
 from compress.search.spec import SearchSpec
 
+PASS, BLOCK, INCONCLUSIVE = "pass", "block", "inconclusive"  # the gate's verdicts (evals/gate/stats.py)
+
 
 @dataclass
 class Trial:
@@ -28,6 +30,11 @@ class Trial:
     verdict: str = "block"  # the gate's: pass | block | inconclusive (still undecided after gate.decide's windows)
     ppl_interval: tuple[float, float] | None = None  # the gate's interval of the perplexity ratio
 
+    @property
+    def undecided(self) -> bool:
+        """Neither a pass nor a block: the gate stayed INCONCLUSIVE after the evidence it may add."""
+        return not self.passed and self.verdict == INCONCLUSIVE
+
 
 @dataclass
 class SearchResult:
@@ -44,23 +51,38 @@ class SearchResult:
 
 
 def outcome_line(outcome: str, trials: list[Trial], best: Trial | None, spec: SearchSpec) -> str:
+    """The command's last line. Nothing passing is BLOCKED when the largest trial blocked, INCONCLUSIVE when the
+    gate could not decide it (more windows did not settle it): a different fix (more evidence, not more bits)."""
     if best is not None:
         return (
             f"search: PASSED — smallest passing checkpoint {best.checkpoint} ({best.bits_per_weight:.3f} bits/weight, "
             f"{best.size_mb:.1f} MB, trial {best.number} of {len(trials)})"
         )
     worst = max(trials, key=lambda t: t.point)
-    why = "; ".join(worst.reasons) or "blocked"
+    head, was = ("INCONCLUSIVE", "stayed undecided") if worst.undecided else ("BLOCKED", "was blocked")
+    why = "; ".join(worst.reasons) or was.split()[-1]
+    undecided = sum(t.undecided for t in trials)
+    tally = f"{len(trials)} trials recorded ({undecided} undecided)" if undecided else f"{len(trials)} trials recorded"
     if outcome == "budget":
         return (
-            f"search: BLOCKED — budget limit: the best allocation within search.budget_bits={spec.budget_bits:g} "
-            f"({worst.bits_per_weight:.3f} bits/weight, trial {worst.number}) was blocked ({why}); "
-            f"{len(trials)} trials recorded; raise search.budget_bits or relax the gate"
+            f"search: {head} — budget limit: the best allocation within search.budget_bits={spec.budget_bits:g} "
+            f"({worst.bits_per_weight:.3f} bits/weight, trial {worst.number}) {was} ({why}); "
+            f"{tally}; raise search.budget_bits or relax the gate"
+            + (" or give it more evidence (gate.perplexity.decide_max_windows, more items)" if worst.undecided else "")
         )
     return (
-        f"search: BLOCKED — trial limit: search.max_trials={spec.max_trials} trials ran, none passed (largest "
-        f"{worst.bits_per_weight:.3f} bits/weight: {why}); raise search.max_trials"
+        f"search: {head} — trial limit: search.max_trials={spec.max_trials} trials ran, none passed (largest "
+        f"{worst.bits_per_weight:.3f} bits/weight {was}: {why}); {tally}; raise search.max_trials"
     )
+
+
+def verdict_counts(trials: list[Trial]) -> dict[str, int]:
+    """How many trials passed, blocked, and stayed undecided."""
+    return {
+        PASS: sum(t.passed for t in trials),
+        BLOCK: sum(not t.passed and not t.undecided for t in trials),
+        INCONCLUSIVE: sum(t.undecided for t in trials),
+    }
 
 
 def write_summary(result: SearchResult, spec: SearchSpec, frontier: Frontier) -> None:
@@ -69,6 +91,7 @@ def write_summary(result: SearchResult, spec: SearchSpec, frontier: Frontier) ->
         "line": result.line,
         "spec": asdict(spec),
         "frontier_points": len(frontier),
+        "verdicts": verdict_counts(result.trials),
         "best": asdict(result.best) if result.best else None,
         "trials": [asdict(trial) for trial in result.trials],
     }
@@ -149,7 +172,10 @@ class Tracker:
 
         if self.parent is None:
             return
-        self.parent.metrics({"trials": len(result.trials), "passed": float(result.best is not None)})
+        undecided = verdict_counts(result.trials)[INCONCLUSIVE]
+        self.parent.metrics(
+            {"trials": len(result.trials), "trials_inconclusive": undecided, "passed": float(result.best is not None)}
+        )
         self.parent.tag("compress.search.outcome", result.line)
         if result.best is not None:
             self.parent.metrics({"best_bits_per_weight": result.best.bits_per_weight, "size_mb": result.best.size_mb})

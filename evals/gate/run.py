@@ -3,11 +3,15 @@
 With ``models_in_memory: 1`` (the default) the baseline is loaded, measured on every selected layer and freed before
 the candidate loads; the candidate then goes layer by layer and stops at the first BLOCK. An INCONCLUSIVE layer does
 not stop it: a later layer may still block. A side no selected layer needs (its perplexity pass given by the caller
-or cached) is never loaded.
+or cached) is never loaded. A caller judging several candidates against one baseline (``compress search``) passes one
+:class:`BaselineMeasures` to every gate: the baseline is then measured once per layer, and lazily (see there).
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 import logging
 import time
 import traceback
@@ -120,13 +124,15 @@ def run_gate(
     candidate_path: Path | None = None,
     candidate_label: str | None = None,
     measured: dict[str, dict] | None = None,
+    baseline_measures: BaselineMeasures | None = None,
 ) -> GateResult:
     """Judge ``candidate`` against ``baseline`` (paths, model names or loaded models) on ``evaluation_texts`` (text
     held out from calibration) and write ``gate.json``/``gate.md`` to ``out_dir``. ``candidate_path`` names the
     checkpoint of an in-memory candidate; ``candidate_label`` is how reports name the candidate (default: its path).
     ``measured``: both sides' perplexity passes (``PerplexityResult.to_dict()``, the candidate's with its KL
     ``divergence``) when the caller already scored them on these texts: the perplexity and KL layers then judge
-    those numbers instead of measuring again, so a run prints one perplexity, not two."""
+    those numbers instead of measuring again, so a run prints one perplexity, not two. ``baseline_measures``: the
+    baseline's measurements kept from earlier gates of the same baseline, text and policy (read, then added to)."""
     resolved = resolve_policy(policy)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +162,9 @@ def run_gate(
         context, subjects = prepared
         if measured is not None:
             context.scores, context.scores_source = dict(measured), "run"
-        _run_layers(result, context, subjects, selected)
+        if baseline_measures is not None:
+            baseline_measures.check_key(_baseline_key(context, subjects["baseline"]))
+        _run_layers(result, context, subjects, selected, baseline_measures)
         if not result.reasons and not any(layer.checks for layer in result.layers):
             result.reasons.append(f"no check ran: layers {selected} ran with every limit set to null; set a limit")
             result.verdict = BLOCK
@@ -164,50 +172,137 @@ def run_gate(
     return result
 
 
-def _needs(name: str, context: GateContext, subject: Subject) -> bool:
-    """Whether layer ``name`` must load ``subject``: the window layers not when its pass is already known (given by
-    the caller, or the baseline's in the reference cache)."""
-    if name not in WINDOW_LAYERS:
-        return True
+@dataclass
+class BaselineMeasures:
+    """The baseline's measurements, kept across gates that judge several candidates against one baseline on one text
+    under one policy (``compress search``'s trials, like the KL reference cache but for every layer and in memory):
+    each gate reads the layers measured already and adds the ones it measured, so the baseline is measured once per
+    layer. It also makes the baseline's passes lazy, cheapest first: the window layers (perplexity, KL) alone, the
+    others only once a candidate's windows did not block, so a trial that blocks on perplexity measures nothing more.
+    Interleaved latency (``models_in_memory: 2``) is timed with both sides every time. A gate whose baseline, text or
+    policy differ (``key``) starts afresh."""
+
+    key: str | None = None
+    layers: dict[str, dict] = field(default_factory=dict)  # layer name → its metrics["baseline"]
+    windows: dict | None = None  # the baseline's perplexity pass (context.scores["baseline"])
+    reference: dict | None = None  # its top-k distributions, the candidate's KL reference
+    reference_cached: str | None = None  # the cache file those were read from, if they were
+    unjudged: dict[str, str] = field(default_factory=dict)  # layer → why it cannot judge, found before measuring
+
+    def check_key(self, key: str) -> None:
+        if key != self.key:
+            self.key, self.layers, self.unjudged = key, {}, {}
+            self.windows, self.reference, self.reference_cached = None, None, None
+
+    def reuse(self, context: GateContext, runs: list[LayerRun]) -> None:
+        for run in runs:
+            if run.name in self.layers and self._kept(run.name, context):
+                run.metrics["baseline"] = copy.deepcopy(self.layers[run.name])
+            run.cannot_judge = self.unjudged.get(run.name)
+        if self.windows is not None and "baseline" not in context.scores:
+            context.scores["baseline"], context.reference = self.windows, self.reference
+            context.reference_cached = self.reference_cached
+
+    def keep(self, context: GateContext, runs: list[LayerRun]) -> None:
+        for run in runs:
+            if run.error is None and "baseline" in run.metrics and self._kept(run.name, context):
+                self.layers.setdefault(run.name, copy.deepcopy(run.metrics["baseline"]))
+            elif run.cannot_judge is not None and not run.metrics:  # the model's context, not this candidate
+                self.unjudged[run.name] = run.cannot_judge
+        if self.windows is None and context.scores_source == "gate" and "baseline" in context.scores:
+            self.windows, self.reference = context.scores["baseline"], context.reference
+            self.reference_cached = context.reference_cached
+
+    @staticmethod
+    def _kept(name: str, context: GateContext) -> bool:
+        interleaved = name == "latency" and context.policy.models_in_memory == 2
+        return name not in WINDOW_LAYERS and not interleaved
+
+
+def _baseline_key(context: GateContext, baseline: Subject) -> str:
+    """What the baseline's measurements depend on: the model, its KV dtype, the evaluation tokens, the shorter context
+    of the two sides, and the policy."""
+    source = str(baseline.source) if isinstance(baseline.source, str | Path) else f"in-memory:{id(baseline.source)}"
+    tokens = hashlib.sha256(context.evaluation_ids.cpu().numpy().tobytes()).hexdigest()
+    policy = json.dumps(policy_dict(context.policy), sort_keys=True, default=str)
+    return "|".join(
+        [source, str(baseline.folder), str(baseline.kv_cache_dtype), tokens, str(context.max_context), policy]
+    )
+
+
+def _needs(run: LayerRun, context: GateContext, subject: Subject) -> bool:
+    """Whether ``run`` must still measure ``subject``: not once it failed or cannot judge, not when that side's
+    measurement is known (the window layers' pass given by the caller or cached; a kept baseline layer)."""
+    if run.error is not None or run.cannot_judge is not None:
+        return False
+    if run.name not in WINDOW_LAYERS:
+        return subject.label not in run.metrics
     try:
         return not known(context, subject)
     except Exception:  # noqa: BLE001 - measured (and failed closed) by the layer itself
         return True
 
 
-def _run_layers(result: GateResult, context: GateContext, subjects: dict[str, Subject], selected: list[str]) -> None:
+def _run_layers(
+    result: GateResult,
+    context: GateContext,
+    subjects: dict[str, Subject],
+    selected: list[str],
+    kept: BaselineMeasures | None = None,
+) -> None:
     """Measure and judge each selected layer in order; the first BLOCK skips the layers after it.
 
-    The leading layers whose numbers are already known (the run's own perplexity passes) are judged before any
-    model loads, so a run whose perplexity blocks never loads the baseline for the layers it will skip."""
+    A side loads only when a layer still needs it, so layers whose numbers are known (the run's own perplexity
+    passes) are judged before any model loads. With one model in memory the baseline is measured on every layer
+    that needs it and freed before the candidate loads; with ``kept`` (a search) its window layers come first and
+    its other layers only after the candidate's windows did not block, so a trial that blocks there loads nothing
+    more."""
     candidate, baseline = subjects["candidate"], subjects["baseline"]
     runs = [LayerRun(name) for name in selected]
-    known = 0
-    while known < len(runs) and not any(_needs(runs[known].name, context, side) for side in (candidate, baseline)):
-        known += 1
+    if kept is not None:
+        kept.reuse(context, runs)
     verdicts = _Verdicts()
-    for run in runs[:known]:
-        verdicts.add(run, context, result, [])
-    pending = runs[known:]
     backend, engine_options = result.backend, dict(context.policy.engine)
     one_at_a_time = context.policy.models_in_memory == 1
-    together = [candidate] if one_at_a_time else [candidate, baseline]
-    if pending and one_at_a_time and not verdicts.blocked:
-        baseline_runs = [run for run in pending if _needs(run.name, context, baseline)]
-        if baseline_runs and _loading(verdicts.blocked, baseline, backend, engine_options):
-            for run in baseline_runs:
-                log.info("gate: %s (baseline)", run.name)
-                run.measure(context, [baseline])
-            baseline.unload()
-    for side in together:
-        if pending and not verdicts.blocked and any(_needs(run.name, context, side) for run in pending):
-            _loading(verdicts.blocked, side, backend, engine_options)
-    for run in pending:
-        verdicts.add(run, context, result, [side for side in together if side.model is not None])
-    for subject in together:
+    for index, run in enumerate(runs):
+        first_load = kept is None and candidate.model is None and _needs(run, context, candidate)
+        if one_at_a_time and not verdicts.blocked and (first_load or _needs(run, context, baseline)):
+            _baseline_pass(runs[index:], context, subjects, verdicts, backend, engine_options, staged=kept is not None)
+        sides = [side for side in (candidate, baseline) if not verdicts.blocked and _needs(run, context, side)]
+        for side in sides:
+            if side.model is None and not verdicts.blocked:
+                _loading(verdicts.blocked, side, backend, engine_options)
+        verdicts.add(run, context, result, [side for side in sides if side.model is not None])
+    for subject in (candidate, baseline):
         subject.unload()
+    if kept is not None:
+        kept.keep(context, runs)
     result.reasons = verdicts.blocked + verdicts.undecided
     result.verdict = BLOCK if verdicts.blocked else INCONCLUSIVE if verdicts.undecided else PASS
+
+
+def _baseline_pass(
+    runs: list[LayerRun], context: GateContext, subjects: dict[str, Subject], verdicts: _Verdicts, backend: str,
+    engine_options: dict, staged: bool,
+) -> None:  # fmt: skip
+    """The baseline alone in memory, measured on ``runs[0]`` and the later layers that need it: all of them, or when
+    ``staged`` only those of the same kind (window layers, or the others)."""
+    baseline = subjects["baseline"]
+    windows = runs[0].name in WINDOW_LAYERS
+    measured = []
+    for run in runs:
+        if staged and (run.name in WINDOW_LAYERS) != windows:
+            break
+        if _needs(run, context, baseline):
+            measured.append(run)
+    if not measured:
+        return
+    subjects["candidate"].unload()
+    if _loading(verdicts.blocked, baseline, backend, engine_options):
+        for run in measured:
+            log.info("gate: %s (baseline)", run.name)
+            run.measure(context, [baseline])
+    baseline.unload()
 
 
 @dataclass

@@ -5,9 +5,11 @@ trial an MLflow child run."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -314,3 +316,177 @@ def test_next_point_follows_the_measured_failure():
     first_pass = next_point(frontier, [trial(len(frontier) - 1, True, 1.0)], spec, 1.1)
     assert 0 <= first_pass < len(frontier) - 1  # a first trial that passes: look smaller, no block needed below
     assert next_point(frontier, [trial(0, True, 1.0)], spec, 1.1) == "passed"
+
+
+def _planted(frontier, point: int, passed: bool, ratio: float | None, verdict: str):
+    from compress.search import Trial
+
+    cost = float(frontier.cost[point])
+    reasons = [] if passed else [f"perplexity ×{ratio} vs the limit: {verdict.upper()}"]
+    return Trial(1, point, frontier.bits_per_weight(point), cost, passed, ratio, reasons, "", 0, {}, verdict=verdict)
+
+
+def test_an_undecided_trial_at_the_limit_is_neither_a_block_nor_a_pass():
+    """A trial whose gate stayed INCONCLUSIVE at the limit (after gate.decide's extra windows) says nothing about the
+    points below it: it bounds no bisection as a block would, it ends nothing as a pass would, and the result line
+    calls it undecided, not blocked."""
+    from compress.search.record import outcome_line
+
+    units = synthetic_units(6, 0)
+    frontier = Frontier(units, 16 * sum(u.params for u in units))
+    spec = SearchSpec(budget_bits=16, max_trials=9)
+    limit = 1.1
+    assert len(frontier) > 5
+    at_limit = _planted(frontier, 3, False, limit, "inconclusive")
+    above = _planted(frontier, 4, True, 1.0, "pass")
+    blocked = _planted(frontier, 3, False, 1.2, "block")
+    assert next_point(frontier, [blocked, above], spec, limit) == "passed"  # a block right below: nothing left
+    below = next_point(frontier, [at_limit, above], spec, limit)
+    assert isinstance(below, int) and 0 <= below < 3  # undecided: the smaller points stay open
+    climb = next_point(frontier, [at_limit], spec, limit)
+    assert isinstance(climb, int) and climb > 3  # not a pass: the search still needs one
+    assert next_point(frontier, [_planted(frontier, len(frontier) - 1, False, limit, "inconclusive")], spec, limit) == (
+        "budget"
+    )
+    line = outcome_line("max_trials", [at_limit], None, spec)
+    assert line.startswith("search: INCONCLUSIVE — ") and "blocked" not in line and "undecided" in line
+
+
+@pytest.mark.usefixtures("default_mlflow_store")
+def test_a_trial_planted_at_the_limit_scores_more_windows_and_is_recorded_undecided(tiny_model_dir, artifacts):
+    """The perplexity limit set to the first trial's ratio over 6 windows: the trial scores 2 windows, straddles, gets
+    more (gate.decide) up to the 6-window cap, still straddles, and is recorded INCONCLUSIVE: no pass, no block."""
+    spec = SearchSpec(budget_bits=4.0, candidates=["int3_g64", "int4_g64"], max_trials=1)
+    base = [f"model={tiny_model_dir}", *SMALL, *PERPLEXITY_GATE, "gate.perplexity.decide_max_windows=6"]
+    _, [measure] = validate("rtn_int4", [*base, "gate.perplexity.max_windows=6"], multirun=False)
+    ratio = run_search(measure, spec, artifacts / "measure").trials[0].ppl_ratio
+    _, [config] = validate(
+        "rtn_int4", [*base, "gate.perplexity.max_windows=2", f"gate.perplexity.max_ratio={ratio!r}"], multirun=False
+    )
+    result = run_search(config, spec, artifacts / "planted")
+    [trial] = result.trials
+    gate = json.loads((artifacts / "planted" / "trial-1" / "gate" / "gate.json").read_text())
+    [perplexity] = [layer for layer in gate["layers"] if layer["name"] == "perplexity"]
+    assert perplexity["metrics"]["protocol"]["windows"] == 6  # more evidence than the first look's 2
+    assert trial.verdict == "inconclusive" and not trial.passed and trial.ppl_ratio == pytest.approx(ratio, rel=1e-6)
+    assert result.best is None and result.line.startswith("search: INCONCLUSIVE — ")
+    saved = json.loads((artifacts / "planted" / "search.json").read_text())
+    assert saved["verdicts"] == {"pass": 0, "block": 0, "inconclusive": 1}
+    assert "| INCONCLUSIVE: perplexity" in (artifacts / "planted" / "search.md").read_text()
+    from mlflow import MlflowClient
+
+    parent = MlflowClient(tracking_uri=f"sqlite:///{artifacts / 'mlflow.db'}").get_run(result.mlflow_run_id)
+    assert parent.data.metrics["trials_inconclusive"] == 1 and parent.data.metrics["passed"] == 0
+
+
+QUICK_LAYERS = ["perplexity", "kl", "lm_eval", "json", "needle", "long_context", "latency"]
+
+
+def _count_measurements(monkeypatch, model_dir) -> tuple[collections.Counter, collections.Counter]:
+    """``(calls, loads)``: each gate layer's measurements by side, counted through the gate's own layer table, and
+    the model loads by side, counted through its loader; both call through to the real functions."""
+    from compress.evals import loading
+    from compress.evals.gate import layers as gate_layers
+
+    calls: collections.Counter = collections.Counter()
+    for name, (measure, judge) in list(gate_layers.LAYERS.items()):
+
+        def counted(context, subjects, name=name, measure=measure):
+            calls.update((name, subject.label) for subject in subjects)
+            return measure(context, subjects)
+
+        monkeypatch.setitem(gate_layers.LAYERS, name, (counted, judge))
+    loads: collections.Counter = collections.Counter()
+    real_load = loading.load_for_eval
+
+    def counted_load(source):
+        loads["baseline" if Path(source).resolve() == model_dir.resolve() else "candidate"] += 1
+        return real_load(source)
+
+    monkeypatch.setattr(loading, "load_for_eval", counted_load)
+    return calls, loads
+
+
+def _every_layer(*limits: str) -> list[str]:
+    return [
+        "gate=quick", "gate.backend=transformers", f"gate.layers=[{','.join(QUICK_LAYERS)}]", "gate.lm_eval.limit=8",
+        "gate.perplexity.max_windows=2", "gate.perplexity.decide_max_windows=4", *limits,
+        "gate.long_context.tasks=[variable_tracking,multi_key]",  # the tiny tokenizer cannot name three words in 16
+    ]  # fmt: skip
+
+
+@pytest.mark.usefixtures("default_mlflow_store")
+def test_a_search_measures_the_baseline_once_per_layer(tiny_model_dir, artifacts, monkeypatch):
+    """Two trials through every quick layer, both past perplexity: the baseline is measured once per layer for the
+    whole search and the candidate once per layer per trial. The baseline loads twice: for the windows, then (once
+    the first trial's windows did not block) for the other layers."""
+    calls, loads = _count_measurements(monkeypatch, tiny_model_dir)
+    loose = ["gate.perplexity.max_ratio=100", "gate.kl.max_mean=100", "gate.lm_eval.max_drop_points=100"]
+    _, [config] = validate("rtn_int4", [f"model={tiny_model_dir}", *SMALL, *_every_layer(*loose)], multirun=False)
+    spec = SearchSpec(budget_bits=16.0, candidates=["int8", "bf16"], max_trials=2, start_bits=16.0)
+    result = run_search(config, spec, artifacts / "search")
+    assert len(result.trials) == 2 and all(t.verdict != "block" for t in result.trials), result.line
+    gates = [json.loads((artifacts / "search" / f"trial-{n}" / "gate" / "gate.json").read_text()) for n in (1, 2)]
+    assert [[layer["name"] for layer in gate["layers"]] for gate in gates] == [QUICK_LAYERS] * 2
+    assert all(layer["status"] != "skipped" for gate in gates for layer in gate["layers"])
+    assert {layer: calls[(layer, "baseline")] for layer in QUICK_LAYERS} == dict.fromkeys(QUICK_LAYERS, 1)
+    assert loads["baseline"] == 2
+    candidate_side = {layer: calls[(layer, "candidate")] for layer in QUICK_LAYERS}
+    # KL reads perplexity's pass; a layer whose prompts do not fit the model's context cannot judge it, unmeasured
+    unfit = {x["name"] for x in gates[0]["layers"] if x["status"] == "cannot_judge" and not x["metrics"]}
+    assert candidate_side == {layer: 0 if layer == "kl" or layer in unfit else 2 for layer in QUICK_LAYERS}
+
+
+@pytest.mark.usefixtures("default_mlflow_store")
+def test_a_search_whose_trials_block_on_perplexity_measures_nothing_more(tiny_model_dir, artifacts, monkeypatch):
+    """Cheapest first across the whole search: trials that block on perplexity never load a model for, nor measure,
+    any later layer, on either side; the baseline's windows are scored once for both trials."""
+    calls, loads = _count_measurements(monkeypatch, tiny_model_dir)
+    strict = ["gate.perplexity.max_ratio=0.5"]
+    _, [config] = validate("rtn_int4", [f"model={tiny_model_dir}", *SMALL, *_every_layer(*strict)], multirun=False)
+    spec = SearchSpec(budget_bits=4.0, candidates=["int3_g64", "int4_g64"], max_trials=2)
+    result = run_search(config, spec, artifacts / "search")
+    assert len(result.trials) == 2 and all(t.verdict == "block" for t in result.trials), result.line
+    assert {layer for layer, _ in calls} <= {"perplexity", "kl"}, calls
+    assert calls[("perplexity", "baseline")] == 1 and loads == {"baseline": 1, "candidate": 2}
+
+
+@pytest.mark.parametrize("models_in_memory", [1, 2])
+def test_a_gate_given_kept_baseline_measures_measures_no_baseline_layer_again(
+    tiny_model_dir, tmp_path, monkeypatch, models_in_memory
+):
+    """The seam a search's trials share (``run_gate(..., baseline_measures=)``): a second gate measures no baseline
+    layer again, except latency timed interleaved (two models in memory), which needs both sides at once; a gate on
+    another text starts afresh."""
+    import shutil
+
+    from compress.data import DataSpec, load_corpus
+    from compress.evals.gate import run_gate
+    from compress.evals.gate.run import BaselineMeasures
+
+    candidate = shutil.copytree(tiny_model_dir, tmp_path / "candidate")
+    calls, loads = _count_measurements(monkeypatch, tiny_model_dir)
+    policy = {
+        "models_in_memory": models_in_memory,
+        "backend": "transformers",
+        "layers": ["perplexity", "needle", "latency"],
+        "perplexity": {"seq_len": 64, "max_windows": 2},
+        "needle": {"context_lengths": [160], "depths": [0.5], "trials": 1},
+        "latency": {"prompt_tokens": 16, "new_tokens": 2, "repeats": 1, "warmup": 0, "blocking": False},
+    }
+    texts = load_corpus(DataSpec()).evaluation
+    kept = BaselineMeasures()
+    for number in (1, 2):
+        result = run_gate(candidate, tiny_model_dir, policy, tmp_path / f"{number}", evaluation_texts=texts,
+                          baseline_measures=kept)  # fmt: skip
+        assert result.layers[0].status == "pass" and all(
+            layer.status not in ("error", "skipped") for layer in result.layers
+        )
+    interleaved = models_in_memory == 2
+    assert {name: calls[(name, "baseline")] for name in policy["layers"]} == {
+        "perplexity": 1, "needle": 1, "latency": 2 if interleaved else 1,
+    }  # fmt: skip
+    assert all(calls[(name, "candidate")] == 2 for name in policy["layers"])
+    assert loads["baseline"] == 2  # one at a time: windows, then the rest; two: the first gate, interleaved latency
+    run_gate(candidate, tiny_model_dir, policy, tmp_path / "3", evaluation_texts=texts[1:], baseline_measures=kept)
+    assert calls[("perplexity", "baseline")] == calls[("needle", "baseline")] == 2
