@@ -27,7 +27,7 @@ from compress.evals.gate.policy import GatePolicy, policy_dict, resolve_policy
 from compress.evals.gate.report import clear_verdict, write_report
 from compress.evals.gate.result import GateResult, LayerResult
 from compress.evals.gate.stats import BLOCK, INCONCLUSIVE, PASS, familywise_confidence
-from compress.evals.gate.windows import known
+from compress.evals.gate.windows import domain_contexts, known
 
 log = logging.getLogger(__name__)
 
@@ -188,10 +188,11 @@ class BaselineMeasures:
     reference: dict | None = None  # its top-k distributions, the candidate's KL reference
     reference_cached: str | None = None  # the cache file those were read from, if they were
     unjudged: dict[str, str] = field(default_factory=dict)  # layer → why it cannot judge, found before measuring
+    domains: dict[str, tuple] = field(default_factory=dict)  # panel domain → (its pass, reference, cache file)
 
     def check_key(self, key: str) -> None:
         if key != self.key:
-            self.key, self.layers, self.unjudged = key, {}, {}
+            self.key, self.layers, self.unjudged, self.domains = key, {}, {}, {}
             self.windows, self.reference, self.reference_cached = None, None, None
 
     def reuse(self, context: GateContext, runs: list[LayerRun]) -> None:
@@ -202,6 +203,9 @@ class BaselineMeasures:
         if self.windows is not None and "baseline" not in context.scores:
             context.scores["baseline"], context.reference = self.windows, self.reference
             context.reference_cached = self.reference_cached
+        for name, each in domain_contexts(context).items():
+            if name in self.domains and "baseline" not in each.scores:
+                each.scores["baseline"], each.reference, each.reference_cached = self.domains[name]
 
     def keep(self, context: GateContext, runs: list[LayerRun]) -> None:
         for run in runs:
@@ -212,6 +216,9 @@ class BaselineMeasures:
         if self.windows is None and context.scores_source == "gate" and "baseline" in context.scores:
             self.windows, self.reference = context.scores["baseline"], context.reference
             self.reference_cached = context.reference_cached
+        for name, each in domain_contexts(context).items():
+            if name not in self.domains and "baseline" in each.scores:
+                self.domains[name] = (each.scores["baseline"], each.reference, each.reference_cached)
 
     @staticmethod
     def _kept(name: str, context: GateContext) -> bool:
