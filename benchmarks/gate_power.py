@@ -129,7 +129,7 @@ def accuracy_items(policy, layer: str) -> int:
 def analyze() -> dict:
     scores = _window_scores()
     found = {}
-    for gate in ("quick", "default"):
+    for gate in ("quick", "default", "full"):
         policy = resolve_policy(load_policy(gate, []))
         family = stats.familywise_confidence(policy.confidence, blocking_checks(policy, policy.layers))
         windows = policy.perplexity.max_windows
