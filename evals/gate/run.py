@@ -89,13 +89,15 @@ def run_gate(
     candidate_path: Path | None = None,
     candidate_label: str | None = None,
     measured: dict[str, dict] | None = None,
+    measured_by: str = "run",
 ) -> GateResult:
     """Judge ``candidate`` against ``baseline`` (paths, model names or loaded models) on ``evaluation_texts`` (text
     held out from calibration) and write ``gate.json``/``gate.md`` to ``out_dir``. ``candidate_path`` names the
     checkpoint of an in-memory candidate; ``candidate_label`` is how reports name the candidate (default: its path).
     ``measured``: both sides' perplexity passes (``PerplexityResult.to_dict()``, the candidate's with its KL
     ``divergence``) when the caller already scored them on these texts: the perplexity and KL layers then judge
-    those numbers instead of measuring again, so a run prints one perplexity, not two."""
+    those numbers instead of measuring again, so a run prints one perplexity, not two; ``measured_by`` names who
+    measured them in gate.md."""
     resolved = resolve_policy(policy)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -124,7 +126,7 @@ def run_gate(
     if prepared is not None:
         context, subjects = prepared
         if measured is not None:
-            context.scores, context.scores_source = dict(measured), "run"
+            context.scores, context.scores_source = dict(measured), measured_by
         _run_layers(result, context, subjects, selected)
         if not result.reasons and not any(layer.checks for layer in result.layers):
             result.reasons.append(f"no check ran: layers {selected} ran with every limit set to null; set a limit")
