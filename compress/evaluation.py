@@ -118,7 +118,7 @@ def release_gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog 
     if run_log is not None:
         record_verdict(run_log, verdict, verdict.files, staging / "checkpoint", own_run=False)
     return {
-        "passed": verdict.passed, "verdict": verdict.verdict, "headline": verdict.headline(),
+        "passed": verdict.passed, "verdict": verdict.verdict, "headline": verdict.headline(), "roles": verdict.roles(),
         "reasons": verdict.reasons, "report": str(final / "gate" / "gate.md"), "registry": verdict.registry,
     }  # fmt: skip
 

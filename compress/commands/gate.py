@@ -103,5 +103,6 @@ def main(argv: list[str]) -> int:
             raise
         run.finish()
     print((out_dir / "gate.md").read_text())
-    print(f"{verdict_line(result.to_dict() | {'headline': result.headline()})}\nreport in {out_dir}")
+    line = verdict_line(result.to_dict() | {"headline": result.headline(), "roles": result.roles()})
+    print(f"{line}\nreport in {out_dir}")
     return VERDICT_EXIT_CODES[result.verdict]

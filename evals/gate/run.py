@@ -17,7 +17,7 @@ from pathlib import Path
 from compress.data import tokenize
 from compress.evals import generation, loading
 from compress.evals.gate.context import GateContext, Subject
-from compress.evals.gate.layers import LAYERS, CannotJudge
+from compress.evals.gate.layers import LAYERS, CannotJudge, layer_blocking
 from compress.evals.gate.policy import GatePolicy, policy_dict, resolve_policy
 from compress.evals.gate.report import clear_verdict, write_report
 from compress.evals.gate.result import GateResult, LayerResult
@@ -45,13 +45,14 @@ class LayerRun:
     def judge(self, context: GateContext) -> LayerResult:
         judged: list = []
         self._timed(lambda: judged.extend(LAYERS[self.name][1](context, self.metrics)))
-        if self.error is not None:
-            return LayerResult(self.name, "error", seconds=self.seconds, error=self.error)
+        blocking = layer_blocking(context.policy, self.name, self.metrics)  # `auto`: from the candidate's device
+        role = "blocking" if blocking else "advisory"
+        if self.error is not None:  # fail closed: an error blocks whatever the layer's role
+            return LayerResult(self.name, "error", seconds=self.seconds, error=self.error, role="blocking")
         if self.cannot_judge is not None:
             note = self.cannot_judge
             return LayerResult(self.name, "cannot_judge", seconds=self.seconds, metrics=self.metrics, note=note)
         metrics, checks = judged
-        blocking = getattr(context.policy, self.name).blocking
         verdicts = {check.verdict for check in checks}
         verdict = BLOCK if BLOCK in verdicts else INCONCLUSIVE if INCONCLUSIVE in verdicts else PASS
         status = {PASS: "pass", BLOCK: "fail", INCONCLUSIVE: "inconclusive"}[verdict] if blocking else "warn"
@@ -60,7 +61,7 @@ class LayerRun:
         return LayerResult(
             self.name, status, verdict, self.seconds,
             *((worst.estimate, worst.low, worst.high, worst.limit) if worst else (None,) * 4),
-            metrics=metrics, checks=checks,
+            metrics=metrics, checks=checks, role=role,
         )  # fmt: skip
 
     def _timed(self, work) -> None:

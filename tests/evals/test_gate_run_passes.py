@@ -37,6 +37,9 @@ def test_gate_on_a_run_checkpoint_prints_the_ratio_and_interval_the_run_printed(
     printed = capsys.readouterr().out
     assert "gate: judging the run's stored passes" in printed
     assert HEADLINE.findall(verdict_line(printed)) == HEADLINE.findall(run_line) != []
+    assert run_line.endswith("[blocking: perplexity, kl]") and verdict_line(printed).endswith(
+        "[blocking: perplexity, kl]"
+    )
     for name in ("perplexity", "kl"):
         ran, judged = layer(run_dir / "gate" / "gate.json", name), layer(out / "gate.json", name)
         assert (judged["estimate"], judged["low"], judged["high"]) == (ran["estimate"], ran["low"], ran["high"])
