@@ -50,3 +50,44 @@ def test_gate_on_a_run_checkpoint_prints_the_ratio_and_interval_the_run_printed(
     printed = capsys.readouterr().out
     assert "measuring both sides anew" in printed and "gate.perplexity.seq_len=32" in printed
     assert layer(out / "gate.json", "perplexity")["metrics"]["protocol"]["measured_by"] == "gate"
+
+
+def test_stored_passes_are_used_only_for_the_same_checkpoint_baseline_text_and_protocol(tmp_path):
+    """Each mismatch is named in one line; only an exact match hands the passes over."""
+    import os
+
+    import torch
+
+    from compress.evals.gate.policy import resolve_policy
+    from compress.stored_passes import find_passes, write_passes
+
+    run, baseline, other = tmp_path / "run", tmp_path / "baseline", tmp_path / "other"
+    for folder in (run / "checkpoint", baseline, other):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"name": folder.name}))
+    ids = torch.arange(640)
+    side = {"perplexity": 2.0, "window_nll": [0.7] * 5, "seq_len": 64}  # 5 of the text's 10 windows
+    candidate = side | {"divergence": {"window_kl": [0.01] * 5, "window_same_top": [0.9] * 5}}
+    passes = {"baseline": side, "candidate": candidate}
+    write_passes(run / "checkpoint", baseline, ids, "shakespeare", 64, 32, passes)
+    policy = resolve_policy({"perplexity": {"seq_len": 64, "max_windows": 4}})
+
+    found = find_passes(run / "checkpoint", baseline, ids, policy)
+    assert found.measured == passes and found.line().startswith("gate: judging the run's stored passes")
+    mismatches = {
+        "the run's baseline was": find_passes(run / "checkpoint", other, ids, policy),
+        "another evaluation text": find_passes(run / "checkpoint", baseline, ids.flip(0), policy),
+        "the run scored 5 windows, this gate scores 8": find_passes(
+            run / "checkpoint", baseline, ids, resolve_policy({"perplexity": {"seq_len": 64, "max_windows": 8}})
+        ),
+        "gate.kl.top_k=8": find_passes(
+            run / "checkpoint",
+            baseline,
+            ids,
+            resolve_policy({"perplexity": {"seq_len": 64, "max_windows": 4}, "kl": {"top_k": 8}}),
+        ),
+    }
+    for reason, found in mismatches.items():
+        assert found.measured is None and reason in found.line(), (reason, found.line())
+    os.utime(run / "checkpoint" / "config.json", ns=(0, 0))  # the checkpoint rewritten since the run scored it
+    assert "the checkpoint's files changed" in find_passes(run / "checkpoint", baseline, ids, policy).reason
