@@ -22,6 +22,7 @@ from compress.evals.perplexity import PerplexityResult, can_stream, stored_model
 from compress.models import load, resolve_model_path
 from compress.stages import Stage
 from compress.stages.rtn import rtn_reference
+from compress.stored_passes import write_passes
 from compress.tracking import RunLog, record_verdict
 
 
@@ -63,7 +64,18 @@ class RunEvaluation:
         model, _ = load_checkpoint(checkpoint)
         meter = DivergenceMeter(self.recorder.tensors()) if self.recorder is not None else None
         self.results["candidate"] = self._evaluate(model, f"perplexity [{self.config.recipe}]", observer=meter)
+        self._store(checkpoint)
         self._in_domain("candidate", model)
+
+    def _store(self, checkpoint: Path) -> None:
+        """Both sides' passes beside the checkpoint, with what they were measured on: ``compress gate`` on this
+        checkpoint then judges these numbers (``compress.stored_passes``), and prints the ratio this run prints."""
+        if "baseline" not in self.results:
+            return
+        passes = {side: self.results[side].to_dict() for side in ("baseline", "candidate")}
+        top_k = self.config.gate.kl.top_k if self.recorder is not None else None
+        folder = resolve_model_path(self.config.model)
+        write_passes(checkpoint, folder, self.eval_ids, self.headline.source, self.config.eval.seq_len, top_k, passes)
 
     def _in_domain(self, side: str, model: torch.nn.Module) -> None:
         if self.in_domain is not None:
@@ -106,7 +118,7 @@ def release_gate(config: RunConfig, staging: Path, final: Path, run_log: RunLog 
     if run_log is not None:
         record_verdict(run_log, verdict, verdict.files, staging / "checkpoint", own_run=False)
     return {
-        "passed": verdict.passed, "verdict": verdict.verdict, "headline": verdict.headline(),
+        "passed": verdict.passed, "verdict": verdict.verdict, "headline": verdict.headline(), "roles": verdict.roles(),
         "reasons": verdict.reasons, "report": str(final / "gate" / "gate.md"), "registry": verdict.registry,
     }  # fmt: skip
 

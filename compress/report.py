@@ -132,17 +132,20 @@ VERDICT_EXIT_CODES = {  # what an enforced gate exits with (compress.errors.Exit
 
 
 def verdict_line(gate: dict, enforce: bool | None = None) -> str:
-    """The gate's one line, which quotes the perplexity ratio with its interval: ``release gate: BLOCKED — perplexity
-    ×1.2130 (95% CI 1.1903–1.2362) > the 1.05× limit: BLOCK``. With ``enforce`` given (the CLI), a block or an
-    inconclusive verdict also says whether it fails the command."""
+    """The gate's one line, which quotes the perplexity ratio with its interval and names each layer's role:
+    ``release gate: BLOCKED — perplexity ×1.2130 (95% CI 1.1903–1.2362) > the 1.05× limit: BLOCK [blocking:
+    perplexity (block); skipped: kl]``. With ``enforce`` given (the CLI), a block or an inconclusive verdict also
+    says whether it fails the command."""
     verdict = gate.get("verdict", "pass" if gate["passed"] else "block")
     title = {"pass": "PASSED", "block": "BLOCKED", "inconclusive": "INCONCLUSIVE"}[verdict]
     headline = gate.get("headline")
+    roles = f" [{gate['roles']}]" if gate.get("roles") else ""  # which layers decide, which only report
     if verdict == "pass":
-        return f"release gate: PASSED — {headline}" if headline else "release gate: PASSED"
+        return (f"release gate: PASSED — {headline}" if headline else "release gate: PASSED") + roles
     reason = gate["reasons"][0] if gate.get("reasons") else "see the gate report"
     if headline and headline != reason:
         reason = f"{reason}; {headline}"
+    reason += roles
     if enforce is None:
         return f"release gate: {title} — {reason}"
     consequence = (

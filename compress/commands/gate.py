@@ -50,6 +50,19 @@ def evaluation_texts(policy: dict) -> list[str]:
     return load_corpus(build_section(DataSpec, data, "gate.data") if data else out_of_domain()).evaluation
 
 
+def run_passes(candidate: str, baseline_folder: Path | None, tokenizer, texts: list[str], policy):
+    """The perplexity passes a run stored beside ``candidate`` when they are this gate's (same baseline, text and
+    protocol, ``policy`` resolved): judging them prints the ratio and interval the run printed
+    (``compress.stored_passes``)."""
+    from compress.data import tokenize
+    from compress.stored_passes import StoredPasses, find_passes, passes_path
+
+    checkpoint = Path(candidate).expanduser()
+    if not checkpoint.is_dir() or not passes_path(checkpoint).is_file():
+        return StoredPasses(passes_path(checkpoint))  # not a run's checkpoint: nothing to say
+    return find_passes(checkpoint, baseline_folder, tokenize(tokenizer, "\n\n".join(texts)), policy)
+
+
 @command_exits
 def main(argv: list[str]) -> int:
     if wants_help(argv):
@@ -57,6 +70,7 @@ def main(argv: list[str]) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from compress.evals.gate import clear_verdict, describe_sides, resolve_policy, run_gate
+    from compress.stored_passes import STORED_BY
     from compress.tracking import RunLog, check_writable, record_verdict, tracking_uri
 
     with sigterm_as_interrupt():  # a killed gate ends its MLflow run KILLED, like Ctrl-C
@@ -65,16 +79,23 @@ def main(argv: list[str]) -> int:
             overrides.append(f"registry.promote={str(options.promote).lower()}")
         policy = load_policy(options.gate, overrides)
         texts = evaluation_texts(policy)
-        experiment = resolve_policy(policy).experiment  # a bad policy is reported before MLflow hears of it
+        resolved = resolve_policy(policy)  # a bad policy is reported before MLflow hears of it
         uri = tracking_uri()
         check_writable(uri, "set MLFLOW_TRACKING_URI=<writable store>")  # before minutes of evaluation, not after
         candidate = options.checkpoint
-        describe_sides(candidate, options.baseline, texts)  # a baseline of another tokenizer: refused, nothing written
+        # a baseline of another tokenizer: refused, nothing written
+        (tokenizer, _, _), (_, _, baseline_folder) = describe_sides(candidate, options.baseline, texts)
+        stored = run_passes(candidate, baseline_folder, tokenizer, texts, resolved)
+        if stored.line():
+            print(stored.line(), flush=True)
         out_dir = options.out or artifacts_dir() / "gates" / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(candidate).name}"
         clear_verdict(out_dir)  # before the MLflow run opens: a kill from here on leaves no verdict at all
-        run = RunLog(uri, experiment, None, tags={"compress.kind": "gate"})
+        run = RunLog(uri, resolved.experiment, None, tags={"compress.kind": "gate"})
         try:
-            result = run_gate(candidate, options.baseline, policy, out_dir, evaluation_texts=texts)
+            result = run_gate(
+                candidate, options.baseline, policy, out_dir, evaluation_texts=texts,
+                measured=stored.measured, measured_by=STORED_BY,
+            )  # fmt: skip
             checkpoint = Path(candidate).expanduser()
             record_verdict(run, result, result.files, checkpoint if checkpoint.is_dir() else None, own_run=True)
         except BaseException as error:
@@ -82,5 +103,6 @@ def main(argv: list[str]) -> int:
             raise
         run.finish()
     print((out_dir / "gate.md").read_text())
-    print(f"{verdict_line(result.to_dict() | {'headline': result.headline()})}\nreport in {out_dir}")
+    line = verdict_line(result.to_dict() | {"headline": result.headline(), "roles": result.roles()})
+    print(f"{line}\nreport in {out_dir}")
     return VERDICT_EXIT_CODES[result.verdict]

@@ -13,6 +13,7 @@ from compress.evals import generation, latency, long_context, needle
 from compress.evals.gate import checks as gate_checks
 from compress.evals.gate.checks import Check
 from compress.evals.gate.context import GateContext, Subject
+from compress.evals.gate.policy import GatePolicy, resolve_blocking
 from compress.evals.gate.windows import judge_kl, judge_perplexity, measure_windows
 from compress.evals.json_validity import evaluate_json
 
@@ -209,7 +210,17 @@ def measure_latency(context: GateContext, subjects: list[Subject]) -> dict:
     policy = context.policy.latency
     generators = {subject.label: subject.generator for subject in subjects}
     prompt = _latency_prompt(context)
-    return latency.measure_latency(generators, prompt, policy.new_tokens, policy.repeats, policy.warmup)
+    measured = latency.measure_latency(generators, prompt, policy.new_tokens, policy.repeats, policy.warmup)
+    for subject in subjects:
+        if subject.label == "candidate":  # where it runs decides whether `blocking: auto` blocks
+            measured["device"] = next(subject.model.parameters()).device.type
+    return measured
+
+
+def layer_blocking(policy: GatePolicy, name: str, metrics: dict) -> bool:
+    """Whether layer ``name`` decides the verdict, ``auto`` resolved from the device its candidate ran on."""
+    device = metrics.get("device") if isinstance(metrics, dict) else None
+    return resolve_blocking(getattr(policy, name).blocking, device)
 
 
 def judge_latency(context: GateContext, metrics: dict) -> tuple[dict, list[Check]]:

@@ -90,8 +90,11 @@ class LongContextPolicy:
 
 @dataclass
 class LatencyPolicy:
+    """``blocking: auto`` (the default) decides on a GPU and only reports on a CPU, where a shared machine's speed
+    drifts more than the limit (:func:`resolve_blocking`); ``true``/``false`` say so whatever the device."""
+
     enabled: bool = True
-    blocking: bool = True
+    blocking: Any = "auto"  # true | false | auto
     prompt_tokens: int = 128
     new_tokens: int = 16
     repeats: int = 7
@@ -136,6 +139,18 @@ class GatePolicy:
     registry: RegistryPolicy = field(default_factory=RegistryPolicy)
 
 
+BLOCKING_AUTO = "auto"
+
+
+def resolve_blocking(blocking: bool | str, device: str | None) -> bool:
+    """Whether a layer decides the verdict: an explicit ``true``/``false`` wins; ``auto`` blocks unless the candidate
+    runs on a CPU (``device``, a torch device type), where the layer is advisory (reported, never deciding). A device
+    not known blocks: an undecided role must not let a regression through."""
+    if isinstance(blocking, bool):
+        return blocking
+    return device != "cpu"
+
+
 def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
     """``policy`` (e.g. ``cfg.gate``) over the defaults; unknown keys and wrong types are user errors."""
     resolved = typed(GatePolicy, policy, "gate")
@@ -162,6 +177,9 @@ def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
     unknown_domains = sorted(set(resolved.domains) - set(domain_panel()))
     if unknown_domains:
         raise CompressError(f"gate.domains has unknown domains {unknown_domains}; choose from {list(domain_panel())}")
+    blocking = resolved.latency.blocking
+    if not isinstance(blocking, bool) and blocking != BLOCKING_AUTO:
+        raise CompressError(f"gate.latency.blocking={blocking!r}; use true, false or auto (blocking on a GPU only)")
     if not 0.5 <= resolved.confidence < 1:
         raise CompressError(f"gate.confidence={resolved.confidence}; use a level in [0.5, 1), e.g. 0.95")
     windows, cap = resolved.perplexity.max_windows, resolved.perplexity.decide_max_windows

@@ -50,11 +50,15 @@ def write_report(result: GateResult, out_dir: Path) -> list[Path]:
         registry = result.registry
         aliases = ", ".join(registry["aliases"])
         lines.append(f"- registered: `{registry['name']}` version {registry['version']} ({aliases})")
+    if result.roles():
+        lines.append(f"- roles: {result.roles()} (an advisory layer is reported, never deciding)")
     if result.reasons:
         lines += ["", "## Why", ""] + [f"- {reason}" for reason in result.reasons]
     if result.layers:
-        lines += ["", "## Layers", "", "| layer | status | verdict | seconds |", "|---|---|---|---|"]
-        lines += [f"| {x.name} | {x.status} | {x.verdict or '–'} | {x.seconds:.1f} |" for x in result.layers]
+        lines += ["", "## Layers", "", "| layer | role | status | verdict | seconds |", "|---|---|---|---|---|"]
+        lines += [
+            f"| {x.name} | {x.role or '–'} | {x.status} | {x.verdict or '–'} | {x.seconds:.1f} |" for x in result.layers
+        ]
     checks = [check for layer in result.layers for check in layer.checks]
     if checks:
         confidence = f"{checks[0].confidence:.0%}" if len({c.confidence for c in checks}) == 1 else "level"

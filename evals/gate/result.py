@@ -24,6 +24,7 @@ class LayerResult:
     checks: list[Check] = field(default_factory=list)
     error: str | None = None
     note: str | None = None
+    role: str | None = None  # blocking | advisory (decides the verdict or only reports); None: not judged
 
 
 @dataclass
@@ -64,6 +65,22 @@ class GateResult:
         found = self.layer("perplexity")
         checks = [check for check in found.checks if check.metric.split(" [")[0] == "perplexity"] if found else []
         return max(checks, key=lambda check: check.estimate).describe() if checks else None
+
+    def roles(self) -> str | None:
+        """Each layer's part in the verdict, in one short phrase for the verdict line: ``blocking: perplexity, kl;
+        advisory: latency (inconclusive); not judged: json; skipped: needle``. A layer that did not pass says how
+        it ended; an advisory one is reported, never deciding."""
+        groups: dict[str, list[str]] = {"blocking": [], "advisory": [], "not judged": [], "skipped": []}
+        for layer in self.layers:
+            if layer.status == "skipped":
+                groups["skipped"].append(layer.name)
+            elif layer.status == "cannot_judge" or layer.role is None:
+                groups["not judged"].append(layer.name)
+            else:
+                ended = "error" if layer.status == "error" else layer.verdict
+                groups[layer.role].append(layer.name + (f" ({ended})" if ended not in (PASS, None) else ""))
+        text = "; ".join(f"{role}: {', '.join(names)}" for role, names in groups.items() if names)
+        return text or None
 
     def fail_closed(self, reason: str) -> None:
         self.verdict = BLOCK

@@ -22,7 +22,7 @@ from compress.data import tokenize
 from compress.evals import generation, loading
 from compress.evals.gate.checks import familywise
 from compress.evals.gate.context import GateContext, Subject
-from compress.evals.gate.layers import LAYERS, CannotJudge
+from compress.evals.gate.layers import LAYERS, CannotJudge, layer_blocking
 from compress.evals.gate.policy import GatePolicy, policy_dict, resolve_policy
 from compress.evals.gate.report import clear_verdict, write_report
 from compress.evals.gate.result import GateResult, LayerResult
@@ -50,13 +50,14 @@ class LayerRun:
     def judge(self, context: GateContext) -> LayerResult:
         judged: list = []
         self._timed(lambda: judged.extend(LAYERS[self.name][1](context, self.metrics)))
-        if self.error is not None:
-            return LayerResult(self.name, "error", seconds=self.seconds, error=self.error)
+        blocking = layer_blocking(context.policy, self.name, self.metrics)  # `auto`: from the candidate's device
+        role = "blocking" if blocking else "advisory"
+        if self.error is not None:  # fail closed: an error blocks whatever the layer's role
+            return LayerResult(self.name, "error", seconds=self.seconds, error=self.error, role="blocking")
         if self.cannot_judge is not None:
             note = self.cannot_judge
             return LayerResult(self.name, "cannot_judge", seconds=self.seconds, metrics=self.metrics, note=note)
         metrics, checks = judged
-        blocking = getattr(context.policy, self.name).blocking
         if blocking and context.policy.familywise:
             family = blocking_checks(context.policy, context.selected)
             checks = [familywise(check, familywise_confidence(check.confidence, family)) for check in checks]
@@ -68,7 +69,7 @@ class LayerRun:
         return LayerResult(
             self.name, status, verdict, self.seconds,
             *((worst.estimate, worst.low, worst.high, worst.limit) if worst else (None,) * 4),
-            metrics=metrics, checks=checks,
+            metrics=metrics, checks=checks, role=role,
         )  # fmt: skip
 
     def _timed(self, work) -> None:
@@ -124,6 +125,7 @@ def run_gate(
     candidate_path: Path | None = None,
     candidate_label: str | None = None,
     measured: dict[str, dict] | None = None,
+    measured_by: str = "run",
     baseline_measures: BaselineMeasures | None = None,
 ) -> GateResult:
     """Judge ``candidate`` against ``baseline`` (paths, model names or loaded models) on ``evaluation_texts`` (text
@@ -131,8 +133,9 @@ def run_gate(
     checkpoint of an in-memory candidate; ``candidate_label`` is how reports name the candidate (default: its path).
     ``measured``: both sides' perplexity passes (``PerplexityResult.to_dict()``, the candidate's with its KL
     ``divergence``) when the caller already scored them on these texts: the perplexity and KL layers then judge
-    those numbers instead of measuring again, so a run prints one perplexity, not two. ``baseline_measures``: the
-    baseline's measurements kept from earlier gates of the same baseline, text and policy (read, then added to)."""
+    those numbers instead of measuring again, so a run prints one perplexity, not two; ``measured_by`` names who
+    measured them in gate.md. ``baseline_measures``: the baseline's measurements kept from earlier gates of the same
+    baseline, text and policy (read, then added to)."""
     resolved = resolve_policy(policy)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -161,7 +164,7 @@ def run_gate(
     if prepared is not None:
         context, subjects = prepared
         if measured is not None:
-            context.scores, context.scores_source = dict(measured), "run"
+            context.scores, context.scores_source = dict(measured), measured_by
         if baseline_measures is not None:
             baseline_measures.check_key(_baseline_key(context, subjects["baseline"]))
         _run_layers(result, context, subjects, selected, baseline_measures)
