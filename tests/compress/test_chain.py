@@ -78,21 +78,19 @@ def test_full_chain_is_one_command(tiny_model_dir, artifacts, tmp_path):
     assert [point.step for point in curve] == list(range(6))
 
 
-def test_pruned_only_checkpoint_loads_in_transformers(tiny_model_dir, artifacts):
-    args = [
-        "run",
-        "recipe=prune_2of4",
-        f"model={tiny_model_dir}",
-        *SMALL,
-        "stages.0.sparsity=4:8",
-        "tracking.enabled=false",
-    ]
-    assert main(args) == 0
+@pytest.mark.parametrize("pattern", [None, "4:8"], ids=["the file's 2:4", "4:8 override"])
+def test_pruned_only_checkpoint_loads_in_transformers(tiny_model_dir, artifacts, pattern):
+    args = ["run", "recipe=prune_2of4", f"model={tiny_model_dir}", *SMALL, "tracking.enabled=false"]
+    assert main(args + ([f"stages.0.sparsity={pattern}"] if pattern else [])) == 0
+    kept, group = (int(n) for n in (pattern or "2:4").split(":"))
     [run_dir] = (artifacts / "runs").iterdir()
     config = json.loads((run_dir / "checkpoint" / "config.json").read_text())
     assert "quantization_config" not in config  # a plain dense folder, which every runtime loads
-    assert json.loads((run_dir / "checkpoint" / "sparsity.json").read_text())["sparsity_structure"] == "4:8"
+    structure = json.loads((run_dir / "checkpoint" / "sparsity.json").read_text())["sparsity_structure"]
+    assert structure == f"{kept}:{group}"
     model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint")
-    weight = model.model.layers[1].mlp.up_proj.weight
-    assert ((weight.reshape(weight.shape[0], -1, 8) != 0).sum(-1) <= 4).all()
-    assert (weight == 0).float().mean().item() == pytest.approx(0.5, abs=1e-3)
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.q_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            weight = linear.weight
+            assert ((weight.reshape(weight.shape[0], -1, group) != 0).sum(-1) <= kept).all()
+            assert (weight == 0).float().mean().item() == pytest.approx(0.5, abs=1e-3)

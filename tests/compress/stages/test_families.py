@@ -5,6 +5,8 @@ norms, Phi-3's fused qkv_proj/gate_up_proj, Qwen3/Gemma-3's k_norm, Gemma-2's so
 weights, so a folding rule that is right only for Llama changes the model and shows here.
 """
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from helpers import FAMILIES, build_tiny_model, relative_error
@@ -26,9 +28,20 @@ SAMPLES = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_se
 TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
 
 # recipe → (stages, bound on the relative logit error after compression). The bounds hold with ~1.5x margin on the
-# most sensitive family (Gemma: its sandwich norms amplify each layer's error); on random weights pruning has no
-# redundancy to exploit, so its bound only catches a broken model (NaN, blow-up), not a weak pruner.
-FOUR_BIT, PRUNED = 0.5, 1.5
+# most sensitive family (Gemma: its sandwich norms amplify each layer's error). On random weights pruning has no
+# redundancy to exploit: half of each linear's weights removed moves the logits 0.50-0.72 of the way to the model whose
+# decoder linears output zeros (measured on every family), so a pruning bound is that share of the zeroed model's
+# error, which a pruner that zeroes whole linears cannot meet, and half of every pruned linear must be zeros.
+
+
+@dataclass(frozen=True)
+class OfZeroed:
+    """A bound that is ``share`` x the relative logit error of the family's model with its decoder linears zeroed."""
+
+    share: float
+
+
+FOUR_BIT, PRUNED = 0.5, OfZeroed(0.8)
 CHAINS = {
     "rtn": ([{"type": "rtn", "group_size": 32}], FOUR_BIT),
     "awq": ([{"type": "awq", "group_size": 32, "grid": 5, "clip_grid": 5}], FOUR_BIT),
@@ -62,16 +75,50 @@ def _compress(family: str, chain: list[dict]):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("recipe", list(CHAINS))
 def test_stage_runs_stays_close_and_checkpoint_reloads_identically(tmp_path, family, recipe):
-    chain, bound = CHAINS[recipe]
     reference = _logits(build_tiny_model(family, VOCAB))
-    model, stages = _compress(family, chain)
+    model, stages = _compress(family, CHAINS[recipe][0])
     compressed = _logits(model)
-    error = relative_error(compressed, reference)
-    assert 0 < error < bound, f"{family}/{recipe}: relative logit error {error:.4f}"
+    _check_error(family, recipe, compressed, reference)
+    if isinstance(CHAINS[recipe][1], OfZeroed):
+        for layer in decoder_layers(model):
+            for name, linear in layer.named_modules():
+                if type(linear) is torch.nn.Linear:
+                    assert (linear.weight == 0).float().mean().item() == pytest.approx(0.5, abs=0.01), name
     kv_scheme = next((s.kv_cache_scheme for s in stages if s.quantizes_kv_cache), None)
     save_checkpoint(model, None, tmp_path / "ckpt", kv_cache_scheme=kv_scheme)
     reloaded, _ = load_checkpoint(tmp_path / "ckpt")
     assert torch.allclose(_logits(reloaded), compressed, atol=1e-5)
+
+
+def _zeroed_model(family: str) -> torch.nn.Module:
+    """The family's model with every decoder linear's output zero: what a pruner that breaks the model gives."""
+    model = build_tiny_model(family, VOCAB)
+    with torch.no_grad():
+        for layer in decoder_layers(model):
+            for linear in layer.modules():
+                if type(linear) is torch.nn.Linear:
+                    linear.weight.zero_()
+                    if linear.bias is not None:
+                        linear.bias.zero_()
+    return model
+
+
+def _check_error(family: str, recipe: str, compressed: torch.Tensor, reference: torch.Tensor) -> None:
+    """The compressed model moved (a stage ran) and stayed within the recipe's bound."""
+    bound = CHAINS[recipe][1]
+    if isinstance(bound, OfZeroed):
+        bound = bound.share * relative_error(_logits(_zeroed_model(family)), reference)
+    error = relative_error(compressed, reference)
+    assert 0 < error < bound, f"{family}/{recipe}: relative logit error {error:.4f} (bound {bound:.4f})"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("recipe", [recipe for recipe, (_, bound) in CHAINS.items() if isinstance(bound, OfZeroed)])
+def test_a_model_whose_linears_output_zeros_fails_the_pruning_bound(family, recipe):
+    """The pruning bound catches a pruner that breaks the model (the old absolute bound of 1.5 let it pass)."""
+    reference = _logits(build_tiny_model(family, VOCAB))
+    with pytest.raises(AssertionError, match="relative logit error"):
+        _check_error(family, recipe, _logits(_zeroed_model(family)), reference)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

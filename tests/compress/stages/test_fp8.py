@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from helpers import build_tiny_llama
+from helpers import build_tiny_llama, relative_error
 from transformers import AutoModelForCausalLM
 
 from compress.checkpoint import load_checkpoint, save_checkpoint
@@ -34,16 +34,17 @@ def test_fp8_weight_round_trip_error_is_bounded():
     assert 0 < summary["mean_weight_rel_mse"] < 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("activations", ["dynamic", "static"])
-def test_fp8_checkpoint_is_float_quantized_and_loads(tmp_path, activations):
-    samples = torch.randint(0, 320, (4, 32))
-    tokens = torch.randint(0, 320, (2, 24))
+def test_fp8_checkpoint_is_float_quantized_and_loads(tmp_path, activations, dtype):
+    samples = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(1))
     model, summary = _fp8(activations, samples)
     static = activations == "static"
     assert (model.model.layers[0].mlp.up_proj.input_scale is not None) == static
     with torch.no_grad():
         expected = model(tokens).logits
-    save_checkpoint(model, None, tmp_path / "ckpt", dtype=torch.bfloat16)
+    save_checkpoint(model, None, tmp_path / "ckpt", dtype=dtype)
     qconfig = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
     [group] = qconfig["config_groups"].values()
     assert qconfig["format"] == "float-quantized" and group["weights"]["type"] == "float"
@@ -55,7 +56,11 @@ def test_fp8_checkpoint_is_float_quantized_and_loads(tmp_path, activations):
         assert torch.allclose(ours(tokens).logits.float(), expected, atol=0.05)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
     with torch.no_grad():
-        assert torch.isfinite(theirs(tokens).logits).all()
+        mine, yours = ours(tokens).logits.float(), theirs(tokens).logits.float()
+    # transformers + compressed-tensors compute what we do: in fp32 to float rounding (measured 2e-7; one whole e4m3
+    # step of activation rounding, or activations left unquantized, moves the logits by ~1e-2); in bf16 each side
+    # rounds its own bf16 ops (measured 0.026, the size of FP8's own error here)
+    assert relative_error(yours, mine) < (1e-3 if dtype == torch.float32 else 0.05)
 
 
 def test_unknown_activation_mode_is_a_config_error():
