@@ -56,7 +56,7 @@ class LmEvalPolicy:
 @dataclass
 class JsonPolicy:
     enabled: bool = True
-    blocking: bool = True
+    blocking: bool = False  # advisory on a CPU: too few items to decide (gate-power.md); gate=full blocks
     constrained: bool = False
     max_new_tokens: int = 64
     num_prompts: int | None = None
@@ -68,7 +68,7 @@ class JsonPolicy:
 @dataclass
 class NeedlePolicy:
     enabled: bool = True
-    blocking: bool = True
+    blocking: bool = False  # advisory on a CPU: too few items to decide (gate-power.md); gate=full blocks
     context_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     trials: int = 2
@@ -81,7 +81,7 @@ class LongContextPolicy:
     """Multi-hop synthetic tasks (``compress.evals.long_context``), run with the candidate's KV-cache dtype."""
 
     enabled: bool = True
-    blocking: bool = True
+    blocking: bool = False  # advisory on a CPU: too few items to decide (gate-power.md); gate=full blocks
     context_lengths: list[int] = field(default_factory=lambda: [512, 1024])
     tasks: list[str] = field(default_factory=lambda: ["variable_tracking", "multi_key", "frequent_words"])
     trials: int = 3
@@ -120,7 +120,7 @@ class GatePolicy:
     confidence: float = 0.95  # of every interval a verdict is read from
     familywise: bool = True  # a BLOCK is read at the Bonferroni level over the blocking checks (stats.py)
     # more kinds of text the perplexity and KL layers judge besides the evaluation text (compress.data.domain_panel)
-    domains: list[str] = field(default_factory=list)
+    domains: list[str] = field(default_factory=lambda: ["code", "technical"])
     decide: bool = False  # an INCONCLUSIVE perplexity/KL verdict scores more windows until decided (up to a cap)
     backend: str = "auto"  # one of BACKENDS
     engine: dict[str, Any] = field(default_factory=dict)  # compress.engine.EngineConfig options

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 PASS, BLOCK, INCONCLUSIVE = "pass", "block", "inconclusive"
+MIN_BLOCKS = 4  # a run of neighbouring windows is read across at least this many blocks
 VERDICTS = (PASS, BLOCK, INCONCLUSIVE)
 
 
@@ -99,8 +100,11 @@ def block_mean_interval(
 ) -> Interval:
     """Interval of the mean of ``values`` when neighbouring items are correlated: the variance is the larger of the
     independent-items one and the cluster-robust one over blocks (:func:`blocks_of`), read against Student t with
-    one degree of freedom less than the number of blocks. Every item in its own block: :func:`mean_interval`."""
+    one degree of freedom less than the number of blocks. Every item in its own block: :func:`mean_interval`. A block
+    holds at most a quarter of the items, so that a short run is still read across at least four blocks (three
+    windows side by side are read as independent: too few to say more)."""
     count = len(values)
+    block = max(1, min(block, count // MIN_BLOCKS))
     labels = blocks_of(positions if positions is not None else list(range(count)), block)
     clusters = len(set(labels))
     if clusters == count:

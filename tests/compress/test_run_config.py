@@ -149,7 +149,10 @@ def test_bad_configuration_fails_in_the_first_check(tiny_model_dir, tmp_path, ov
         ({"eval": {"max_windows": 0}}, "eval.max_windows=0 must be ≥ 1"),
         ({"calibration_batch_size": 0}, "calibration_batch_size=0 must be ≥ 1"),
         ({"data": {"eval_fraction": 1.5}}, "data.eval_fraction=1.5 must be between 0 and 1"),
-        ({"data": {"source": "web"}}, "data.source='web' is unknown; use pydoc, shakespeare, file, hf"),
+        (
+            {"data": {"source": "web"}},
+            "data.source='web' is unknown; use pydoc, shakespeare, python_code, python_docstrings, file, hf",
+        ),
         (
             {"eval": {"seq_len": 4096}},
             "eval.seq_len=4096 is longer than the model's context (512 tokens); set eval.seq_len≤512",
