@@ -191,13 +191,24 @@ def measure_long_context(context: GateContext, subjects: list[Subject]) -> dict:
 
 
 def judge_long_context(context: GateContext, metrics: dict) -> tuple[dict, list[Check]]:
+    """One check per task, each against its own chance level (copying a hidden number scores 1/2 on
+    variable_tracking, 1/4 on multi_key): pooled, a task the baseline only guesses would hide behind one it solves."""
     policy = context.policy.long_context
     candidate, baseline = metrics["candidate"], metrics["baseline"]
+    tasks = [item["task"] for item in baseline["items"]]
+    if tasks != [item["task"] for item in candidate["items"]]:
+        raise CompressError("long_context: candidate and baseline were scored on different items")
     notes: list[str] = []
-    checks = _accuracy_checks(
-        context, "long_context", "long_context_accuracy", candidate["outcomes"], baseline["outcomes"],
-        policy.max_drop_points, baseline["chance"], notes,
-    )  # fmt: skip
+    checks: list[Check] = []
+    for task in baseline["tasks"]:
+
+        def of(outcomes: list[int], task: str = task) -> list[int]:
+            return [outcome for outcome, item_task in zip(outcomes, tasks, strict=True) if item_task == task]
+
+        checks += _accuracy_checks(
+            context, "long_context", f"long_context/{task}", of(candidate["outcomes"]), of(baseline["outcomes"]),
+            policy.max_drop_points, baseline["per_task_chance"][task], notes,
+        )  # fmt: skip
     return _judged(metrics, checks, notes)
 
 
