@@ -54,7 +54,13 @@ def _judged(metrics: dict, checks: list[Check], notes: list[str]) -> tuple[dict,
 
 
 def measure_lm_eval(context: GateContext, subjects: list[Subject]) -> dict:
-    from compress.evals.lm_eval_tasks import CHOICE_TASK, run_lm_eval, write_choice_task
+    from compress.evals.lm_eval_tasks import (
+        CHOICE_TASK,
+        benchmark_task_name,
+        run_lm_eval,
+        write_benchmark_task,
+        write_choice_task,
+    )
 
     policy = context.policy.lm_eval
     tasks, include_paths = list(policy.tasks), []
@@ -62,10 +68,16 @@ def measure_lm_eval(context: GateContext, subjects: list[Subject]) -> dict:
         folder = context.out_dir / "lm_eval_tasks"
         include_paths.append(write_choice_task(context.evaluation_texts, folder, policy.limit, context.policy.seed))
         tasks.insert(0, CHOICE_TASK)
+    if policy.benchmark:
+        include_paths.append(write_benchmark_task(policy.benchmark, context.out_dir / "lm_eval_benchmark"))
+        tasks.insert(0, benchmark_task_name(policy.benchmark))
     if policy.include_path:
         include_paths.append(Path(policy.include_path).expanduser())
     if not tasks:
-        raise CompressError("the lm_eval layer has no tasks: set gate.lm_eval.local_task=true or gate.lm_eval.tasks")
+        raise CompressError(
+            "the lm_eval layer has no tasks: set gate.lm_eval.benchmark (e.g. arc_easy), gate.lm_eval.tasks or "
+            "gate.lm_eval.local_task=true"
+        )
     return {
         subject.label: run_lm_eval(
             subject.model, subject.tokenizer, tasks, include_paths, policy.limit, policy.batch_size, policy.max_length

