@@ -1,13 +1,17 @@
-"""lm-eval integration: our in-memory models scored by lm-eval's own loop, on a local accuracy task or any task the
-user has.
+"""lm-eval integration: our in-memory models scored by lm-eval's own loop, on a shipped public benchmark, a local
+continuation task, or any task the user has.
 
-The gate's perplexity layer already measures how well a model predicts the held-out text; re-scoring that text as a
-rolling loglikelihood through lm-eval only repeated it on less data. The local task asks something else, in the form
-of the public benchmarks (HellaSwag, LAMBADA-style cloze): given a passage of the held-out evaluation text, pick its
+The accuracy benchmark: public multiple-choice items that ship with the package (``evals/data/<name>/``: the items as
+jsonl, lm-eval's task YAML for them, and a README with their source, version and licence), so the gate measures
+accuracy on questions nobody cut from the text it scores for perplexity, on a machine with no hub. The default is
+ARC-Easy's 570 validation questions (``arc_easy``); :func:`write_benchmark_task` writes its task for ``include_path``.
+
+The continuation task (``compress_continuation``, off by default; a smoke test, not an accuracy benchmark: its items
+are cut from the same text the perplexity layer scores): given a passage of the held-out evaluation text, pick its
 true continuation among four endings, three of them sentences of similar length taken from other passages. It needs
-no download (the items come from the texts the gate is given), lm-eval scores it with its ``multiple_choice`` loop
-(``acc`` and ``acc_norm``), and every item's outcome comes back so the gate can pair candidate and baseline item by
-item for an interval on the difference rather than compare two noisy means.
+no download (the items come from the texts the gate is given) and lm-eval scores it with its ``multiple_choice`` loop
+(``acc`` and ``acc_norm``). Every task's per-item outcomes come back so the gate can pair candidate and baseline item
+by item for an interval on the difference rather than compare two noisy means.
 
 The model is wrapped by lm-eval's ``HFLM`` as an already-instantiated model and tokenizer, so nothing is fetched from
 the hub. Users add tasks by name (``gate.lm_eval.tasks=[...]``) and their own YAML folders
@@ -25,8 +29,11 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
+import yaml
+
 from compress.errors import CompressError
 
+BENCHMARK_DIR = Path(__file__).parent / "data"
 CHOICE_TASK = "compress_continuation"
 NUM_CHOICES = 4
 CONTEXT_CHARS = (150, 500)  # a few sentences of the passage
@@ -179,6 +186,33 @@ def write_choice_task(texts: list[str], folder: Path, num_items: int | None, see
     return folder
 
 
+def shipped_benchmarks() -> list[str]:
+    """The names of the benchmarks whose items ship with the package (folders of ``evals/data`` with a task)."""
+    return sorted(path.parent.name for path in BENCHMARK_DIR.glob("*/task.yaml"))
+
+
+def benchmark_task_name(name: str) -> str:
+    """The lm-eval task name of shipped benchmark ``name`` (``compress_<name>``: lm-eval's own ``arc_easy`` reads
+    the hub)."""
+    return f"compress_{name}"
+
+
+def write_benchmark_task(name: str, folder: Path) -> Path:
+    """The task folder (for lm-eval's ``include_path``) of shipped benchmark ``name``: its task YAML pointing at the
+    shipped items by absolute path."""
+    if name not in shipped_benchmarks():
+        raise CompressError(
+            f"no shipped accuracy benchmark {name!r}; the package ships {shipped_benchmarks()} "
+            "(or name any lm-eval task the machine has data for in gate.lm_eval.tasks)"
+        )
+    source = BENCHMARK_DIR / name
+    config = yaml.safe_load((source / "task.yaml").read_text(encoding="utf-8"))
+    config["dataset_kwargs"]["data_files"] = {"test": str(source / config["dataset_kwargs"]["data_files"]["test"])}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{config['task']}.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    return folder
+
+
 def _chance_level(output_type: str | None, samples: list[dict]) -> float | None:
     """The accuracy of guessing uniformly on a multiple-choice task (the mean of 1/choices over its items; 0.25 for
     :data:`CHOICE_TASK`), or None for other tasks."""
@@ -238,7 +272,8 @@ def run_lm_eval(
     device = str(next(model.parameters()).device)
     wrapped = HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size, max_length=max_length)
     # Indexing lm-eval's thousands of built-in task files takes seconds; do it only when a built-in task is asked for.
-    builtin = any(task != CHOICE_TASK for task in tasks)
+    local = {CHOICE_TASK, *map(benchmark_task_name, shipped_benchmarks())}
+    builtin = any(task not in local for task in tasks)
     manager = TaskManager(include_path=[str(path) for path in include_paths] or None, include_defaults=builtin)
     output = lm_eval.simple_evaluate(
         model=wrapped,

@@ -20,15 +20,17 @@ accepts with a tokenizer, the same for every seed; a shorter one is a ``ValueErr
 evaluation text must hold at least ``length`` tokens (a little more than any prompt uses, so the check does not depend
 on the seed either).
 
-Chance: guessing a 5- or 7-digit number, or three words out of ``len(WORDS)``, is right with probability below
-1e-5, so ``chance`` is 0.0. That is the rate of a blind guess; a model that copies one of the hidden numbers without
-following the chain or matching the key scores 1/2 on ``variable_tracking`` and 1/``MULTI_KEY_NEEDLES`` on
-``multi_key``. That shortcut is what the distractors are for, and the gate compares candidate and baseline item by
-item, so it does not hide a drop.
+Chance, per task: the accuracy of a reader that picks uniformly among the answers the prompt itself offers and
+follows no chain, matches no key and counts nothing (:func:`chance`). Copying one of the hidden numbers is right
+with probability 1/2 on ``variable_tracking`` (the asked chain's number or the distractor chain's) and
+1/``MULTI_KEY_NEEDLES`` on ``multi_key``; naming three of the listed words, 1/C(listed words, 3) on
+``frequent_words`` (below 1e-3). The gate judges each task on its own against its own chance level: pooled, a
+baseline that only copies numbers would look far above a chance of 0.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import string
@@ -313,6 +315,14 @@ def score(item: LongContextItem, reply: str) -> bool:
     return match is not None and match.group() == item.answer
 
 
+def chance(item: LongContextItem) -> float:
+    """The accuracy of picking uniformly among the answers ``item``'s prompt offers: its answer and its distractors
+    for the number tasks (exact match on the first number), any three of the listed words for ``frequent_words``."""
+    if item.task == "frequent_words":
+        return 1 / math.comb(len(item.answer) + len(item.distractors), FREQUENT_WORDS)
+    return 1 / (1 + len(item.distractors))
+
+
 def _check_arguments(tokenizer, filler_ids, lengths, tasks, trials, hops) -> None:
     if not lengths or not tasks:
         raise ValueError("long-context evaluation needs at least one length and one task")
@@ -348,9 +358,10 @@ def evaluate_long_context(
     *,
     hops: int = VARIABLE_HOPS,
 ) -> dict:
-    """Accuracy overall (``long_context_accuracy``), per task and per length, and every item's 0/1 outcome in a
-    fixed order (lengths, then tasks, then trials) that does not depend on the generator. Every prompt is built
-    before the first is generated, so bad arguments fail before any model time is spent."""
+    """Accuracy overall (``long_context_accuracy``), per task and per length, each task's chance level
+    (``per_task_chance``: the mean of :func:`chance` over its items; ``chance``: over all items), and every item's 0/1
+    outcome in a fixed order (lengths, then tasks, then trials) that does not depend on the generator. Every prompt is
+    built before the first is generated, so bad arguments fail before any model time is spent."""
     _check_arguments(tokenizer, filler_ids, lengths, tasks, trials, hops)
     keys = [(length, task, trial) for length in lengths for task in tasks for trial in range(trials)]
     items = [
@@ -376,7 +387,10 @@ def evaluate_long_context(
             {"task": task, "length": length, "trial": trial, "correct": outcome}
             for (length, task, trial), outcome in zip(keys, outcomes, strict=True)
         ],
-        "chance": 0.0,
+        "per_task_chance": {
+            task: sum(chance(item) for item in items if item.task == task) / (trials * len(lengths)) for task in tasks
+        },
+        "chance": sum(map(chance, items)) / len(items),
         "lengths": list(lengths),
         "tasks": list(tasks),
         "trials": trials,

@@ -55,7 +55,13 @@ def _judged(metrics: dict, checks: list[Check], notes: list[str]) -> tuple[dict,
 
 
 def measure_lm_eval(context: GateContext, subjects: list[Subject]) -> dict:
-    from compress.evals.lm_eval_tasks import CHOICE_TASK, run_lm_eval, write_choice_task
+    from compress.evals.lm_eval_tasks import (
+        CHOICE_TASK,
+        benchmark_task_name,
+        run_lm_eval,
+        write_benchmark_task,
+        write_choice_task,
+    )
 
     policy = context.policy.lm_eval
     tasks, include_paths = list(policy.tasks), []
@@ -63,10 +69,16 @@ def measure_lm_eval(context: GateContext, subjects: list[Subject]) -> dict:
         folder = context.out_dir / "lm_eval_tasks"
         include_paths.append(write_choice_task(context.evaluation_texts, folder, policy.limit, context.policy.seed))
         tasks.insert(0, CHOICE_TASK)
+    if policy.benchmark:
+        include_paths.append(write_benchmark_task(policy.benchmark, context.out_dir / "lm_eval_benchmark"))
+        tasks.insert(0, benchmark_task_name(policy.benchmark))
     if policy.include_path:
         include_paths.append(Path(policy.include_path).expanduser())
     if not tasks:
-        raise CompressError("the lm_eval layer has no tasks: set gate.lm_eval.local_task=true or gate.lm_eval.tasks")
+        raise CompressError(
+            "the lm_eval layer has no tasks: set gate.lm_eval.benchmark (e.g. arc_easy), gate.lm_eval.tasks or "
+            "gate.lm_eval.local_task=true"
+        )
     return {
         subject.label: run_lm_eval(
             subject.model, subject.tokenizer, tasks, include_paths, policy.limit, policy.batch_size, policy.max_length
@@ -192,13 +204,24 @@ def measure_long_context(context: GateContext, subjects: list[Subject]) -> dict:
 
 
 def judge_long_context(context: GateContext, metrics: dict) -> tuple[dict, list[Check]]:
+    """One check per task, each against its own chance level (copying a hidden number scores 1/2 on
+    variable_tracking, 1/4 on multi_key): pooled, a task the baseline only guesses would hide behind one it solves."""
     policy = context.policy.long_context
     candidate, baseline = metrics["candidate"], metrics["baseline"]
+    tasks = [item["task"] for item in baseline["items"]]
+    if tasks != [item["task"] for item in candidate["items"]]:
+        raise CompressError("long_context: candidate and baseline were scored on different items")
     notes: list[str] = []
-    checks = _accuracy_checks(
-        context, "long_context", "long_context_accuracy", candidate["outcomes"], baseline["outcomes"],
-        policy.max_drop_points, baseline["chance"], notes,
-    )  # fmt: skip
+    checks: list[Check] = []
+    for task in baseline["tasks"]:
+
+        def of(outcomes: list[int], task: str = task) -> list[int]:
+            return [outcome for outcome, item_task in zip(outcomes, tasks, strict=True) if item_task == task]
+
+        checks += _accuracy_checks(
+            context, "long_context", f"long_context/{task}", of(candidate["outcomes"]), of(baseline["outcomes"]),
+            policy.max_drop_points, baseline["per_task_chance"][task], notes,
+        )  # fmt: skip
     return _judged(metrics, checks, notes)
 
 

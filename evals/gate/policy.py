@@ -44,10 +44,11 @@ class KLPolicy:
 class LmEvalPolicy:
     enabled: bool = True
     blocking: bool = True
-    local_task: bool = True  # the shipped accuracy task: the true continuation of a passage among four
+    benchmark: str | None = "arc_easy"  # a public benchmark shipped with the package (evals/data/<name>); null: none
+    local_task: bool = False  # the continuation task cut from the evaluation text (a smoke test, not a benchmark)
     tasks: list[str] = field(default_factory=list)  # any lm-eval task names the machine has data for
     include_path: str | None = None  # a folder of the user's own task YAMLs
-    limit: int | None = 40  # items per task (the default evaluation split holds 108 of the local task)
+    limit: int | None = None  # items per task (null: all; arc_easy ships 570)
     batch_size: int = 4
     max_length: int = 512
     max_drop_points: float | None = 10.0  # accuracy-like metrics, paired per item
@@ -180,6 +181,14 @@ def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
     blocking = resolved.latency.blocking
     if not isinstance(blocking, bool) and blocking != BLOCKING_AUTO:
         raise CompressError(f"gate.latency.blocking={blocking!r}; use true, false or auto (blocking on a GPU only)")
+    from compress.evals.lm_eval_tasks import shipped_benchmarks
+
+    benchmark = resolved.lm_eval.benchmark
+    if benchmark is not None and benchmark not in shipped_benchmarks():
+        raise CompressError(
+            f"gate.lm_eval.benchmark={benchmark!r} is not shipped; choose from {shipped_benchmarks()} or null "
+            "(other lm-eval tasks go in gate.lm_eval.tasks)"
+        )
     if not 0.5 <= resolved.confidence < 1:
         raise CompressError(f"gate.confidence={resolved.confidence}; use a level in [0.5, 1), e.g. 0.95")
     windows, cap = resolved.perplexity.max_windows, resolved.perplexity.decide_max_windows

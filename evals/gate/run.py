@@ -88,7 +88,8 @@ class LayerRun:
 
 def blocking_checks(policy: GatePolicy, selected: list[str]) -> int:
     """How many blocking checks the gate may run: the family a BLOCK's level is shared over (every limit set on a
-    selected, enabled, blocking layer; one accuracy check per lm-eval task and per long-context task). Counting a
+    selected, enabled, blocking layer; one accuracy check per lm-eval task and per long-context task; each panel
+    domain its own perplexity and KL checks). Counting a
     check that ends up not judged only makes the level stricter."""
     limits = {
         "perplexity": ("max_ratio", "max_value"),
@@ -105,7 +106,8 @@ def blocking_checks(policy: GatePolicy, selected: list[str]) -> int:
         if name in WINDOW_LAYERS:
             count += sum(getattr(layer, key) is not None for key in limits[name]) * (1 + len(policy.domains))
         elif name == "lm_eval":
-            count += (int(layer.local_task) + len(layer.tasks)) * (layer.max_drop_points is not None)
+            tasks = (layer.benchmark is not None) + int(layer.local_task) + len(layer.tasks)
+            count += tasks * (layer.max_drop_points is not None)
         elif name == "long_context":
             count += len(layer.tasks) * (layer.max_drop_points is not None)
         else:

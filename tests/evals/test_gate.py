@@ -71,10 +71,10 @@ def test_unchanged_model_passes_against_itself_and_is_registered(checkpoints, tm
     assert list(layers) == ["perplexity", "kl", "lm_eval", "json", "needle", "long_context", "latency"]
     assert layers["perplexity"]["status"] == layers["kl"]["status"] == "pass"
     assert layers["perplexity"]["estimate"] == pytest.approx(1.0) and layers["kl"]["estimate"] == pytest.approx(0.0)
-    # a random model picks continuations at chance: the accuracy layer says it cannot judge instead of passing
+    # a random model answers ARC-Easy at chance: the accuracy layer says it cannot judge instead of passing
     assert layers["lm_eval"]["status"] in ("pass", "cannot_judge")
-    choice = layers["lm_eval"]["metrics"]["candidate"]["compress_continuation"]
-    assert len(choice["outcomes"]["acc"]) == 60 and choice["chance"] == 0.25
+    arc = layers["lm_eval"]["metrics"]["candidate"]["compress_arc_easy"]
+    assert len(arc["outcomes"]["acc"]) == 200 and 0.24 <= arc["chance"] <= 0.26
     assert (out / "needle_heatmap.png").stat().st_size > 0
     assert "# Release gate: PASSED" in (out / "gate.md").read_text()
 

