@@ -37,7 +37,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 DRAWS = 1000
 RATIOS = (1.0, 1.02, 1.04, 1.06, 1.07, 1.08, 1.10, 1.12, 1.15, 1.20)
 KLS = (0.001, 0.02, 0.04, 0.06, 0.07, 0.08, 0.10, 0.15)
-DROPS = (0, 2, 5, 10, 15, 20, 30, 40)
+DROPS = (0, 2, 4, 5, 6, 8, 10, 12, 15, 20, 30, 40)
 # ARC-Easy, all 570 items (benchmarks/results/accuracy-task.md): the default model is right on 52.3%; RTN int8 lost 6
 # of its 298 right answers and gained 5 of its 272 wrong ones, about 2% churn each way
 BASELINE_ACCURACY, CHURN = 0.523, 0.02

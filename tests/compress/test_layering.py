@@ -54,6 +54,7 @@ EVALS_ALLOWED = RUNTIME_ALLOWED | {
     "jsonschema",
     "omegaconf",
     "tqdm",
+    "yaml",  # lm-eval's task files (compress.evals.lm_eval_tasks writes the shipped benchmark's)
 }
 
 

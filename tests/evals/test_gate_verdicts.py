@@ -21,7 +21,8 @@ from compress.evals.gate import run_gate, stats
 from compress.evals.gate.checks import drop_check, ratio_check
 from compress.evals.perplexity import perplexity
 
-WINDOW_LAYERS = {"layers": ["perplexity", "kl"], "backend": "transformers"}
+# the evaluation text alone: the domain panel (tested on its own below) would add checks to every verdict here
+WINDOW_LAYERS = {"layers": ["perplexity", "kl"], "backend": "transformers", "domains": []}
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +219,7 @@ def test_passes_the_caller_measured_are_judged_before_any_model_loads(pair, toke
     monkeypatch.setattr(loading, "load_for_eval", lambda source: loaded.append(source))
     # six windows side by side: read one by one here (block_windows=1), two blocks of four would decide nothing
     policy = {
-        "layers": ["perplexity", "json"], "backend": "transformers",
+        "layers": ["perplexity", "json"], "backend": "transformers", "domains": [],
         "perplexity": {"max_ratio": 0.99, "block_windows": 1},
     }  # fmt: skip
     result = run_gate(
