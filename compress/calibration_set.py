@@ -12,7 +12,8 @@ at a time), through one of two paths that draw from the same distribution (tempe
 ``engine``, our engine's continuous batching over the paged KV cache (``compress.engine.LLM``), one generator per
 window seeded ``batch seed + row``; or ``loop``, a KV-cached transformers forward per token for the whole batch, one
 generator per batch (the windows cached before the engine path existed). The two give different windows for the
-same seed, so the path is part of the cache key.
+same seed, so the engine's are cached under their own key. Each device type takes the path measured faster there
+(``SAMPLING_PATH``): the loop on a CPU (benchmarks/results/sampling-speed.md), the engine on a GPU.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ log = logging.getLogger(__name__)
 SAMPLING_BATCH = 16  # sequences sampled together: a 135M model's cache for 16 x 512 tokens is ~100 MB
 CACHE_VERSION = 1  # bump when the sampling changes, so old cached windows are not reused
 SAMPLING_PATHS = ("engine", "loop")
-SAMPLING_PATH = "engine"  # the faster on the default model on 2 CPU cores (benchmarks/results/sampling-speed.md)
+# The default path per device type: on 2 CPU cores the loop measured as fast as the engine or faster (0.87x for the
+# engine, benchmarks/results/sampling-speed.md) and keeps the windows cached before; a GPU decodes through the engine
+# (continuous batching, CUDA graphs). Other device types take the loop.
+SAMPLING_PATH = {"cpu": "loop", "cuda": "engine"}
 
 
 def spec_for_chain(spec: DataSpec, stages: Iterable, recipe: str) -> DataSpec:
@@ -99,7 +103,7 @@ def sampled_windows(
     the model is), in batches of ``SAMPLING_BATCH`` seeded ``seed + first row``: each batch is cached, so a smaller
     count reuses a larger one's. Seeds ``s`` and ``s + SAMPLING_BATCH`` therefore share batches: draws meant to be
     independent use seeds < 16. ``path``: ``engine`` or ``loop`` (default :func:`sampling_path`)."""
-    path = path or sampling_path(model)
+    path = path or sampling_path(model, device)
     if path not in SAMPLING_PATHS:
         raise CompressError(f"sampling path {path!r} is unknown; use one of {', '.join(SAMPLING_PATHS)}")
     identity = _model_identity(model)  # hashed once: the embedding table is the largest input
@@ -121,13 +125,14 @@ def sampled_windows(
     return torch.cat(windows)
 
 
-def sampling_path(model: nn.Module) -> str:
-    """``SAMPLING_PATH`` where the engine runs the model's family, else the transformers loop."""
+def sampling_path(model: nn.Module, device: torch.device | str | None = None) -> str:
+    """The faster path on ``device`` (default: where the model is), ``SAMPLING_PATH``; the transformers loop for a
+    family the engine does not run."""
     from compress.engine.model_runner import SUPPORTED_MODEL_TYPES
 
-    if SAMPLING_PATH == "engine" and model.config.model_type not in SUPPORTED_MODEL_TYPES:
-        return "loop"
-    return SAMPLING_PATH
+    device = model.get_input_embeddings().weight.device if device is None else torch.device(device)
+    path = SAMPLING_PATH.get(device.type, "loop")
+    return "loop" if model.config.model_type not in SUPPORTED_MODEL_TYPES else path
 
 
 @contextmanager
