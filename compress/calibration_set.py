@@ -40,9 +40,9 @@ log = logging.getLogger(__name__)
 SAMPLING_BATCH = 16  # sequences sampled together: a 135M model's cache for 16 x 512 tokens is ~100 MB
 CACHE_VERSION = 1  # bump when the sampling changes, so old cached windows are not reused
 SAMPLING_PATHS = ("engine", "loop")
-# The default path per device type: on 2 CPU cores the loop measured as fast as the engine or faster (0.87x for the
-# engine, benchmarks/results/sampling-speed.md) and keeps the windows cached before; a GPU decodes through the engine
-# (continuous batching, CUDA graphs). Other device types take the loop.
+# The default path per device type: on 2 CPU cores the loop measured faster (the engine 0.64x of its tokens/s at
+# 16 x 256 tokens, benchmarks/results/sampling-speed.md) and keeps the windows cached before; a GPU decodes through the
+# engine (continuous batching, CUDA graphs; not timed against the loop yet). Other device types take the loop.
 SAMPLING_PATH = {"cpu": "loop", "cuda": "engine"}
 
 
