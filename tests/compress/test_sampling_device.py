@@ -34,11 +34,11 @@ def _replayed(model, ids: torch.Tensor, generators: list[torch.Generator], batch
 
 def test_the_engine_draws_temperature_one_samples_seeded_per_window():
     model = build_tiny_llama(bos_token_id=0)
-    ids = _sample_engine(model, 4, 24, seed=3, start=0)
-    assert ids.shape == (4, 24) and (ids[:, 0] == 0).all()
+    ids = _sample_engine(model, 4, 12, seed=3, start=0)
+    assert ids.shape == (4, 12) and (ids[:, 0] == 0).all()
     generators = [torch.Generator().manual_seed(3 + row) for row in range(4)]
     assert torch.equal(_replayed(model, ids, generators, batched=False), ids)
-    assert torch.equal(_sample_engine(model, 2, 24, seed=4, start=0)[0], ids[1])  # independent of its batch mates
+    assert torch.equal(_sample_engine(model, 2, 12, seed=4, start=0)[0], ids[1])  # independent of its batch mates
 
 
 def test_the_loop_draws_the_same_distribution_with_one_generator_per_batch():
@@ -52,8 +52,8 @@ def test_the_paths_are_cached_apart_and_a_family_the_engine_lacks_uses_the_loop(
 
     model = build_tiny_llama(bos_token_id=0)
     assert (sampling_path(model), sampling_path(model, "cuda")) == ("loop", "engine")  # the faster on each
-    engine = sampled_windows(model, 3, 16, seed=0, start=0, path="engine")
-    loop = sampled_windows(model, 3, 16, seed=0, start=0)
+    engine = sampled_windows(model, 3, 8, seed=0, start=0, path="engine")
+    loop = sampled_windows(model, 3, 8, seed=0, start=0)
     assert not torch.equal(engine, loop)  # other generators: other windows, so other cache entries
     assert len(list((artifacts / "calibration").glob("*.pt"))) == 2
     settings = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=320)
