@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,7 +51,9 @@ def oneshot(
     - ``recipe``: a recipe name from ``recipes/``, a path to a recipe YAML file, or a list of stage mappings
       (``[{"type": "gptq", "bits": 4, "group_size": 64}]``).
     - ``data``: None for the recipe's calibration text; a ``.txt``/``.jsonl`` file; a ``datasets`` name; a list of
-      strings; or token ids ``[num_samples, seq_len]`` used as they are.
+      strings; or token ids ``[num_samples, seq_len]`` used as they are. Text you give is what the recipe calibrates
+      on: a recipe that samples its windows from the model (``data: sampled``) samples none unless
+      ``data.generated=...`` is among the overrides, as ``data=...`` on the command line.
     - ``overrides``: the CLI's ``key=value`` overrides (``stages.0.group_size=128``, ``data.num_samples=128``).
     - ``output_dir``: where the checkpoint goes (must not exist); default ``<artifacts>/oneshot/<recipe>-<time>``.
     - ``device``: where each layer is calibrated (default: the recipe's ``device``, ``auto`` = CUDA when visible).
@@ -73,8 +76,9 @@ def oneshot(
     if source is not None:
         distributed.main_first(lambda: resolve_model_path(config.model))  # convert the default model once
     loaded, tokenizer = (model, tokenizer) if source is None else load(config.model)
-    samples = calibration_ids(data, spec_for_chain(config.data, stages, config.recipe), loaded, tokenizer, config.seed)
     compute = distributed.select_device(device or config.device)
+    spec = spec_for_chain(user_text_spec(config.data, data, overrides), stages, config.recipe)
+    samples = calibration_ids(data, spec, loaded, tokenizer, config.seed, compute)
     save_dtype = config.output.save_dtype
     writer = checkpoint_writer(target, save_dtype) if distributed.is_main() else None
     with writer or nullcontext():
@@ -87,10 +91,21 @@ def oneshot(
     return target
 
 
-def calibration_ids(data: DataLike, spec: DataSpec, model: nn.Module, tokenizer, seed: int) -> torch.Tensor:
+def user_text_spec(spec: DataSpec, data: DataLike, overrides: Sequence[str]) -> DataSpec:
+    """``spec`` with no sampled share when the caller names a text and no ``data.generated=`` override: the user's
+    text wins over a recipe's ``data: sampled`` (the command line's ``data=...`` replaces that group alike)."""
+    asked = any(override.split("=", 1)[0].lstrip("+~") == "data.generated" for override in overrides)
+    if data is None or isinstance(data, torch.Tensor) or asked or not spec.generated:
+        return spec
+    return replace(spec, generated=0.0)
+
+
+def calibration_ids(
+    data: DataLike, spec: DataSpec, model: nn.Module, tokenizer, seed: int, device: torch.device | None = None
+) -> torch.Tensor:
     """Token ids ``[num_samples, seq_len]`` from whatever ``data`` is (see :func:`oneshot`): token ids are used as they
     are; text gives windows (opening with a Gemma model's ``<bos>``), with the share ``spec.generated`` sampled from
-    ``model`` itself (:mod:`compress.calibration_set`)."""
+    ``model`` itself (:mod:`compress.calibration_set`) on ``device`` (default: where the model is)."""
     if isinstance(data, torch.Tensor):
         if data.dim() != 2 or data.dtype != torch.long:
             raise CompressError(
@@ -114,7 +129,7 @@ def calibration_ids(data: DataLike, spec: DataSpec, model: nn.Module, tokenizer,
                 }
             )
         text = load_corpus(spec).calibration_text
-    return calibration_set(model, tokenizer, text, spec, seed)
+    return calibration_set(model, tokenizer, text, spec, seed, device)
 
 
 def _stamp() -> str:

@@ -64,7 +64,7 @@ def run(config: RunConfig) -> RunResult | None:
     runs_dir = Path(config.output.dir) if config.output.dir else artifacts_dir() / "runs"
     if not distributed.is_main():  # calibrate this rank's shard, nothing else
         torch.manual_seed(config.seed)
-        model, _, samples, _, _ = _load(config, stages, Timer())
+        model, _, samples, _, _ = _load(config, stages, Timer(), device)
         progress = open_for_run(config, runs_dir, samples)
         compress_model(model, stages, samples, device, config.calibration_batch_size, progress=progress)
         return None
@@ -109,9 +109,10 @@ def run(config: RunConfig) -> RunResult | None:
     return RunResult(run_id, final, report, run_log.run_id if run_log else None, timer.seconds)
 
 
-def _load(config: RunConfig, stages: list[Stage], timer: Timer) -> tuple:
+def _load(config: RunConfig, stages: list[Stage], timer: Timer, device: torch.device) -> tuple:
     """``(model, tokenizer, calibration samples, headline evaluation text, in-domain text or None)``, the stages
-    prepared on the model; each corpus is read once, and the gate gets the headline texts."""
+    prepared on the model; each corpus is read once, and the gate gets the headline texts. Calibration windows the
+    model samples are drawn on ``device``."""
     with timer.phase("data"):  # before the model: a bad data source fails in seconds
         corpus = load_corpus(config.data)
         outside = load_corpus(config.eval.data).evaluation if config.eval.data is not None else None
@@ -124,7 +125,7 @@ def _load(config: RunConfig, stages: list[Stage], timer: Timer) -> tuple:
         headline = in_domain
         if outside is not None:
             headline = _evaluation_text(config, tokenizer, config.eval.data.source, outside, "eval.data")
-        samples = calibration_set(model, tokenizer, corpus.calibration_text, config.data, config.seed)
+        samples = calibration_set(model, tokenizer, corpus.calibration_text, config.data, config.seed, device)
     return model, tokenizer, samples, headline, None if headline is in_domain else in_domain
 
 
@@ -156,7 +157,7 @@ def _execute(config: RunConfig, stages: list[Stage], device, staging: Path, time
     """``(report, evaluation texts)``."""
     if goes_model_free(config, stages):
         return _execute_model_free(config, stages, staging, timer)
-    model, tokenizer, samples, headline, in_domain = _load(config, stages, timer)
+    model, tokenizer, samples, headline, in_domain = _load(config, stages, timer, device)
     passes = RunEvaluation(config, headline, in_domain, device)
     if config.eval.perplexity:
         with timer.phase("eval_baseline"):

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 # Reached rate ÷ probe rate of sampling calibration windows from the model: one token per forward pass of a batch
 # (a first fit on SmolLM2-135M, fp32, 2 CPU cores); a forward's and each stage's own are declared with the stages.
 SAMPLE_EFFICIENCY = 0.2
+# Sampling on a GPU (compress.calibration_set): each batched decode step reads every weight once, so a step costs the
+# weights' bytes at an effective HBM rate (a third of an H100's 3.35 TB/s peak: small batches, launches, sampling).
+GPU_SAMPLING_BYTES_PER_SECOND = 1e12
 READ_BYTES_PER_SECOND = 200 * MB  # a layer read from its weight file and widened (lazy loading)
 HEAD_CHUNK = 128  # positions whose logits exist at once in a perplexity pass (evals/perplexity.py)
 # Decoder layers whose weight-file pages stay resident while the model is read lazily (memory-mapped safetensors:
@@ -252,6 +255,9 @@ def estimate(
         seconds["evaluate"] = passes * eval_tokens * token_flops / (rate * FORWARD_EFFICIENCY)
     if sampled:  # one token per forward pass of a batch: far below the matmul rate (0 when cached)
         seconds["sample"] = sampled * data.seq_len * token_flops / (rate * SAMPLE_EFFICIENCY)
+        if accelerated:  # on the device: bound by reading the weights once per step of a batch
+            steps = -(-sampled // SAMPLING_BATCH) * data.seq_len
+            seconds["sample"] = steps * shape.params * shape.dtype_bytes / GPU_SAMPLING_BYTES_PER_SECOND
     calibrated = any(stage.needs_calibration for stage in stages)
     walk = calibration_tokens * layer_flops / (rate * FORWARD_EFFICIENCY) if calibrated else 0.0  # the forward
     compress = shape.layers * (walk + shape.layer_params * shape.dtype_bytes / READ_BYTES_PER_SECOND)
@@ -260,6 +266,11 @@ def estimate(
     seconds["compress"] = compress
     seconds["save"] = disk / (200 * MB)  # writing the checkpoint: ~200 MB/s including serialization
     notes = []
+    if sampled and seconds["sample"] > sum(seconds.values()) / 2:
+        notes.append(
+            f"sampling {sampled} calibration windows of {data.seq_len} tokens is most of the run "
+            f"(~{seconds['sample']:.0f} s): data.generated=0 or data=<your text> calibrates on text instead"
+        )
     if not evaluation.perplexity:
         notes.append("no evaluation (eval.perplexity=false)")
     phases_mb = {k: v / MB for k, v in phases.items()}
@@ -292,7 +303,7 @@ def plan_for(config, stages: list, model_folder: Path) -> Plan:
     accelerated = select_device(config.device).type != "cpu"
     plan = estimate(shape, stages, config, config.model.path, Probe.measure(), eval_tokens, accelerated)
     if accelerated:
-        plan.notes.append("times are for this machine's CPU; on the accelerator they are not predicted yet")
+        plan.notes.append("times but sampling's are for this machine's CPU; on the accelerator not predicted yet")
     return plan
 
 

@@ -42,7 +42,8 @@ def test_sampling_is_reproducible_by_seed_and_cached_per_model(artifacts, monkey
     first = sampled_windows(model, 3, 16, seed=0, start=0)
     assert len(list((artifacts / "calibration").glob("*.pt"))) == 1
     with monkeypatch.context() as patch:
-        patch.setattr(module, "_sample", lambda *args: pytest.fail("sampled again instead of reading the cache"))
+        for sampler in ("_sample", "_sample_engine"):
+            patch.setattr(module, sampler, lambda *args: pytest.fail("sampled again instead of reading the cache"))
         assert torch.equal(sampled_windows(model, 3, 16, seed=0, start=0), first)
     assert not torch.equal(sampled_windows(model, 3, 16, seed=1, start=0), first)
     other = build_tiny_llama(seed=5, bos_token_id=0)  # other weights: its own windows, not the first model's cache
@@ -56,7 +57,8 @@ def test_a_smaller_count_reuses_the_batches_of_a_larger_one(artifacts, monkeypat
     first = sampled_windows(model, 5, 8, seed=0, start=0)
     assert len(list((artifacts / "calibration").glob("*.pt"))) == 3  # batches of 2, 2 and 1
     with monkeypatch.context() as patch:
-        patch.setattr(module, "_sample", lambda *args: pytest.fail("sampled again instead of reading the cache"))
+        for sampler in ("_sample", "_sample_engine"):
+            patch.setattr(module, sampler, lambda *args: pytest.fail("sampled again instead of reading the cache"))
         assert torch.equal(sampled_windows(model, 4, 8, seed=0, start=0), first[:4])
 
 

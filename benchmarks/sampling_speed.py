@@ -1,0 +1,120 @@
+"""Calibration sampling speed: the per-token transformers loop against our engine's batched decode, in one run.
+
+    OMP_NUM_THREADS=2 python benchmarks/sampling_speed.py                  # 16 windows x 128 tokens per path
+    python benchmarks/sampling_speed.py --windows 16 --seq-len 512 --device cuda
+
+Both paths sample what ``compress.calibration_set`` samples for ``data.generated`` (temperature 1 from the model's
+start token, ``SAMPLING_BATCH`` windows together) from the default model (``compress.models.default_model_dir()``,
+fp32, loaded whole), back to back on the same machine in the order loop, engine, engine, loop (a drift in the
+machine's load over the run weighs on both paths alike; the gap between rows of one path shows its size). Results:
+``benchmarks/results/sampling-speed.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from compress.calibration_set import _sample, _sample_engine, on_device, start_token  # noqa: E402
+from compress.data import window_start_token  # noqa: E402
+from compress.models import default_model_dir, load  # noqa: E402
+
+SAMPLERS = {"loop": _sample, "engine": _sample_engine}
+
+
+def measure(model, path: str, windows: int, seq_len: int, seed: int, start: int) -> dict:
+    began = time.perf_counter()
+    ids = SAMPLERS[path](model, windows, seq_len, seed, start)
+    seconds = time.perf_counter() - began
+    tokens = windows * (seq_len - 1)
+    return {
+        "path": path,
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "shape": list(ids.shape),
+    }
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# Calibration sampling speed: transformers loop vs engine (batched decode over the paged KV cache)",
+        "",
+        f"Model `{report['model']}` (fp32), {report['windows']} windows x {report['seq_len']} tokens per row "
+        f"(sampled from the start token at temperature 1, as `data.generated` samples them), device "
+        f"`{report['device']}`, {report['threads']} torch threads. {report['machine']}; run {report['date']}; "
+        f"load average before / after: {report['load_before']} / {report['load_after']}. Rows measured back to back "
+        "in this order.",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        "| path | tokens | seconds | tokens/s |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {r['path']} | {r['tokens']} | {r['seconds']:.1f} | {r['tokens_per_s']:.1f} |" for r in report["rows"]]
+    lines += [
+        "",
+        f"Engine / loop (all tokens of a path over all its seconds): **{report['ratio']:.2f}x** tokens/s.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sampling-speed")
+    args = parser.parse_args()
+    folder = default_model_dir()
+    model, _ = load(str(folder), lazy=False)
+    start = start_token(model, window_start_token(model.config))
+    load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    rows = []
+    with on_device(model, args.device):
+        for path in ("loop", "engine", "engine", "loop"):
+            rows.append(measure(model, path, args.windows, args.seq_len, args.seed, start))
+            print(f"{path}: {rows[-1]['tokens_per_s']:.1f} tokens/s ({rows[-1]['seconds']:.1f} s)", flush=True)
+    loop = sum(r["tokens"] for r in rows if r["path"] == "loop") / sum(
+        r["seconds"] for r in rows if r["path"] == "loop"
+    )
+    engine = sum(r["tokens"] for r in rows if r["path"] == "engine") / sum(
+        r["seconds"] for r in rows if r["path"] == "engine"
+    )
+    report = {
+        "model": folder.name,
+        "windows": args.windows,
+        "seq_len": args.seq_len,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_before": load_before,
+        "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "command": " ".join(
+            [f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"] * ("OMP_NUM_THREADS" in os.environ)
+            + ["python", "benchmarks/sampling_speed.py", *sys.argv[1:]]
+        ),
+        "rows": rows,
+        "ratio": engine / loop,
+    }
+    print(f"engine / loop: {report['ratio']:.2f}x")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

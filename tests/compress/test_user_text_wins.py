@@ -1,0 +1,92 @@
+"""Every recipe that samples its calibration windows (``data: sampled``) calibrates on the user's text instead as soon
+as the user names one, through the Python API and the command line alike; sampling only when asked for
+(``data.generated=...``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from compress import api
+from compress.__main__ import main
+from compress.data import tokenize
+from compress.models import load
+from compress.recipe import compose
+
+SAMPLING_RECIPES = ("awq_int4", "rotate_gptq_int4", "rotate_gptq_int3", "awq_int4_kv_int8")
+SMALL = ["data.num_samples=3", "data.seq_len=16"]
+MY_TEXT = [f"my own workload, line {i}: the quick brown fox jumps over the lazy dog." for i in range(60)]
+
+
+def test_every_recipe_that_samples_is_listed():
+    sampling = [name for name in SAMPLING_RECIPES if compose(name).data.generated > 0]
+    assert sampling == list(SAMPLING_RECIPES)
+
+
+def _calibrated_on(monkeypatch) -> list[torch.Tensor]:
+    """The calibration ids ``oneshot`` hands to the compression (recorded, then passed on unchanged)."""
+    seen = []
+    real = api.compress_model
+
+    def recording(model, stages, samples, *args, **kwargs):
+        seen.append(samples.clone())
+        return real(model, stages, samples, *args, **kwargs)
+
+    monkeypatch.setattr(api, "compress_model", recording)
+    return seen
+
+
+def _windows_of(ids: torch.Tensor, text_ids: list[int]) -> bool:
+    """Every row of ``ids`` is a run of consecutive tokens of the text."""
+    joined = " " + " ".join(map(str, text_ids)) + " "
+    return all(" " + " ".join(map(str, row.tolist())) + " " in joined for row in ids)
+
+
+@pytest.mark.parametrize("recipe", SAMPLING_RECIPES)
+def test_oneshot_calibrates_on_the_given_strings(recipe, tiny_model_dir, tmp_path, artifacts, monkeypatch):
+    seen = _calibrated_on(monkeypatch)
+    checkpoint = api.oneshot(str(tiny_model_dir), recipe, data=MY_TEXT, overrides=SMALL, output_dir=tmp_path / "out")
+    assert (checkpoint / "model.safetensors").is_file()
+    assert not (artifacts / "calibration").exists()  # nothing sampled
+    [samples] = seen
+    _, tokenizer = load(str(tiny_model_dir))
+    assert samples.shape == (3, 16) and _windows_of(samples, tokenize(tokenizer, "\n\n".join(MY_TEXT)).tolist())
+
+
+def test_oneshot_calibrates_on_the_given_file(tiny_model_dir, tmp_path, artifacts, monkeypatch):
+    corpus = tmp_path / "mine.jsonl"
+    corpus.write_text("".join(json.dumps({"text": line}) + "\n" for line in MY_TEXT))
+    seen = _calibrated_on(monkeypatch)
+    api.oneshot(str(tiny_model_dir), "awq_int4", data=str(corpus), overrides=SMALL, output_dir=tmp_path / "out")
+    assert not (artifacts / "calibration").exists()
+    [samples] = seen
+    _, tokenizer = load(str(tiny_model_dir))
+    assert _windows_of(samples, tokenize(tokenizer, "\n\n".join(MY_TEXT)).tolist())
+
+
+def test_oneshot_samples_a_share_of_the_given_text_only_when_asked(tiny_model_dir, tmp_path, artifacts, monkeypatch):
+    seen = _calibrated_on(monkeypatch)
+    overrides = ["data.num_samples=4", "data.seq_len=16", "data.generated=0.5"]
+    api.oneshot(str(tiny_model_dir), "awq_int4", data=MY_TEXT, overrides=overrides, output_dir=tmp_path / "out")
+    [samples] = seen
+    _, tokenizer = load(str(tiny_model_dir))
+    text_ids = tokenize(tokenizer, "\n\n".join(MY_TEXT)).tolist()
+    assert _windows_of(samples[:2], text_ids) and not _windows_of(samples[2:], text_ids)
+    assert len(list((artifacts / "calibration").glob("*.pt"))) == 1
+
+
+@pytest.mark.parametrize("recipe", SAMPLING_RECIPES)
+def test_the_command_line_calibrates_on_the_named_file(recipe, tiny_model_dir, tmp_path, artifacts):
+    corpus = tmp_path / "mine.jsonl"
+    corpus.write_text("".join(json.dumps({"text": line}) + "\n" for line in MY_TEXT * 4))
+    small = [*SMALL, "eval.seq_len=16", "eval.max_windows=2", "gate=none", "tracking.enabled=false"]
+    assert (
+        main(["run", f"recipe={recipe}", f"model={tiny_model_dir}", f"data={corpus}", *small, f"output.dir={tmp_path}"])
+        == 0
+    )
+    [report] = tmp_path.glob("*/report.json")
+    data = json.loads(report.read_text())["data"]
+    assert (data["source"], data["calibration_tokens"], data["generated_tokens"]) == ("file", 48, 0)
+    assert not (artifacts / "calibration").exists()
