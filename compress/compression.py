@@ -172,3 +172,5 @@ def walk_layers(
         if layer_done is not None:
             layer_done(f"{layers_name}.{index}")
         release_freed_memory()
+    if progress is not None:  # the walk is kept whole: a second run of the same recipe and model may go on from it
+        progress.release()

@@ -4,11 +4,10 @@ same checkpoint tensors as a run that was never stopped; a changed recipe starts
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 
 from compress.__main__ import main
 from compress.compression import compress_model
+from compress.locks import lock_beside
 from compress.recipe import compose
 from compress.resume import WalkProgress
 from compress.stages import build_chain
@@ -204,24 +204,46 @@ def test_every_walking_chain_resumes_to_the_same_model(recipe, tmp_path, caplog)
     assert summaries == expected_summaries
 
 
-def test_a_folder_in_use_by_another_live_run_is_left_to_it(tmp_path, caplog):
-    """Two jobs of one sweep (same recipe and model, other stage settings) run at once and map to one progress folder:
-    the second keeps no progress instead of wiping the first's files mid-write, and does not remove the folder."""
+HOLDS_THE_LOCK = """
+import sys
+from compress.locks import FileLock
+lock = FileLock(sys.argv[1], "the other run's walk").acquire()
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_folder_in_use_by_another_live_run_is_waited_for_and_left_to_it(tmp_path, caplog):
+    """Two runs of one recipe and model map to one progress folder: the second waits (one line) while the first's
+    walk holds the folder's lock, touches none of its files meanwhile, and does not remove the folder while it is
+    held. Before the lock, the second read ``owner.json`` after the first removed it and ended with exit 4."""
     folder = tmp_path / "progress"
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    folder.mkdir()
+    (folder / "fingerprint.json").write_text(json.dumps({"test": "bits=3"}))
+    (folder / "layer-00000.pt").write_bytes(b"the other run's layer")
+    other = subprocess.Popen(
+        [sys.executable, "-c", HOLDS_THE_LOCK, str(lock_beside(folder))],
+        cwd=REPO, env=cli_env(tmp_path), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
-        folder.mkdir()
-        (folder / "owner.json").write_text(json.dumps({"pid": other.pid, "host": socket.gethostname()}))
-        (folder / "fingerprint.json").write_text(json.dumps({"test": "bits=3"}))
-        (folder / "layer-00000.pt").write_bytes(b"the other run's layer")
-        assert WalkProgress.open(folder, {"test": "bits=4"}) is None
-        assert (folder / "layer-00000.pt").read_bytes() == b"the other run's layer"
-        assert f"in use by process {other.pid}" in caplog.text
+        assert other.stdout.readline() == "held\n"
         WalkProgress(folder).remove()
-        assert (folder / "layer-00000.pt").exists()
+        assert (folder / "layer-00000.pt").exists()  # held by the other: not removed
+        opened: list[WalkProgress] = []
+        waiter = threading.Thread(target=lambda: opened.append(WalkProgress.open(folder, {"test": "bits=4"})))
+        waiter.start()
+        while "waiting for the layer walk's progress" not in caplog.text:
+            assert waiter.is_alive()
+            waiter.join(0.01)
+        assert (folder / "layer-00000.pt").read_bytes() == b"the other run's layer"  # untouched while it waits
+        other.communicate("done\n", timeout=60)  # the other's walk ends
+        waiter.join(timeout=60)
     finally:
         other.kill()
         other.wait()
-    progress = WalkProgress.open(folder, {"test": "bits=4"})  # its owner is gone: this run takes the folder over
-    assert progress is not None and not (folder / "layer-00000.pt").exists()
-    assert json.loads((folder / "owner.json").read_text())["pid"] == os.getpid()
+    [progress] = opened
+    assert not (folder / "layer-00000.pt").exists()  # its settings differ: it starts over, the lock now its own
+    assert caplog.text.count("waiting for") == 1
+    progress.release()
+    progress.remove()
+    assert not folder.exists() and not lock_beside(folder).exists()
