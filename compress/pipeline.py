@@ -77,11 +77,12 @@ def run(config: RunConfig) -> RunResult | None:
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{config.output.run_name or config.recipe}-{uuid.uuid4().hex[:6]}"
     final = runs_dir / run_id
     timer, wall_start, run_log = Timer(), time.perf_counter(), None
+    tags = {"compress.kind": "run", "compress.recipe": config.recipe, "compress.model": config.model.path}
     with signals_recorded():  # Ctrl-C and SIGTERM, never lost: checked at every phase and before the publish
         try:
             with staged_run_folder(runs_dir, run_id) as staging:
                 if uri is not None:  # inside the try: a signal from the run's creation on ends it KILLED
-                    run_log = RunLog(uri, config.tracking.experiment, run_id, tags=_run_tags(config))
+                    run_log = RunLog(uri, config.tracking.experiment, run_id, tags=tags)
                     _describe_run(run_log, config, stages)
                 report, evaluation_texts = _execute(config, stages, device, staging, timer, runs_dir)
                 report.update(run_id=run_id)
@@ -190,10 +191,6 @@ def _execute(config: RunConfig, stages: list[Stage], device, staging: Path, time
     }
     report = run_report(config, data, named_summaries(stages, summaries), summary.to_dict(), passes)
     return report, headline.texts
-
-
-def _run_tags(config: RunConfig) -> dict[str, str]:
-    return {"compress.kind": "run", "compress.recipe": config.recipe, "compress.model": config.model.path}
 
 
 def _describe_run(run_log: RunLog, config: RunConfig, stages: list[Stage]) -> None:
