@@ -17,6 +17,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+_held: dict[Path, FileLock] = {}  # the locks this process holds, by path
+
 
 class FileLock:
     """An exclusive lock on ``path``, held from :meth:`acquire` (or :meth:`try_acquire`) until :meth:`release`."""
@@ -26,7 +28,12 @@ class FileLock:
         self.descriptor: int | None = None
 
     def acquire(self) -> FileLock:
-        """Wait for the lock; the first wait says once which lock, and for what, this process waits on."""
+        """Wait for the lock; the first wait says once which lock, and for what, this process waits on. A lock this
+        process still holds through another object (left by work that failed in this process) is taken over: waiting
+        for it would wait for ourselves."""
+        earlier = _held.get(self.path)
+        if earlier is not None and earlier is not self:
+            earlier.release()
         told = False
         while self.descriptor is None:
             descriptor = self._open()
@@ -61,6 +68,8 @@ class FileLock:
         if self.descriptor is None:
             return
         descriptor, self.descriptor = self.descriptor, None
+        if _held.get(self.path) is self:
+            del _held[self.path]
         try:
             self.path.unlink(missing_ok=True)
         finally:
@@ -71,10 +80,6 @@ class FileLock:
 
     def __exit__(self, *_) -> None:
         self.release()
-
-    def __del__(self) -> None:  # a holder dropped without release (an error path): the descriptor is not leaked
-        if self.descriptor is not None:
-            os.close(self.descriptor)
 
     def _open(self) -> int:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,6 +94,7 @@ class FileLock:
         held = os.fstat(descriptor)
         if current is not None and (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino):
             self.descriptor = descriptor
+            _held[self.path] = self
         else:
             os.close(descriptor)
 

@@ -110,7 +110,8 @@ def test_a_killed_run_resumes_at_the_next_layer_and_ends_with_the_same_checkpoin
     args = [*RECIPES[recipe], f"model={four_layer_model}", *QUICK]
     killed = killed_run(args, artifacts)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    (progress,) = (artifacts / "runs" / ".progress").iterdir()
+    progress, lock = sorted((artifacts / "runs" / ".progress").iterdir(), key=lambda path: path.is_file())
+    assert lock.name == f".{progress.name}.lock"  # its holder was killed: the file stays, its lock went with it
     assert sorted(p.name for p in progress.glob("layer-*.pt")) == ["layer-00000.pt", "layer-00001.pt"]
 
     assert main(["run", *args]) == 0

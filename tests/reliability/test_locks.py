@@ -138,3 +138,13 @@ def test_two_runs_sampling_one_calibration_cache_entry_sample_it_once(tiny_model
     assert first.returncode == 0 and second.returncode == 0, err[-3000:]
     assert "sampling" not in out  # read from the cache, not sampled again
     assert torch.equal(torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt"))
+
+
+def test_a_lock_this_process_left_held_is_taken_over_not_waited_for(tmp_path):
+    """Work that failed in this process (an in-process walk that raised) must not make the next one wait for itself."""
+    path = tmp_path / "x.lock"
+    left = FileLock(path, "x").acquire()
+    taken = FileLock(path, "x").acquire()
+    assert left.descriptor is None and taken.descriptor is not None
+    taken.release()
+    assert not path.exists()
