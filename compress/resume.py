@@ -13,7 +13,7 @@ A run's progress lives in ``<runs>/.progress/<recipe>-<model>/``:
   stage's state (its statistics, a full-precision stream) and the RNG state. Each rank keeps its last two: under
   torchrun one rank may be a layer ahead of another when the job is killed, and all resume at the same layer.
 - ``../.<recipe>-<model>.lock``: an OS file lock (``compress.locks``) held from the walk's start to its end: a second
-  run of the same recipe and model waits for it, then continues from what the first kept.
+  run of the same settings waits for it, then continues from what the first kept; one of other settings keeps none.
 
 Disk: the finished layers (about the checkpoint's size) plus two cursors per rank, each about
 ``samples x seq_len x hidden x 4`` bytes (twice that for a stage that carries a full-precision stream): 150 MB for
@@ -100,24 +100,35 @@ class WalkProgress:
         self.lock: FileLock | None = None  # held by rank 0 from open to release
 
     @classmethod
-    def open(cls, folder: Path, expected: dict[str, str]) -> WalkProgress:
+    def open(cls, folder: Path, expected: dict[str, str]) -> WalkProgress | None:
         """The progress in ``folder`` if it was made for ``expected``; otherwise an empty one (saying why). The folder's
-        lock (``compress.locks``) is held until :meth:`release`: a second run of the same recipe and model waits for
-        the first's walk, saying so in one line, then continues from its progress (or starts over, for other
-        settings), instead of reading the folder while the first writes or removes it."""
-        progress = cls(folder)
+        lock (``compress.locks``) is held until :meth:`release`. A second run of the same settings waits for the
+        first's walk, saying so in one line, then continues from its progress; a run of other settings (another job
+        of one sweep: same recipe and model) does not wait and keeps no progress (None) rather than wipe the files
+        the first writes."""
+        progress, busy = cls(folder), False
         if distributed.is_main():
-            progress.lock = FileLock(lock_beside(folder), f"the layer walk's progress {folder}").acquire()
-            folder.mkdir(parents=True, exist_ok=True)
-            stored = _read_json(folder / "fingerprint.json")
-            if stored is not None and stored != expected:
-                changed = next((key for key in expected if stored.get(key) != expected[key]), "its format")
-                log.warning("resume: the %s changed since %s was kept; starting over", changed, folder)
-                _clear(folder)
-            if stored != expected:
-                _write_atomically(folder / "fingerprint.json", lambda path: path.write_text(json.dumps(expected)))
+            lock = FileLock(lock_beside(folder), f"the layer walk's progress {folder}")
+            if not lock.try_acquire() and _read_json(folder / "fingerprint.json") != expected:
+                log.warning("resume: %s is in use by a run of other settings; this run keeps no progress", folder)
+                busy = True
+            else:
+                progress.lock = lock.acquire()  # an identical run's walk: wait for it, then go on from it
+                progress._check(expected)
+        busy = distributed.broadcast_object(busy)
         distributed.barrier()  # every rank sees the folder as rank 0 left it
-        return progress
+        return None if busy else progress
+
+    def _check(self, expected: dict[str, str]) -> None:
+        """Start over, saying why, unless the folder was kept for ``expected``."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        stored = _read_json(self.folder / "fingerprint.json")
+        if stored is not None and stored != expected:
+            changed = next((key for key in expected if stored.get(key) != expected[key]), "its format")
+            log.warning("resume: the %s changed since %s was kept; starting over", changed, self.folder)
+            _clear(self.folder)
+        if stored != expected:
+            _write_atomically(self.folder / "fingerprint.json", lambda path: path.write_text(json.dumps(expected)))
 
     def release(self) -> None:
         """The walk is done with the folder: the next run of the same recipe and model may take it."""

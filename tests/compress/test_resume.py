@@ -214,10 +214,11 @@ sys.stdin.readline()
 """
 
 
-def test_a_folder_in_use_by_another_live_run_is_waited_for_and_left_to_it(tmp_path, caplog):
-    """Two runs of one recipe and model map to one progress folder: the second waits (one line) while the first's
-    walk holds the folder's lock, touches none of its files meanwhile, and does not remove the folder while it is
-    held. Before the lock, the second read ``owner.json`` after the first removed it and ended with exit 4."""
+def test_a_folder_in_use_by_another_live_run_is_waited_for_or_left_to_it(tmp_path, caplog):
+    """Two runs of one recipe and model map to one progress folder while the first's walk holds its lock. A run of
+    the same settings waits (one line), touching none of its files meanwhile, then goes on from them; a run of other
+    settings (another job of one sweep) does not wait and keeps no progress. Neither removes the folder while it is
+    held. Before the lock, a second run read ``owner.json`` after the first removed it and ended with exit 4."""
     folder = tmp_path / "progress"
     folder.mkdir()
     (folder / "fingerprint.json").write_text(json.dumps({"test": "bits=3"}))
@@ -228,10 +229,12 @@ def test_a_folder_in_use_by_another_live_run_is_waited_for_and_left_to_it(tmp_pa
     )  # fmt: skip
     try:
         assert other.stdout.readline() == "held\n"
+        assert WalkProgress.open(folder, {"test": "bits=4"}) is None  # other settings: no wait, no progress
+        assert "in use by a run of other settings" in caplog.text
         WalkProgress(folder).remove()
-        assert (folder / "layer-00000.pt").exists()  # held by the other: not removed
+        assert (folder / "layer-00000.pt").read_bytes() == b"the other run's layer"  # held by the other: kept
         opened: list[WalkProgress] = []
-        waiter = threading.Thread(target=lambda: opened.append(WalkProgress.open(folder, {"test": "bits=4"})))
+        waiter = threading.Thread(target=lambda: opened.append(WalkProgress.open(folder, {"test": "bits=3"})))
         waiter.start()
         while "waiting for the layer walk's progress" not in caplog.text:
             assert waiter.is_alive()
@@ -243,7 +246,7 @@ def test_a_folder_in_use_by_another_live_run_is_waited_for_and_left_to_it(tmp_pa
         other.kill()
         other.wait()
     [progress] = opened
-    assert not (folder / "layer-00000.pt").exists()  # its settings differ: it starts over, the lock now its own
+    assert (folder / "layer-00000.pt").exists()  # the same settings: it goes on from the other's progress
     assert caplog.text.count("waiting for") == 1
     progress.release()
     progress.remove()
