@@ -109,11 +109,11 @@ class WalkProgress:
         progress, busy = cls(folder), False
         if distributed.is_main():
             lock = FileLock(lock_beside(folder), f"the layer walk's progress {folder}")
-            if not lock.try_acquire() and _read_json(folder / "fingerprint.json") != expected:
+            if not lock.try_acquire() and _read_json(folder / "fingerprint.json") not in (None, expected):
                 log.warning("resume: %s is in use by a run of other settings; this run keeps no progress", folder)
                 busy = True
             else:
-                progress.lock = lock.acquire()  # an identical run's walk: wait for it, then go on from it
+                progress.lock = lock.acquire()  # an identical run's walk (or one not begun): wait, then go on from it
                 progress._check(expected)
         busy = distributed.broadcast_object(busy)
         distributed.barrier()  # every rank sees the folder as rank 0 left it
