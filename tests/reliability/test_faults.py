@@ -1,6 +1,7 @@
 """A fault battery through the real CLI on a tiny model with a real MLflow sqlite store: SIGKILL at seeded points of a
-run, SIGTERM during the gate, damaged and mistaken inputs (one line each, nothing written) and two runs sharing one
-artifacts folder and one store. What it guarantees is stated in the README's "Reliability" section."""
+run, SIGTERM during the gate, Ctrl-C while a run waits at a lock, damaged and mistaken inputs (one line each, nothing
+written), two runs sharing one artifacts folder and one store, and a second identical run waiting for the first.
+What it guarantees is stated in docs/reliability.md."""
 
 from __future__ import annotations
 
