@@ -32,6 +32,7 @@ from torch import nn
 
 from compress.data import DataSpec, calibration_samples, tokenize, window_start_token
 from compress.errors import CompressError
+from compress.locks import file_lock, lock_beside
 from compress.models import decoder_layers, materialize_layer, release_layer
 from compress.paths import artifacts_dir
 
@@ -168,16 +169,19 @@ def _cached_batch(sample, identity: str, count: int, seq_len: int, seed: int, st
     key = f"{CACHE_VERSION} {identity} {count} {seq_len} {seed} {start}{suffix}"
     key = hashlib.sha256(key.encode()).hexdigest()[:24]
     cache = artifacts_dir() / "calibration" / f"{key}.pt"
-    if cache.is_file():
-        log.info("calibration: %d sampled windows from %s", count, cache)
-        return torch.load(cache)
-    log.info("calibration: sampling %d windows of %d tokens from the model (seed %d, %s)", count, seq_len, seed, path)
-    windows = sample(count, seed)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    staged = cache.with_suffix(f".{os.getpid()}.partial")  # ranks of one torchrun sample alike
-    torch.save(windows, staged)
-    staged.replace(cache)
-    return windows
+    with file_lock(lock_beside(cache), f"the calibration cache entry {cache}"):  # a second run reads what one samples
+        if cache.is_file():
+            log.info("calibration: %d sampled windows from %s", count, cache)
+            return torch.load(cache)
+        log.info(
+            "calibration: sampling %d windows of %d tokens from the model (seed %d, %s)", count, seq_len, seed, path
+        )
+        windows = sample(count, seed)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staged = cache.with_suffix(f".{os.getpid()}.partial")  # ranks of one torchrun sample alike
+        torch.save(windows, staged)
+        staged.replace(cache)
+        return windows
 
 
 def _timed(sampler, model: nn.Module, count: int, seq_len: int, seed: int, start: int) -> torch.Tensor:

@@ -104,7 +104,11 @@ def apply_stages(
             _announce(stages, model, run)
             last = stage is None
             walk = [stages[p] for p in run]
-            walk_layers(model, walk, samples, device, batch_size, layer_done if last else None, progress)
+            try:
+                walk_layers(model, walk, samples, device, batch_size, layer_done if last else None, progress)
+            finally:  # ended or failed, the walk lets go of its progress folder
+                if progress is not None:
+                    progress.release()
             run, progress = [], None
         if stage is not None:
             _announce(stages, model, [position])

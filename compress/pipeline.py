@@ -31,8 +31,9 @@ from compress.paths import artifacts_dir
 from compress.plan import preflight
 from compress.report import Timer, peak_rss_mb, run_metrics, run_report, write_report
 from compress.resume import WalkProgress, open_for_run, run_progress_folder
-from compress.rundir import raise_if_terminated, sigterm_as_interrupt, staged_run_folder
+from compress.rundir import staged_run_folder
 from compress.saving import checkpoint_writer, named_summaries, write_checkpoint
+from compress.signals import signals_recorded
 from compress.stages import Stage, build_chain, prepare_stages
 from compress.stages.rtn import rtn_reference
 from compress.tracking import RunLog, check_writable, flatten, tracking_uri
@@ -76,36 +77,38 @@ def run(config: RunConfig) -> RunResult | None:
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{config.output.run_name or config.recipe}-{uuid.uuid4().hex[:6]}"
     final = runs_dir / run_id
     timer, wall_start, run_log = Timer(), time.perf_counter(), None
-    with sigterm_as_interrupt(), staged_run_folder(runs_dir, run_id) as staging:
+    tags = {"compress.kind": "run", "compress.recipe": config.recipe, "compress.model": config.model.path}
+    with signals_recorded():  # Ctrl-C and SIGTERM, never lost: checked at every phase and before the publish
         try:
-            if uri is not None:
-                run_log = _open_run_log(config, uri, run_id, stages)
-            report, evaluation_texts = _execute(config, stages, device, staging, timer, runs_dir)
-            report.update(run_id=run_id)
-            report["checkpoint"]["path"] = str(final / "checkpoint")
-            if config.gate.enabled:
-                with timer.phase("gate"):
-                    release_freed_memory()  # what the evaluations freed, before the gate loads its models
-                    report["gate"] = release_gate(config, staging, final, run_log, report, evaluation_texts)
-            report.update(
-                wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb(), timings_s=timer.seconds,
-                peak_rss_rise_mb=timer.peak_rise_mb,
-            )  # fmt: skip
-            write_report(report, staging)
-            if run_log is not None:
-                run_log.metrics(run_metrics(report))
-                run_log.tag("compress.run_dir", str(final))
-                for name in ("report.json", "report.md", "checkpoint/recipe.yaml"):
-                    run_log.artifact(staging / name)
-            raise_if_terminated()  # the last chance before the run folder is published
-        except BaseException as error:
+            with staged_run_folder(runs_dir, run_id) as staging:
+                if uri is not None:  # inside the try: a signal from the run's creation on ends it KILLED
+                    run_log = RunLog(uri, config.tracking.experiment, run_id, tags=tags)
+                    _describe_run(run_log, config, stages)
+                report, evaluation_texts = _execute(config, stages, device, staging, timer, runs_dir)
+                report.update(run_id=run_id)
+                report["checkpoint"]["path"] = str(final / "checkpoint")
+                if config.gate.enabled:
+                    with timer.phase("gate"):
+                        release_freed_memory()  # what the evaluations freed, before the gate loads its models
+                        report["gate"] = release_gate(config, staging, final, run_log, report, evaluation_texts)
+                report.update(
+                    wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb(), timings_s=timer.seconds,
+                    peak_rss_rise_mb=timer.peak_rise_mb,
+                )  # fmt: skip
+                write_report(report, staging)
+                if run_log is not None:
+                    run_log.metrics(run_metrics(report))
+                    run_log.tag("compress.run_dir", str(final))
+                    for name in ("report.json", "report.md", "checkpoint/recipe.yaml"):
+                        run_log.artifact(staging / name)
+        except BaseException as error:  # the publish checks for a recorded signal last, before its rename
             if run_log is not None:
                 run_log.fail(error)
             raise
-    if config.resume:  # published: the walk's progress is no longer needed
-        WalkProgress(run_progress_folder(config, runs_dir)).remove()
-    if run_log is not None:
-        run_log.finish()
+        if config.resume:  # published: the walk's progress is no longer needed
+            WalkProgress(run_progress_folder(config, runs_dir)).remove()
+        if run_log is not None:
+            run_log.finish()
     return RunResult(run_id, final, report, run_log.run_id if run_log else None, timer.seconds)
 
 
@@ -191,10 +194,8 @@ def _execute(config: RunConfig, stages: list[Stage], device, staging: Path, time
     return report, headline.texts
 
 
-def _open_run_log(config: RunConfig, uri: str, run_id: str, stages: list[Stage]) -> RunLog:
-    tags = {"compress.kind": "run", "compress.recipe": config.recipe, "compress.model": config.model.path}
-    run_log = RunLog(uri, config.tracking.experiment, run_id, tags=tags)
+def _describe_run(run_log: RunLog, config: RunConfig, stages: list[Stage]) -> None:
+    """The run's parameters, and each stage's metrics sent to it."""
     run_log.params(flatten({k: v for k, v in config.raw.items() if k != "gate"}))
     for stage in stages:
         stage.metrics_sink = run_log.metrics
-    return run_log

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from compress.errors import ExitCode
-from compress.rundir import raise_if_terminated
+from compress.signals import raise_if_signalled
 
 
 def peak_rss_mb() -> float:
@@ -33,11 +33,11 @@ class Timer:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        raise_if_terminated()
+        raise_if_signalled()
         start, peak = time.perf_counter(), peak_rss_mb()
         try:
             yield
-            raise_if_terminated()
+            raise_if_signalled()
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
             rise = peak_rss_mb() - peak

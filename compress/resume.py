@@ -12,6 +12,8 @@ A run's progress lives in ``<runs>/.progress/<recipe>-<model>/``:
 - ``cursor-NNNNN-rankR.pt``: what the walk carries into layer NNNNN: that layer's calibration inputs, each walk
   stage's state (its statistics, a full-precision stream) and the RNG state. Each rank keeps its last two: under
   torchrun one rank may be a layer ahead of another when the job is killed, and all resume at the same layer.
+- ``../.<recipe>-<model>.lock``: an OS file lock (``compress.locks``) held from the walk's start to its end: a second
+  run of the same settings waits for it, then continues from what the first kept; one of other settings keeps none.
 
 Disk: the finished layers (about the checkpoint's size) plus two cursors per rank, each about
 ``samples x seq_len x hidden x 4`` bytes (twice that for a stage that carries a full-precision stream): 150 MB for
@@ -27,7 +29,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
@@ -39,13 +40,12 @@ from torch import nn
 
 from compress import distributed
 from compress.calibration import LayerInputs
+from compress.locks import FileLock, lock_beside
 from compress.models import resolve_model_path
-from compress.staging import process_alive
 
 log = logging.getLogger(__name__)
 
 SMALL_FILE_BYTES = 16 << 20  # model files below this are fingerprinted by content, larger ones by size and mtime
-PROGRESS_OWNER = "owner.json"  # {"pid", "host"} of the run that keeps its progress in the folder
 NOT_STAGE_STATE = ("config", "metrics_sink")  # a stage's settings (rebuilt from the recipe) and its tracking sink
 
 
@@ -97,29 +97,44 @@ class WalkProgress:
 
     def __init__(self, folder: Path):
         self.folder = folder
+        self.lock: FileLock | None = None  # held by rank 0 from open to release
 
     @classmethod
     def open(cls, folder: Path, expected: dict[str, str]) -> WalkProgress | None:
-        """The progress in ``folder`` if it was made for ``expected``; otherwise an empty one (saying why). None when
-        another live run on this machine keeps its progress there (two jobs of one sweep share recipe and model,
-        hence the folder): this run then keeps none, rather than wipe the other's files while it writes them."""
-        busy = None
+        """The progress in ``folder`` if it was made for ``expected``; otherwise an empty one (saying why). The folder's
+        lock (``compress.locks``) is held until :meth:`release`. A second run of the same settings waits for the
+        first's walk, saying so in one line, then continues from its progress; a run of other settings (another job
+        of one sweep: same recipe and model) does not wait and keeps no progress (None) rather than wipe the files
+        the first writes."""
+        progress, busy = cls(folder), False
         if distributed.is_main():
-            busy = _claim(folder)
-            if busy is not None:
-                log.warning("resume: %s is in use by process %d (a concurrent run of the same recipe and model); "
-                            "this run keeps no progress", folder, busy)  # fmt: skip
+            lock = FileLock(lock_beside(folder), f"the layer walk's progress {folder}")
+            if not lock.try_acquire() and _read_json(folder / "fingerprint.json") not in (None, expected):
+                log.warning("resume: %s is in use by a run of other settings; this run keeps no progress", folder)
+                busy = True
             else:
-                stored = _read_json(folder / "fingerprint.json")
-                if stored is not None and stored != expected:
-                    changed = next((key for key in expected if stored.get(key) != expected[key]), "its format")
-                    log.warning("resume: the %s changed since %s was kept; starting over", changed, folder)
-                    _clear(folder)
-                if stored != expected:
-                    _write_atomically(folder / "fingerprint.json", lambda path: path.write_text(json.dumps(expected)))
+                progress.lock = lock.acquire()  # an identical run's walk (or one not begun): wait, then go on from it
+                progress._check(expected)
         busy = distributed.broadcast_object(busy)
         distributed.barrier()  # every rank sees the folder as rank 0 left it
-        return None if busy is not None else cls(folder)
+        return None if busy else progress
+
+    def _check(self, expected: dict[str, str]) -> None:
+        """Start over, saying why, unless the folder was kept for ``expected``."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        stored = _read_json(self.folder / "fingerprint.json")
+        if stored is not None and stored != expected:
+            changed = next((key for key in expected if stored.get(key) != expected[key]), "its format")
+            log.warning("resume: the %s changed since %s was kept; starting over", changed, self.folder)
+            _clear(self.folder)
+        if stored != expected:
+            _write_atomically(self.folder / "fingerprint.json", lambda path: path.write_text(json.dumps(expected)))
+
+    def release(self) -> None:
+        """The walk is done with the folder: the next run of the same recipe and model may take it."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def restore(self, layers: nn.ModuleList, stages: list, device: torch.device) -> tuple[int, LayerInputs | None]:
         """``(layers already done, the next layer's inputs)``: the done layers put back into ``layers`` and the walk
@@ -153,9 +168,14 @@ class WalkProgress:
                 self._cursor(old, rank).unlink(missing_ok=True)
 
     def remove(self) -> None:
-        if _live_owner(self.folder) is not None:  # another run's progress, not this one's
+        """Remove the folder, unless another run holds it (it walks now, and removes it once published)."""
+        lock = FileLock(lock_beside(self.folder), f"the layer walk's progress {self.folder}")
+        if not lock.try_acquire():
             return
-        shutil.rmtree(self.folder, ignore_errors=True)
+        try:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        finally:
+            lock.release()
         try:
             self.folder.parent.rmdir()  # ``.progress`` itself, once no other run keeps anything there
         except OSError:
@@ -192,40 +212,9 @@ def _hooks_set_aside(layer: nn.Module) -> Iterator[None]:
                 setattr(module, name, table)
 
 
-def _live_owner(folder: Path) -> int | None:
-    """The id of the other live process on this machine that keeps its progress in ``folder``, else None (no owner,
-    this process, a process that is gone, or another machine's: only what runs here can be checked)."""
-    owner = _read_json(folder / PROGRESS_OWNER) or {}
-    pid = int(owner.get("pid", 0))
-    if owner.get("host") != socket.gethostname() or pid in (0, os.getpid()) or not process_alive(pid):
-        return None
-    return pid
-
-
-def _claim(folder: Path) -> int | None:
-    """Make this process ``folder``'s owner, atomically (exclusive create), unless another live one is: then its id."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / PROGRESS_OWNER
-    for _ in range(3):
-        try:
-            handle = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            other = _live_owner(folder)
-            if other is not None:
-                return other
-            path.unlink(missing_ok=True)  # a finished or killed owner's, or this process's own: take it over
-            continue
-        with os.fdopen(handle, "w") as file:
-            json.dump({"pid": os.getpid(), "host": socket.gethostname()}, file)
-        return None
-    return _live_owner(folder)
-
-
 def _clear(folder: Path) -> None:
-    """Everything in ``folder`` but its owner file."""
+    """Everything in ``folder``."""
     for child in folder.iterdir():
-        if child.name == PROGRESS_OWNER:
-            continue
         if child.is_dir():
             shutil.rmtree(child, ignore_errors=True)
         else:
@@ -287,13 +276,17 @@ WALK_SETTINGS = ("stages", "data", "seed", "calibration_batch_size", "device")  
 def run_progress_folder(config, runs_dir: Path) -> Path:
     """Where ``run`` with this configuration (``compress.config.RunConfig``) keeps its progress: the same command,
     same run name and model, finds it again."""
-    model = Path(resolve_model_path(config.model)).resolve()
-    return runs_dir / ".progress" / f"{config.output.run_name or config.recipe}-{_digest(str(model).encode())[:8]}"
+    return progress_folder(runs_dir, config.output.run_name or config.recipe, resolve_model_path(config.model))
+
+
+def progress_folder(runs_dir: Path, name: str, model: str | Path) -> Path:
+    """``<runs>/.progress/<run name or recipe>-<digest of the model's path>``."""
+    return runs_dir / ".progress" / f"{name}-{_digest(str(Path(model).resolve()).encode())[:8]}"
 
 
 def open_for_run(config, runs_dir: Path, samples: torch.Tensor) -> WalkProgress | None:
-    """The walk's progress for ``run`` with this configuration, checked against its fingerprint; None with
-    ``resume=false``."""
+    """The walk's progress for ``run`` with this configuration, checked against its fingerprint and locked until the
+    walk ends; None with ``resume=false``."""
     if not config.resume:
         return None
     walk = {key: config.raw[key] for key in WALK_SETTINGS}

@@ -2,8 +2,9 @@
 ``<runs>/<run-id>`` only when the run succeeds, so a failed or interrupted run never leaves something that looks
 like a result.
 
-SIGTERM is handled like Ctrl-C (staging removed, MLflow run KILLED by the caller's cleanup); what SIGKILL leaves
-behind, a staging folder labelled with its owner's process id, is removed by the next run once that process is gone.
+Ctrl-C and SIGTERM unwind through it (staging removed, MLflow run KILLED by the caller's cleanup;
+``compress.signals`` makes sure neither is lost); what SIGKILL leaves behind, a staging folder labelled with its
+owner's process id, is removed by the next run once that process is gone.
 A full disk or a refused write inside the runs folder becomes one line naming the folder and the fix.
 """
 
@@ -13,76 +14,17 @@ import errno
 import logging
 import os
 import shutil
-import signal
-import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from compress.errors import EnvironmentFailure, interruption
+from compress.errors import EnvironmentFailure
 from compress.staging import make_staging, publish
 
 log = logging.getLogger(__name__)
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the run is, so that it gets Ctrl-C's cleanup: staging removed, MLflow run KILLED."""
-
-
-_pending: list[str] = []  # SIGTERMs seen by the handler and not yet handled by sigterm_as_interrupt
-
-
-def raise_if_terminated() -> None:
-    """Raise again a SIGTERM whose ``Terminated`` was lost: a signal handler that runs inside a finalizer or a
-    weakref callback (SQLAlchemy's, during garbage collection) raises where Python drops the exception, and the run
-    went on to finish. The run calls this at every phase boundary."""
-    if _pending:
-        raise Terminated(_pending[-1])
-
-
-def _quiet_about_terminated(previous_hook):
-    """An unraisable-exception hook that says nothing about a dropped ``Terminated`` (the user sent that signal;
-    ``raise_if_terminated`` raises it again) and passes anything else on to ``previous_hook``."""
-
-    def hook(unraisable) -> None:
-        if not isinstance(unraisable.exc_value, Terminated):
-            previous_hook(unraisable)
-
-    return hook
-
-
-@contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM into ``Terminated`` for the block; afterwards the process still dies of SIGTERM as asked."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-
-    def handler(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the cleanup
-        _pending.append(f"terminated by signal {signum}")
-        raise Terminated(_pending[-1])
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    previous_hook = sys.unraisablehook
-    sys.unraisablehook = _quiet_about_terminated(previous_hook)
-    try:
-        yield
-    except BaseException as error:
-        if not isinstance(interruption(error), Terminated):
-            raise
-        signal.signal(signal.SIGTERM, previous)
-        if previous == signal.SIG_DFL:  # nobody else wants it: exit as killed by SIGTERM, without a traceback
-            os.kill(os.getpid(), signal.SIGTERM)
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        sys.unraisablehook = previous_hook
-        _pending.clear()
 
 
 @contextmanager

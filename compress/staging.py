@@ -12,6 +12,8 @@ import socket
 import tempfile
 from pathlib import Path
 
+from compress.signals import raise_if_signalled, signals_deferred
+
 log = logging.getLogger(__name__)
 
 STAGING_OWNER = "owner.json"  # {"pid", "host"} of the process a staging folder belongs to
@@ -55,14 +57,17 @@ def sweep_stale_staging(parent: Path) -> list[Path]:
 
 def publish(staging: Path, target: Path) -> None:
     """Drop the owner label, flush every file and the folder to disk, then rename ``staging`` to ``target``: after a
-    crash or a power cut ``target`` is either absent or whole, never a name with empty files behind it."""
+    crash or a power cut ``target`` is either absent or whole, never a name with empty files behind it. A recorded
+    signal (``compress.signals``) stops it before the rename."""
     (staging / STAGING_OWNER).unlink(missing_ok=True)
     for path in staging.rglob("*"):
         if path.is_file():
             with open(path, "rb") as file:
                 os.fsync(file.fileno())
     _fsync_folder(staging)
-    os.replace(staging, target)
+    with signals_deferred():  # the last check, then a rename that no signal cuts short
+        raise_if_signalled()  # a Ctrl-C or SIGTERM that a finalizer swallowed: nothing is published
+        os.replace(staging, target)
     _fsync_folder(target.parent)  # the rename itself
 
 

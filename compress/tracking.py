@@ -16,6 +16,7 @@ from urllib.parse import unquote, urlparse
 
 from compress.errors import CompressError, EnvironmentFailure, interruption
 from compress.paths import artifacts_dir
+from compress.signals import raise_if_signalled, signals_deferred
 from compress.staging import process_alive
 
 log = logging.getLogger(__name__)
@@ -165,8 +166,15 @@ class RunLog:
         tags = {**tags, PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
         if parent_run_id is not None:
             tags[PARENT_TAG] = parent_run_id
-        run = self.client.create_run(experiment_id(self.client, experiment), run_name=run_name, tags=tags)
-        self.run_id = run.info.run_id
+        experiment_key = experiment_id(self.client, experiment)
+        with signals_deferred():  # a signal while the run is created is raised below, once the run can be marked
+            run = self.client.create_run(experiment_key, run_name=run_name, tags=tags)
+            self.run_id = run.info.run_id
+        try:
+            raise_if_signalled()
+        except KeyboardInterrupt as stop:
+            self.fail(stop)  # KILLED: the caller never gets this object, so it cannot mark the run itself
+            raise
         location = local_path(run.info.artifact_uri)
         if location is not None and (problem := _folder_problem(location)):
             self.finish("FAILED")

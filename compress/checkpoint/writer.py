@@ -16,6 +16,7 @@ from compress.checkpoint.description import ACTIVATION_QUANTIZED, quantization_c
 from compress.errors import CompressError
 from compress.formats import QUANTIZED_LINEARS, Fp4Linear, QuantizedLinear
 from compress.kernels.packing import pack_int32
+from compress.locks import FileLock, lock_beside
 from compress.moe import checkpoint_name
 from compress.sparsity import SPARSITY_FILE, sparsity_record
 from compress.staging import make_staging, publish
@@ -148,9 +149,16 @@ class CheckpointWriter:
 
     def __init__(self, target: Path, dtype: torch.dtype | None = None):
         self.target, self.dtype = Path(target), dtype
+        # one writer per checkpoint name: a second waits (saying so), then finds the first's checkpoint there
+        self.lock = FileLock(lock_beside(self.target), f"the checkpoint name {self.target}").acquire()
         if self.target.exists():
+            self.lock.release()
             raise CompressError(f"checkpoint folder {self.target} already exists; choose another output or remove it")
-        self.staging = make_staging(self.target.parent, self.target.name)
+        try:
+            self.staging = make_staging(self.target.parent, self.target.name)
+        except BaseException:
+            self.lock.release()
+            raise
         self.shards = ShardWriter(self.staging)
         self.written: list[str] = []  # the modules whose tensors are already in the shards
 
@@ -161,6 +169,7 @@ class CheckpointWriter:
         if kind is not None:
             self.shards.abandon()
             shutil.rmtree(self.staging, ignore_errors=True)
+        self.lock.release()
 
     def layer_sink(self, model: nn.Module) -> Callable[[str], None]:
         """``compress_model``'s ``layer_done``: each finished layer of ``model`` goes to the shards."""

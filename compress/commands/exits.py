@@ -9,7 +9,7 @@ import traceback
 from collections.abc import Callable
 
 from compress.errors import CompressError, EnvironmentFailure, ExitCode, interruption
-from compress.rundir import Terminated
+from compress.signals import Terminated
 
 
 def exit_code_of(error: BaseException) -> ExitCode:

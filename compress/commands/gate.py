@@ -14,7 +14,7 @@ from compress.commands.exits import command_exits
 from compress.errors import CompressError, interruption
 from compress.paths import artifacts_dir, recipes_dir
 from compress.report import VERDICT_EXIT_CODES, verdict_line
-from compress.rundir import sigterm_as_interrupt
+from compress.signals import signals_recorded
 
 SYNOPSIS = __doc__.split(":", 1)[0].strip("`").replace("\n", " ")
 
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     from compress.stored_passes import STORED_BY
     from compress.tracking import RunLog, check_writable, record_verdict, tracking_uri
 
-    with sigterm_as_interrupt():  # a killed gate ends its MLflow run KILLED, like Ctrl-C
+    with signals_recorded():  # Ctrl-C or SIGTERM, never lost, ends the gate's MLflow run KILLED
         options, overrides = parse_options(GateOptions, argv, SYNOPSIS, passthrough="gate")
         if options.promote is not None:
             overrides.append(f"registry.promote={str(options.promote).lower()}")
@@ -90,8 +90,9 @@ def main(argv: list[str]) -> int:
             print(stored.line(), flush=True)
         out_dir = options.out or artifacts_dir() / "gates" / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(candidate).name}"
         clear_verdict(out_dir)  # before the MLflow run opens: a kill from here on leaves no verdict at all
-        run = RunLog(uri, resolved.experiment, None, tags={"compress.kind": "gate"})
-        try:
+        run = None
+        try:  # the run opens inside the guard: a signal from its creation on ends it KILLED
+            run = RunLog(uri, resolved.experiment, None, tags={"compress.kind": "gate"})
             result = run_gate(
                 candidate, options.baseline, policy, out_dir, evaluation_texts=texts,
                 measured=stored.measured, measured_by=STORED_BY,
@@ -99,7 +100,8 @@ def main(argv: list[str]) -> int:
             checkpoint = Path(candidate).expanduser()
             record_verdict(run, result, result.files, checkpoint if checkpoint.is_dir() else None, own_run=True)
         except BaseException as error:
-            run.finish("KILLED" if interruption(error) else "FAILED")
+            if run is not None:
+                run.finish("KILLED" if interruption(error) else "FAILED")
             raise
         run.finish()
     print((out_dir / "gate.md").read_text())

@@ -11,7 +11,7 @@ import sys
 
 from compress.commands.exits import command_exits
 from compress.errors import CompressError
-from compress.rundir import sigterm_as_interrupt
+from compress.signals import signals_recorded
 
 USAGE = __doc__.split(":", 1)[0].strip("`")
 
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
         return 2
     from compress.search import run_search
 
-    with sigterm_as_interrupt():  # SIGTERM unwinds like Ctrl-C: the MLflow runs end KILLED
+    with signals_recorded():  # Ctrl-C and SIGTERM unwind, never lost: the MLflow runs end KILLED
         result = run_search(config, spec)
     if result.mlflow_run_id:
         print(f"MLflow run: {result.mlflow_run_id} (one child run per trial)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from compress.errors import interruption
-from compress.rundir import Terminated
+from compress.signals import Terminated
 
 
 def test_an_error_raised_while_the_interrupt_propagated_is_traced_back_to_it():

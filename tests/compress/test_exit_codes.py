@@ -10,7 +10,7 @@ import pytest
 from compress.__main__ import main
 from compress.commands.exits import command_exits, exit_code_of
 from compress.errors import EXIT_CODES_HELP, CompressError, EnvironmentFailure, ExitCode
-from compress.rundir import Terminated
+from compress.signals import Terminated
 
 
 @pytest.mark.parametrize(

@@ -71,6 +71,8 @@ LAYERS: list[tuple[str, set[str]]] = [
             "compress.quant",
             "compress.data",
             "compress.staging",
+            "compress.signals",
+            "compress.locks",
         },
     ),  # fmt: skip
     ("kernels", {"compress.kernels"}),

@@ -4,11 +4,10 @@ same checkpoint tensors as a run that was never stopped; a changed recipe starts
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 
 from compress.__main__ import main
 from compress.compression import compress_model
+from compress.locks import lock_beside
 from compress.recipe import compose
 from compress.resume import WalkProgress
 from compress.stages import build_chain
@@ -110,7 +110,8 @@ def test_a_killed_run_resumes_at_the_next_layer_and_ends_with_the_same_checkpoin
     args = [*RECIPES[recipe], f"model={four_layer_model}", *QUICK]
     killed = killed_run(args, artifacts)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    (progress,) = (artifacts / "runs" / ".progress").iterdir()
+    progress, lock = sorted((artifacts / "runs" / ".progress").iterdir(), key=lambda path: path.is_file())
+    assert lock.name == f".{progress.name}.lock"  # its holder was killed: the file stays, its lock went with it
     assert sorted(p.name for p in progress.glob("layer-*.pt")) == ["layer-00000.pt", "layer-00001.pt"]
 
     assert main(["run", *args]) == 0
@@ -204,24 +205,49 @@ def test_every_walking_chain_resumes_to_the_same_model(recipe, tmp_path, caplog)
     assert summaries == expected_summaries
 
 
-def test_a_folder_in_use_by_another_live_run_is_left_to_it(tmp_path, caplog):
-    """Two jobs of one sweep (same recipe and model, other stage settings) run at once and map to one progress folder:
-    the second keeps no progress instead of wiping the first's files mid-write, and does not remove the folder."""
+HOLDS_THE_LOCK = """
+import sys
+from compress.locks import FileLock
+lock = FileLock(sys.argv[1], "the other run's walk").acquire()
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_folder_in_use_by_another_live_run_is_waited_for_or_left_to_it(tmp_path, caplog):
+    """Two runs of one recipe and model map to one progress folder while the first's walk holds its lock. A run of
+    the same settings waits (one line), touching none of its files meanwhile, then goes on from them; a run of other
+    settings (another job of one sweep) does not wait and keeps no progress. Neither removes the folder while it is
+    held. Before the lock, a second run read ``owner.json`` after the first removed it and ended with exit 4."""
     folder = tmp_path / "progress"
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    folder.mkdir()
+    (folder / "fingerprint.json").write_text(json.dumps({"test": "bits=3"}))
+    (folder / "layer-00000.pt").write_bytes(b"the other run's layer")
+    other = subprocess.Popen(
+        [sys.executable, "-c", HOLDS_THE_LOCK, str(lock_beside(folder))],
+        cwd=REPO, env=cli_env(tmp_path), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
-        folder.mkdir()
-        (folder / "owner.json").write_text(json.dumps({"pid": other.pid, "host": socket.gethostname()}))
-        (folder / "fingerprint.json").write_text(json.dumps({"test": "bits=3"}))
-        (folder / "layer-00000.pt").write_bytes(b"the other run's layer")
-        assert WalkProgress.open(folder, {"test": "bits=4"}) is None
-        assert (folder / "layer-00000.pt").read_bytes() == b"the other run's layer"
-        assert f"in use by process {other.pid}" in caplog.text
+        assert other.stdout.readline() == "held\n"
+        assert WalkProgress.open(folder, {"test": "bits=4"}) is None  # other settings: no wait, no progress
+        assert "in use by a run of other settings" in caplog.text
         WalkProgress(folder).remove()
-        assert (folder / "layer-00000.pt").exists()
+        assert (folder / "layer-00000.pt").read_bytes() == b"the other run's layer"  # held by the other: kept
+        opened: list[WalkProgress] = []
+        waiter = threading.Thread(target=lambda: opened.append(WalkProgress.open(folder, {"test": "bits=3"})))
+        waiter.start()
+        while "waiting for the layer walk's progress" not in caplog.text:
+            assert waiter.is_alive()
+            waiter.join(0.01)
+        assert (folder / "layer-00000.pt").read_bytes() == b"the other run's layer"  # untouched while it waits
+        other.communicate("done\n", timeout=60)  # the other's walk ends
+        waiter.join(timeout=60)
     finally:
         other.kill()
         other.wait()
-    progress = WalkProgress.open(folder, {"test": "bits=4"})  # its owner is gone: this run takes the folder over
-    assert progress is not None and not (folder / "layer-00000.pt").exists()
-    assert json.loads((folder / "owner.json").read_text())["pid"] == os.getpid()
+    [progress] = opened
+    assert (folder / "layer-00000.pt").exists()  # the same settings: it goes on from the other's progress
+    assert caplog.text.count("waiting for") == 1
+    progress.release()
+    progress.remove()
+    assert not folder.exists() and not lock_beside(folder).exists()

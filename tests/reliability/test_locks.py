@@ -1,0 +1,150 @@
+"""OS file locks between runs (``compress.locks``), each held by a real second process: the waiter says so in one line
+and then finds the holder's work; a lock dies with its holder; a removed lock file is never shared by two holders."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from cli_support import REPO, cli_env
+
+from compress.errors import CompressError
+from compress.locks import FileLock, lock_beside
+
+HOLDER = """
+import sys
+from pathlib import Path
+from compress.locks import FileLock
+lock = FileLock(sys.argv[1], "a test").acquire()
+print("held", flush=True)
+sys.stdin.readline()  # the test says when to let go
+if len(sys.argv) > 2:
+    Path(sys.argv[2]).mkdir()  # what the holder made while it held the lock
+lock.release()
+"""
+
+
+def holder(lock: Path, *made: Path) -> subprocess.Popen:
+    """A process that holds ``lock`` until it reads a line (then makes the folder ``made``, if given, and lets go)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(lock), *map(str, made)],
+        cwd=REPO, env=cli_env(lock.parent), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert process.stdout.readline() == "held\n"
+    return process
+
+
+def in_thread(work) -> tuple[threading.Thread, list]:
+    outcome: list = []
+
+    def target() -> None:
+        try:
+            outcome.append(work())
+        except BaseException as error:  # noqa: BLE001 - handed to the test to assert on
+            outcome.append(error)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, outcome
+
+
+def until_waiting(thread: threading.Thread, caplog) -> None:
+    """Until the thread says it waits for a lock (a condition, not a timeout)."""
+    while "waiting for" not in caplog.text:
+        assert thread.is_alive(), "finished without waiting"
+        thread.join(0.01)
+
+
+def test_a_lock_dies_with_its_holder(tmp_path):
+    path = tmp_path / "x.lock"
+    process = holder(path)
+    assert not FileLock(path, "x").try_acquire()
+    process.kill()
+    process.wait()
+    lock = FileLock(path, "x")
+    assert lock.try_acquire()
+    lock.release()
+    assert not path.exists()  # the last holder removes its file
+
+
+def test_a_waiter_whose_lock_file_was_removed_locks_the_new_one(tmp_path, caplog):
+    """The holder removes the file before it lets go: the waiter then holds a removed file's lock, sees that and
+    locks again, so a third process arriving meanwhile cannot hold the lock beside it."""
+    path = tmp_path / "x.lock"
+    process = holder(path)
+    thread, outcome = in_thread(lambda: FileLock(path, "x").acquire())
+    until_waiting(thread, caplog)
+    process.communicate("go\n", timeout=60)
+    thread.join(timeout=60)
+    [lock] = outcome
+    assert lock.descriptor is not None and path.exists()
+    assert not FileLock(path, "x").try_acquire()  # one holder
+    lock.release()
+    assert caplog.text.count("waiting for") == 1
+
+
+def test_a_second_writer_of_one_checkpoint_name_waits_then_refuses_in_one_line(tmp_path, caplog):
+    from compress.checkpoint.writer import CheckpointWriter
+
+    target = tmp_path / "checkpoint"
+    process = holder(lock_beside(target), target)  # another writer of this name, mid-write
+    thread, outcome = in_thread(lambda: CheckpointWriter(target))
+    until_waiting(thread, caplog)
+    assert "waiting for the checkpoint name" in caplog.text
+    process.communicate("go\n", timeout=60)  # it publishes its checkpoint and lets go
+    thread.join(timeout=60)
+    [error] = outcome
+    assert isinstance(error, CompressError) and "already exists" in str(error)
+    assert [path.name for path in tmp_path.iterdir()] == ["checkpoint"]  # no staging folder, no lock left
+
+
+SAMPLES = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from compress import calibration_set
+sample = calibration_set._sample
+def announced(*args):
+    print("sampling", flush=True)
+    sys.stdin.readline()  # the test says when to go on
+    return sample(*args)
+calibration_set._sample = announced
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+torch.save(calibration_set.sampled_windows(model, 2, 16, 0, 1), sys.argv[2])
+"""
+
+
+def sampler(tiny_model_dir: Path, tmp_path: Path, name: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", SAMPLES, str(tiny_model_dir), str(tmp_path / f"{name}.pt")],
+        cwd=REPO, env=cli_env(tmp_path / "artifacts"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_two_runs_sampling_one_calibration_cache_entry_sample_it_once(tiny_model_dir, tmp_path):
+    """The second waits at the entry's lock while the first samples, then reads the first's windows from the cache."""
+    first = sampler(tiny_model_dir, tmp_path, "first")
+    assert first.stdout.readline() == "sampling\n"  # it holds the entry's lock
+    second = sampler(tiny_model_dir, tmp_path, "second")
+    line = second.stderr.readline()
+    while "waiting for the calibration cache entry" not in line:
+        assert line, "the second never waited"
+        line = second.stderr.readline()
+    first.communicate("go\n", timeout=120)
+    out, err = second.communicate("go\n", timeout=120)
+    assert first.returncode == 0 and second.returncode == 0, err[-3000:]
+    assert "sampling" not in out  # read from the cache, not sampled again
+    assert torch.equal(torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt"))
+
+
+def test_a_lock_this_process_left_held_is_taken_over_not_waited_for(tmp_path):
+    """Work that failed in this process (an in-process walk that raised) must not make the next one wait for itself."""
+    path = tmp_path / "x.lock"
+    left = FileLock(path, "x").acquire()
+    taken = FileLock(path, "x").acquire()
+    assert left.descriptor is None and taken.descriptor is not None
+    taken.release()
+    assert not path.exists()
