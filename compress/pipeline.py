@@ -114,8 +114,7 @@ def run(config: RunConfig) -> RunResult | None:
 
 def _load(config: RunConfig, stages: list[Stage], timer: Timer, device: torch.device) -> tuple:
     """``(model, tokenizer, calibration samples, headline evaluation text, in-domain text or None)``, the stages
-    prepared on the model; each corpus is read once, and the gate gets the headline texts. Calibration windows the
-    model samples are drawn on ``device``."""
+    prepared on the model; each corpus is read once; windows the model samples are drawn on ``device``."""
     with timer.phase("data"):  # before the model: a bad data source fails in seconds
         corpus = load_corpus(config.data)
         outside = load_corpus(config.eval.data).evaluation if config.eval.data is not None else None
