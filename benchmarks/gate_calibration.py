@@ -437,6 +437,7 @@ def main() -> None:
             scored["command"] = command
             extra.setdefault("texts", {})[f"{args.text}/{args.windows}"] = scored
             scores, command = saved["scores"], saved["command"]
+        raw.write_text(json.dumps({**saved, "command": command, "scores": scores, **extra}, indent=1))  # kept first
     if args.truncation:
         paths = {name: Path(model["checkpoint"]) for name, model in scores["models"].items() if name != "baseline"}
         extra["truncation"] = {**truncation(paths), "command": " ".join(["python", *sys.argv])}
