@@ -137,7 +137,10 @@ def summary_metrics(result: GateResult) -> dict[str, float]:
                 both(layer, key)
             metrics["ttft_ratio"], metrics["tpot_ratio"] = layer.metrics["ttft_ratio"], layer.metrics["tpot_ratio"]
         for check in layer.checks:
-            name = "ppl_ratio" if check.metric == "perplexity" and check.layer == "perplexity" else check.metric
-            name = name.replace("/", ".")
+            metric, _, domain = check.metric.partition(" [")  # a panel domain's check: "perplexity [code]"
+            name = "ppl_ratio" if metric == "perplexity" and check.layer == "perplexity" else metric
+            name = (f"{name}.{domain.rstrip(']')}" if domain else name).replace("/", ".")
+            if domain:  # MLflow names allow no brackets: gate.ppl_ratio.code, gate.kl_mean.technical
+                metrics[name] = check.estimate
             metrics[f"{name}_low"], metrics[f"{name}_high"] = check.low, check.high
     return {f"gate.{key}": value for key, value in metrics.items() if value is not None and math.isfinite(value)}
