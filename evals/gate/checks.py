@@ -35,6 +35,12 @@ class Check:
     block_confidence: float | None = None
     block_low: float | None = None
     block_high: float | None = None
+    domain: str | None = None  # the panel's kind of text it judged (gate.domains); None: the evaluation text
+
+    @property
+    def base_metric(self) -> str:
+        """The metric without its domain: ``perplexity`` for ``perplexity [code]``."""
+        return self.metric if self.domain is None else self.metric.removesuffix(f" [{self.domain}]")
 
     @property
     def passed(self) -> bool:

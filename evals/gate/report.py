@@ -137,9 +137,9 @@ def summary_metrics(result: GateResult) -> dict[str, float]:
                 both(layer, key)
             metrics["ttft_ratio"], metrics["tpot_ratio"] = layer.metrics["ttft_ratio"], layer.metrics["tpot_ratio"]
         for check in layer.checks:
-            metric, _, domain = check.metric.partition(" [")  # a panel domain's check: "perplexity [code]"
+            metric, domain = check.base_metric, check.domain  # a panel domain's check: "perplexity [code]"
             name = "ppl_ratio" if metric == "perplexity" and check.layer == "perplexity" else metric
-            name = (f"{name}.{domain.rstrip(']')}" if domain else name).replace("/", ".")
+            name = (f"{name}.{domain}" if domain else name).replace("/", ".")
             if domain:  # MLflow names allow no brackets: gate.ppl_ratio.code, gate.kl_mean.technical
                 metrics[name] = check.estimate
             metrics[f"{name}_low"], metrics[f"{name}_high"] = check.low, check.high

@@ -63,7 +63,7 @@ class GateResult:
         """The perplexity check's line (ratio and interval), which every verdict line quotes: with a domain panel
         (``gate.domains``), the worst kind of text's, named (``perplexity [code] ×1.08 ...``)."""
         found = self.layer("perplexity")
-        checks = [check for check in found.checks if check.metric.split(" [")[0] == "perplexity"] if found else []
+        checks = [check for check in found.checks if check.base_metric == "perplexity"] if found else []
         return max(checks, key=lambda check: check.estimate).describe() if checks else None
 
     def roles(self) -> str | None:

@@ -236,66 +236,34 @@ def window_checks(
     candidate_nll, baseline_nll = candidate["window_nll"], baseline["window_nll"][:count]
     if len(baseline_nll) < count:
         raise ValueError(f"the baseline scored {len(baseline_nll)} windows, the candidate {count}: they must match")
-    confidence = context.window_confidence
-    placed = {"positions": positions_of(context, count), "block": context.policy.perplexity.block_windows}
+    placement = {
+        "confidence": context.window_confidence,
+        "positions": positions_of(context, count),
+        "block": context.policy.perplexity.block_windows,
+    }
+
+    def placed(make, layer: str, metric: str, *values) -> Check:
+        check = make(layer, metric if domain is None else f"{metric} [{domain}]", *values, **placement)
+        check.domain = domain
+        return check
+
     found = []
     if "perplexity" in layers and "perplexity" in context.selected:
         policy = context.policy.perplexity
         if policy.max_ratio is not None:
-            found.append(
-                gate_checks.ratio_check(
-                    "perplexity",
-                    _named("perplexity", domain),
-                    candidate_nll,
-                    baseline_nll,
-                    policy.max_ratio,
-                    confidence,
-                    **placed,
-                )  # fmt: skip
-            )
+            ratio = gate_checks.ratio_check
+            found.append(placed(ratio, "perplexity", "perplexity", candidate_nll, baseline_nll, policy.max_ratio))
         if policy.max_value is not None:
-            found.append(
-                gate_checks.value_check(
-                    "perplexity",
-                    _named("perplexity_value", domain),
-                    candidate_nll,
-                    policy.max_value,
-                    confidence,
-                    **placed,
-                )  # fmt: skip
-            )
+            value = gate_checks.value_check
+            found.append(placed(value, "perplexity", "perplexity_value", candidate_nll, policy.max_value))
     divergence = candidate.get("divergence")
     if "kl" in layers and "kl" in context.selected and divergence and "window_kl" in divergence:
-        policy = context.policy.kl
+        policy, mean = context.policy.kl, gate_checks.mean_check
         if policy.max_mean is not None:
-            found.append(
-                gate_checks.mean_check(
-                    "kl",
-                    _named("kl_mean", domain),
-                    divergence["window_kl"],
-                    policy.max_mean,
-                    True,
-                    confidence,
-                    **placed,
-                )  # fmt: skip
-            )
+            found.append(placed(mean, "kl", "kl_mean", divergence["window_kl"], policy.max_mean, True))
         if policy.min_same_top is not None:
-            found.append(
-                gate_checks.mean_check(
-                    "kl",
-                    _named("same_top", domain),
-                    divergence["window_same_top"],
-                    policy.min_same_top,
-                    False,
-                    confidence,
-                    **placed,
-                )  # fmt: skip
-            )
+            found.append(placed(mean, "kl", "same_top", divergence["window_same_top"], policy.min_same_top, False))
     return found
-
-
-def _named(metric: str, domain: str | None) -> str:
-    return metric if domain is None else f"{metric} [{domain}]"
 
 
 def _domain_checks(context: GateContext, layer: str) -> list[Check]:
@@ -308,17 +276,13 @@ def _domain_checks(context: GateContext, layer: str) -> list[Check]:
 
 def _panel(checks: list[Check]) -> dict:
     """Each text's ratio and interval, and the worst of them: what the verdict line names."""
-    ratios = {_domain_of(check.metric): check for check in checks if check.metric.split(" [")[0] == "perplexity"}
+    ratios = {check.domain or "evaluation": check for check in checks if check.base_metric == "perplexity"}
     domains = {
         name: {"ratio": check.estimate, "low": check.low, "high": check.high, "windows": check.items}
         for name, check in ratios.items()
     }
     worst = max(domains, key=lambda name: domains[name]["ratio"]) if domains else None
     return {"domains": domains, "worst_domain": worst}
-
-
-def _domain_of(metric: str) -> str:
-    return metric.split(" [", 1)[1].rstrip("]") if " [" in metric else "evaluation"
 
 
 def _protocol(context: GateContext, windows: int) -> dict:
