@@ -308,3 +308,16 @@ def never_route_to(router, expert: int) -> None:
         return logits, top / top.sum(-1, keepdim=True), indices
 
     router.forward = forward
+
+
+def small_gate_policy(models_in_memory: int) -> dict:
+    """A gate small enough for a tiny model with one layer of each way of measuring: windows (perplexity),
+    generation (needle) and timing (latency, which can interleave both sides)."""
+    return {
+        "models_in_memory": models_in_memory,
+        "backend": "transformers",
+        "layers": ["perplexity", "needle", "latency"],
+        "perplexity": {"seq_len": 64, "max_windows": 2},
+        "needle": {"context_lengths": [160], "depths": [0.5], "trials": 1},
+        "latency": {"prompt_tokens": 16, "new_tokens": 2, "repeats": 1, "warmup": 0, "blocking": False},
+    }

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_tiny_llama, build_tiny_moe, never_route_to, wide_init_model
+from helpers import build_tiny_llama, build_tiny_moe, never_route_to, small_gate_policy, wide_init_model
 from transformers import AutoModelForCausalLM
 
 from compress.__main__ import main
@@ -466,14 +466,7 @@ def test_a_gate_given_kept_baseline_measures_measures_no_baseline_layer_again(
 
     candidate = shutil.copytree(tiny_model_dir, tmp_path / "candidate")
     calls, loads = _count_measurements(monkeypatch, tiny_model_dir)
-    policy = {
-        "models_in_memory": models_in_memory,
-        "backend": "transformers",
-        "layers": ["perplexity", "needle", "latency"],
-        "perplexity": {"seq_len": 64, "max_windows": 2},
-        "needle": {"context_lengths": [160], "depths": [0.5], "trials": 1},
-        "latency": {"prompt_tokens": 16, "new_tokens": 2, "repeats": 1, "warmup": 0, "blocking": False},
-    }
+    policy = small_gate_policy(models_in_memory)
     texts = load_corpus(DataSpec()).evaluation
     kept = BaselineMeasures()
     for number in (1, 2):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import pydoc_tokenizer, save, scale_by_noise, tiny_model_for
+from helpers import pydoc_tokenizer, save, scale_by_noise, small_gate_policy, tiny_model_for
 
 from compress.commands import gate as gate_command
 from compress.data import DataSpec, load_corpus
@@ -236,14 +236,7 @@ def test_the_gate_holds_as_many_models_as_its_policy_allows(checkpoints, tmp_pat
         return model, tokenizer
 
     monkeypatch.setattr(loading, "load_for_eval", counting_load)
-    policy = {
-        "models_in_memory": models_in_memory,
-        "backend": "transformers",
-        "layers": ["perplexity", "needle", "latency"],
-        "perplexity": {"seq_len": 64, "max_windows": 2},
-        "needle": {"context_lengths": [160], "depths": [0.5], "trials": 1},
-        "latency": {"prompt_tokens": 16, "new_tokens": 2, "repeats": 1, "warmup": 0, "blocking": False},
-    }
+    policy = small_gate_policy(models_in_memory)
     texts = load_corpus(DataSpec()).evaluation
     result = run_gate(checkpoints["base"], checkpoints["base"], policy, tmp_path, evaluation_texts=texts)
     assert most_alive[0] == models_in_memory
