@@ -10,7 +10,6 @@ says why in one line.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -18,16 +17,11 @@ from pathlib import Path
 
 import torch
 
-from compress.evals.divergence import model_fingerprint
+from compress.evals.divergence import model_fingerprint, token_digest
 
 PASSES_FILE = "perplexity-passes.json"
 FORMAT = "compress-run-passes/1"
 STORED_BY = "run (stored passes)"  # how gate.md names who measured them
-
-
-def token_digest(token_ids: torch.Tensor) -> str:
-    """The evaluation text's identity as the models read it: sha256 of its token ids."""
-    return hashlib.sha256(token_ids.to(torch.int64).numpy().tobytes()).hexdigest()
 
 
 def passes_path(checkpoint: Path) -> Path:

@@ -136,6 +136,11 @@ def model_fingerprint(folder: Path) -> str | None:
     return digest.hexdigest()
 
 
+def token_digest(token_ids: torch.Tensor) -> str:
+    """A text's identity as the models read it: sha256 of its token ids."""
+    return hashlib.sha256(token_ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()
+
+
 def reference_path(
     cache_dir: Path, model_folder: Path | None, token_ids: torch.Tensor, seq_len: int, top_k: int = TOP_K
 ) -> Path | None:
@@ -144,8 +149,8 @@ def reference_path(
     fingerprint = model_fingerprint(model_folder) if model_folder is not None else None
     if fingerprint is None:
         return None
-    tokens = hashlib.sha256(token_ids.to(torch.int64).numpy().tobytes()).hexdigest()
-    key = hashlib.sha256(json.dumps([FORMAT, fingerprint, tokens, seq_len, top_k]).encode()).hexdigest()[:24]
+    key = [FORMAT, fingerprint, token_digest(token_ids), seq_len, top_k]
+    key = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
     return Path(cache_dir) / f"{key}.safetensors"
 
 

@@ -10,7 +10,6 @@ or cached) is never loaded. A caller judging several candidates against one base
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from compress.data import tokenize
 from compress.evals import generation, loading
+from compress.evals.divergence import token_digest
 from compress.evals.gate.checks import familywise
 from compress.evals.gate.context import GateContext, Subject
 from compress.evals.gate.layers import LAYERS, CannotJudge, layer_blocking
@@ -89,8 +89,7 @@ class LayerRun:
 def blocking_checks(policy: GatePolicy, selected: list[str]) -> int:
     """How many blocking checks the gate may run: the family a BLOCK's level is shared over (every limit set on a
     selected, enabled, blocking layer; one accuracy check per lm-eval task and per long-context task; each panel
-    domain its own perplexity and KL checks). Counting a
-    check that ends up not judged only makes the level stricter."""
+    domain its own perplexity and KL checks). Counting a check that ends up not judged only makes the level stricter."""
     limits = {
         "perplexity": ("max_ratio", "max_value"),
         "kl": ("max_mean", "min_same_top"),
@@ -235,7 +234,7 @@ def _baseline_key(context: GateContext, baseline: Subject) -> str:
     """What the baseline's measurements depend on: the model, its KV dtype, the evaluation tokens, the shorter context
     of the two sides, and the policy."""
     source = str(baseline.source) if isinstance(baseline.source, str | Path) else f"in-memory:{id(baseline.source)}"
-    tokens = hashlib.sha256(context.evaluation_ids.cpu().numpy().tobytes()).hexdigest()
+    tokens = token_digest(context.evaluation_ids)
     policy = json.dumps(policy_dict(context.policy), sort_keys=True, default=str)
     return "|".join(
         [source, str(baseline.folder), str(baseline.kv_cache_dtype), tokens, str(context.max_context), policy]
