@@ -64,10 +64,10 @@ def scoring_ids(context: GateContext) -> torch.Tensor:
         seq_len = context.policy.perplexity.seq_len
         available = available_windows(context.evaluation_ids, seq_len)
         wanted = context.policy.perplexity.max_windows or available
-        order = spread_order(available) if 2 <= wanted < available else list(range(available))
+        spread = 2 <= wanted < available
+        context.window_positions = spread_order(available) if spread else list(range(available))
         windows = context.evaluation_ids[: available * seq_len].view(available, seq_len)
-        context.window_ids = windows[order].reshape(-1) if order != sorted(order) else context.evaluation_ids
-        context.window_positions = order
+        context.window_ids = windows[context.window_positions].reshape(-1) if spread else context.evaluation_ids
     return context.window_ids
 
 
