@@ -29,7 +29,7 @@ def main() -> None:
     from compress.evals.gate.policy import resolve_policy
     from compress.evals.gate.stats import proportion_interval
     from compress.evals.long_context import evaluate_long_context
-    from compress.models import default_model_dir
+    from compress.model.sources import default_model_dir
 
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
     raw = load_policy("default", [])

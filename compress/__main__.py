@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from compress.errors import EXIT_CODES_HELP, ExitCode
+from compress.base.errors import EXIT_CODES_HELP, ExitCode
 
 COMMANDS = {
     "run": "run a recipe: calibrate, compress, save a checkpoint, evaluate, gate, log to MLflow",

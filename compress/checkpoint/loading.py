@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from compress.base.errors import CompressError
 from compress.checkpoint.description import torch_dtype
 from compress.checkpoint.reader import load_compressed, read_quantization_config
-from compress.errors import CompressError
 
 
 @contextmanager
@@ -55,8 +55,9 @@ def load_checkpoint(
     Dispatches on config.json's ``quantization_config``: our compressed-tensors checkpoints are rebuilt with
     ``QuantizedLinear``/``Int8Linear``/``Fp8Linear`` modules and calibrated K/V scales; anything else goes to
     transformers' ``from_pretrained`` (plain folders, hub ids, quantizers transformers knows). ``dtype``: ``auto``
-    (the checkpoint's own) or ``float32``/``bfloat16``/``float16``. ``compress.models.load`` adds the default model,
-    lazy layer reading and the pickle check on top; the engine, with no pipeline installed, calls this directly."""
+    (the checkpoint's own) or ``float32``/``bfloat16``/``float16``. ``compress.model.sources.load`` adds the default
+    model, lazy layer reading and the pickle check on top; the engine, with no pipeline installed, calls this
+    directly."""
     folder = Path(source).expanduser()
     if folder.is_dir():
         if not (folder / "config.json").is_file():

@@ -13,11 +13,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from compress.base.errors import CompressError
 from compress.checkpoint.description import READABLE_FORMATS, source_dtype, torch_dtype
-from compress.errors import CompressError
 from compress.formats import Fp4Linear, Fp8BlockLinear, Fp8Linear, Int8Linear, QuantizedLinear
+from compress.formats.moe_experts import checkpoint_name, model_name, unfuse_experts
 from compress.kernels.packing import unpack_int32
-from compress.moe import checkpoint_name, model_name, unfuse_experts
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -125,7 +125,7 @@ def _attach_kv_scales(model: nn.Module, block: dict | None, tensors: dict, folde
     """``k_scale``/``v_scale`` buffers on every attention module, with K/V quantized as a runtime would."""
     if block is None:
         return
-    from compress.kv_quant import KVCacheScheme, attention_modules, route_attention, set_scales
+    from compress.grids.kv_quant import KVCacheScheme, attention_modules, route_attention, set_scales
 
     scheme = KVCacheScheme.from_dict(block)
     for name, attention in attention_modules(model).items():

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from compress.base.errors import CompressError
 from compress.commands.args import parse_options, usage, wants_help
 from compress.commands.exits import command_exits
-from compress.errors import CompressError
 
 if TYPE_CHECKING:
     from compress.engine import SamplingParams

@@ -55,7 +55,7 @@ class EngineConfig:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The cache's storage dtype, once ``auto`` is resolved (``compress.kv_quant.resolve_kv_cache_dtype``)."""
+        """The cache's storage dtype, once ``auto`` is resolved (``compress.grids.kv_quant.resolve_kv_cache_dtype``)."""
         if self.kv_cache_dtype == "auto":
             raise ValueError("kv_cache_dtype='auto' is not resolved yet; LLM resolves it from the model")
         return KV_CACHE_DTYPES[self.kv_cache_dtype]

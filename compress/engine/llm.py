@@ -24,7 +24,7 @@ from compress.engine.model_runner import ModelRunner
 from compress.engine.sampler import sample
 from compress.engine.scheduler import ScheduledBatch, Scheduler
 from compress.engine.sequence import SamplingParams, Sequence
-from compress.kv_quant import calibrated_kv_cache_dtype, resolve_kv_cache_dtype
+from compress.grids.kv_quant import calibrated_kv_cache_dtype, resolve_kv_cache_dtype
 
 Prompt = str | list[int]
 

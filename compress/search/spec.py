@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.stages.mixed import Candidate, candidate
 
 DEFAULT_CANDIDATES = ["int3_g64", "int4_g64", "int8", "fp8", "bf16"]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.stages.activations import FP8Stage, W8A8Stage
 from compress.stages.awq import AWQStage
 from compress.stages.base import LayerContext, Stage, prepare_stages
 from compress.stages.distill import DistillStage
 from compress.stages.gptq import GPTQStage
-from compress.stages.kv_cache import KVCacheStage
+from compress.stages.kv_scales import KVCacheStage
 from compress.stages.lora import LoRAMergeStage
 from compress.stages.mixed import MixedStage
 from compress.stages.prune import MagnitudePruneStage, SparseGPTStage, WandaStage

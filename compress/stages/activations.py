@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compress.calibration import input_absmax
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.formats import Fp8BlockLinear, Fp8Linear, Int8Linear
+from compress.formats.moe_experts import check_weights_handled
+from compress.grids.int_grid import WeightScheme, all_finite, quantize
 from compress.kernels.dtypes import FP8_MAX
-from compress.moe import check_weights_handled
-from compress.quant import WeightScheme, all_finite, quantize
+from compress.model.layer_walk import input_absmax
 from compress.stages.base import LayerContext
 from compress.stages.gptq import GPTQStage
 from compress.stages.weights import WeightQuantizerStage, replace_module, target_linears

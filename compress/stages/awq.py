@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compress import distributed
-from compress.calibration import observe_inputs
-from compress.errors import CompressError
-from compress.quant import fake_quantize
+from compress.base import distributed
+from compress.base.errors import CompressError
+from compress.grids.int_grid import fake_quantize
+from compress.model.layer_walk import observe_inputs
 from compress.stages.base import LayerContext, LayerWork
 from compress.stages.gptq import GPTQConfig, GPTQStage
 from compress.stages.hessian import hessian_walk_bytes, hessian_walk_seconds

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from compress.calibration import decoder_layers
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.formats import QuantizedLinear
+from compress.grids.sparsity import mask_of
 from compress.kernels.dequant import group_index
-from compress.sparsity import mask_of
+from compress.model.layer_walk import decoder_layers
 from compress.stages.base import Stage
 from compress.stages.weights import replace_module
 

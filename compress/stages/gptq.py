@@ -24,16 +24,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compress import distributed
-from compress.calibration import FullPrecisionStream
-from compress.errors import CompressError
+from compress.base import distributed
+from compress.base.errors import CompressError
+from compress.base.memory import release_freed_memory
 from compress.formats import QuantizedLinear
+from compress.grids.int_grid import WeightScheme, all_finite
 from compress.kernels.dequant import dequantize_codes
-from compress.memory import release_freed_memory
-from compress.quant import WeightScheme, all_finite
+from compress.model.layer_walk import FullPrecisionStream
 from compress.stages.base import LayerContext, LayerWork
 from compress.stages.cross_moments import CrossMoments
-from compress.stages.fp4 import Fp4Grid
+from compress.stages.fp4_weights import Fp4Grid
 from compress.stages.hessian import (
     cholesky_inverse_upper,
     collect_hessians,
@@ -84,7 +84,8 @@ def _group_params(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (and zero point) per row ``[out, 1]`` for one group of ``columns`` (``[group, out]``, the transposed
     weight's rows); with ``clip_search`` the range ratio per row that minimises the group's Hessian-weighted rounding
-    error. Every ratio is tried at once along a middle axis, with :func:`compress.quant.quantize`'s arithmetic (the
+    error. Every ratio is tried at once along a middle axis, with :func:`compress.grids.int_grid.quantize`'s arithmetic
+    (the
     stored scales are the ones it would give), and scored by one matmul; ties keep the earlier, wider range."""
     group, rows = columns.shape
     ratios = torch.tensor(CLIP_RATIOS if clip_search else (1.0,), device=columns.device)[:, None]

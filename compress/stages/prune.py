@@ -13,8 +13,8 @@ Three ways to choose which weights go, one class each, same lifecycle:
 Calibration is layer by layer like the quantizers (the pipeline feeds layer i+1 with the *pruned* outputs of layer
 i) and, within a layer, sequential: o_proj's statistics are gathered after q/k/v are pruned, down_proj's after
 gate/up. Linears reading the same input share one statistic and are pruned as one stacked matrix (rows are
-independent). The kept mask is attached to each linear (``compress.sparsity``); ``finalize`` checks that every later
-stage kept it.
+independent). The kept mask is attached to each linear (``compress.grids.sparsity``); ``finalize`` checks that every
+later stage kept it.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compress.calibration import decoder_layers
-from compress.errors import CompressError
-from compress.moe import check_weights_handled
-from compress.quant import all_finite
-from compress.sparsity import NMPattern, attach_mask, check_masks_held, mask_of, nm_keep_mask
+from compress.base.errors import CompressError
+from compress.formats.moe_experts import check_weights_handled
+from compress.grids.int_grid import all_finite
+from compress.grids.sparsity import NMPattern, attach_mask, check_masks_held, mask_of, nm_keep_mask
+from compress.model.layer_walk import decoder_layers
 from compress.stages.base import LayerContext, LayerWork, Stage
 from compress.stages.hessian import (
     cholesky_inverse_upper,

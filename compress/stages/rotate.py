@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compress.calibration import decoder_layers
-from compress.errors import CompressError
+from compress.base.errors import CompressError
+from compress.model.layer_walk import decoder_layers
 from compress.stages.base import Stage
 from compress.stages.mappings import Mapping, family_mappings, previous_rows
 

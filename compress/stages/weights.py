@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compress.calibration import decoder_layers
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.formats import QuantizedLinear
-from compress.moe import ROUTERS, check_weights_handled
-from compress.quant import WeightScheme, all_finite, check_group_size, matches, quantize, validate_scheme
-from compress.sparsity import carry_mask
+from compress.formats.moe_experts import ROUTERS, check_weights_handled
+from compress.grids.int_grid import WeightScheme, all_finite, check_group_size, matches, quantize, validate_scheme
+from compress.grids.sparsity import carry_mask
+from compress.model.layer_walk import decoder_layers
 from compress.stages.base import LayerContext, Stage
-from compress.stages.fp4 import Fp4Layers, rtn_fp4
+from compress.stages.fp4_weights import Fp4Layers, rtn_fp4
 from compress.stages.hessian import input_groups
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from compress.errors import CompressError
-from compress.typed import typed
+from compress.base.errors import CompressError
+from compress.base.typed import typed
 
 LAYER_ORDER = ["perplexity", "kl", "lm_eval", "json", "needle", "long_context", "latency"]
 BACKENDS = ("auto", "engine", "transformers")  # generation for the needle, JSON and long-context layers
@@ -106,7 +106,7 @@ class LatencyPolicy:
 
 @dataclass
 class RegistryPolicy:
-    """Read by the caller that records the verdict (``compress.tracking.record_verdict``), validated here."""
+    """Read by the caller that records the verdict (``compress.app.tracking.record_verdict``), validated here."""
 
     register: bool = True
     name: str | None = None  # default: compress-<baseline name>
@@ -120,7 +120,7 @@ class GatePolicy:
     layers: list[str] = field(default_factory=lambda: list(LAYER_ORDER))
     confidence: float = 0.95  # of every interval a verdict is read from
     familywise: bool = True  # a BLOCK is read at the Bonferroni level over the blocking checks (stats.py)
-    # more kinds of text the perplexity and KL layers judge besides the evaluation text (compress.data.domain_panel)
+    # texts the perplexity and KL layers judge besides the evaluation one (compress.base.data.domain_panel)
     domains: list[str] = field(default_factory=lambda: ["code", "technical"])
     decide: bool = False  # an INCONCLUSIVE perplexity/KL verdict scores more windows until decided (up to a cap)
     backend: str = "auto"  # one of BACKENDS
@@ -173,7 +173,7 @@ def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
     unknown_tasks = sorted(set(resolved.long_context.tasks) - set(TASKS))
     if unknown_tasks:
         raise CompressError(f"gate.long_context.tasks has unknown tasks {unknown_tasks}; choose from {list(TASKS)}")
-    from compress.data import domain_panel
+    from compress.base.data import domain_panel
 
     unknown_domains = sorted(set(resolved.domains) - set(domain_panel()))
     if unknown_domains:

@@ -19,9 +19,9 @@ from cli_support import REPO, cli_env, run_statuses
 from helpers import build_tiny_tokenizer, tiny_model_for
 from safetensors.torch import load_file, save_file
 
-from compress.locks import FileLock, lock_beside
-from compress.resume import progress_folder
-from compress.staging import STAGING_OWNER
+from compress.base.locks import FileLock, lock_beside
+from compress.base.staging import STAGING_OWNER
+from compress.model.resume import progress_folder
 
 SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "stages.0.group_size=32"]
 QUIET = ["gate=none", "tracking.enabled=false"]
@@ -169,7 +169,7 @@ def test_ctrl_c_ends_a_run_with_130_and_leaves_nothing(tiny_model_dir, tmp_path)
 
 RUN_PAUSED_IN_ITS_WALK = """
 import sys
-from compress import resume
+from compress.model import resume
 keep = resume.WalkProgress.save
 def keep_then_wait(self, index, *args):
     keep(self, index, *args)
