@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from compress.engine.config import EngineConfig
 from compress.errors import CompressError
 from compress.typed import typed
 
@@ -124,7 +125,7 @@ class GatePolicy:
     domains: list[str] = field(default_factory=lambda: ["code", "technical"])
     decide: bool = False  # an INCONCLUSIVE perplexity/KL verdict scores more windows until decided (up to a cap)
     backend: str = "auto"  # one of BACKENDS
-    engine: dict[str, Any] = field(default_factory=dict)  # compress.engine.EngineConfig options
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the engine backend's settings (compress.engine)
     kv_cache_dtype: str | None = None  # null: the candidate's kv_cache_scheme, else the model dtype
     seed: int = 0
     models_in_memory: int = 1  # 1: baseline measured and freed before the candidate loads; 2: both, latency interleaved
@@ -162,12 +163,12 @@ def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
         raise CompressError(f"gate.layers has unknown layers {unknown}; choose from {LAYER_ORDER}")
     if resolved.backend not in BACKENDS:
         raise CompressError(f"gate.backend={resolved.backend!r} is unknown; use {', '.join(BACKENDS)}")
-    from compress.engine.config import EngineConfig
-
-    try:
-        typed(EngineConfig, resolved.engine, "gate.engine")  # a typo here is a usage error, not a BLOCK later
-    except (TypeError, ValueError) as error:
-        raise CompressError(f"gate.engine: {error}") from None
+    engine_kv = resolved.engine.kv_cache_dtype
+    if engine_kv != "auto":
+        raise CompressError(
+            f"gate.engine.kv_cache_dtype={engine_kv}: the gate's KV-cache dtype is one key for both backends; "
+            f"set gate.kv_cache_dtype={engine_kv} instead"
+        )
     from compress.evals.long_context import TASKS
 
     unknown_tasks = sorted(set(resolved.long_context.tasks) - set(TASKS))
