@@ -62,8 +62,8 @@ def _stage_keys(stage: dict) -> list[str] | None:
 
 def check_overrides(recipe: str, overrides: list[str]) -> list[str]:
     """Raise on unknown group options and stage keys; return the overrides with stage arguments the recipe file
-    leaves at their defaults made appendable. The typed keys are checked by the
-    schema while composing; stages are a list of different kinds, read from the recipe file, where they live."""
+    leaves at their defaults made appendable. The typed keys (``gate.engine`` too) are checked by the schema while
+    composing; stages are a list of different kinds, read from the recipe file, where they live."""
     from omegaconf import OmegaConf
 
     stages = OmegaConf.to_container(OmegaConf.load(recipes_dir() / f"{recipe}.yaml")).get("stages") or []

@@ -94,6 +94,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "app",
         {
             "compress.config",
+            "compress.config_reference",
             "compress.recipe",
             "compress.api",
             "compress.evaluation",
