@@ -26,7 +26,7 @@ from compress.stages.weights import WeightQuantizerStage, replace_module, target
 
 @dataclass
 class W8A8Config:
-    weights: str = "gptq"  # gptq | rtn
+    weights: str = "gptq"  # how the int8 weights are rounded: gptq | rtn
     # modules left as they are: an exact name, a dotted suffix (mlp.down_proj) or re:<regex>
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     block_size: int = 128  # GPTQ weights: columns updated lazily per block
