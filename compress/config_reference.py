@@ -61,7 +61,9 @@ def sections() -> list[Section]:
     for name, stage in STAGES.items():
         about = _summary(stage.__doc__) or _summary(sys.modules[stage.__module__].__doc__)
         kind = Key("stages.<i>.type", "str", "(required)", f"`{name}` picks this stage (a list entry of `stages`)")
-        found.append(Section(f"stages.{name}", about, [kind, *_keys(stage.Config, "stages.<i>.")], _path(stage.Config)))
+        found.append(
+            Section(f"stages.{name}", about, [kind, *keys_of(stage.Config, "stages.<i>.")], _path(stage.Config))
+        )
     about = "The `search.<key>=<value>` keys of `compress search` (the base recipe's keys are the run's)."
     found.extend(_walk(SearchSpec, "search.", "search", about))
     return found
@@ -139,7 +141,7 @@ def _walk(cls: type, prefix: str, name: str, about: str) -> list[Section]:
     hints = typing.get_type_hints(cls)
     nested = [f for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])]
     meanings = field_meanings(cls)
-    found = [Section(name, about, _keys(cls, prefix, skip={f.name for f in nested}), _path(cls))]
+    found = [Section(name, about, keys_of(cls, prefix, skip={f.name for f in nested}), _path(cls))]
     for field in nested:
         child = hints[field.name]
         child_about = _sentence(meanings.get(field.name, "")) or _summary(child.__doc__)
@@ -147,7 +149,8 @@ def _walk(cls: type, prefix: str, name: str, about: str) -> list[Section]:
     return found
 
 
-def _keys(cls: type, prefix: str, skip: set[str] = frozenset()) -> list[Key]:
+def keys_of(cls: type, prefix: str, skip: set[str] = frozenset()) -> list[Key]:
+    """``cls``'s fields (inherited ones too) as keys under ``prefix``, less ``skip``."""
     hints, meanings = typing.get_type_hints(cls), field_meanings(cls)
     return [
         Key(f"{prefix}{f.name}", type_name(hints[f.name]), default_of(f), meanings.get(f.name, ""))

@@ -14,8 +14,8 @@ from compress.config import RunConfig
 from compress.config_reference import (
     MARKDOWN_COMMAND,
     Section,
-    _keys,
     field_meanings,
+    keys_of,
     markdown,
     missing_meanings,
     sections,
@@ -106,7 +106,7 @@ def test_a_field_means_the_comment_beside_it_or_the_block_above():
         "silent": "",
         "required": "",
     }
-    toy = Section("toy", "a toy", _keys(_Toy, "toy."))
+    toy = Section("toy", "a toy", keys_of(_Toy, "toy."))
     assert missing_meanings([toy]) == ["toy.silent", "toy.required"]
     assert [(key.type, key.default) for key in toy.keys][1:] == [
         ("bool", "true"),
