@@ -9,6 +9,7 @@ The prompts are the gate's own: its evaluation text as filler, its seed, its bac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -40,7 +41,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     filler = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
     backend = generation.choose_backend(policy.backend)
-    generator = generation.make_generator(backend, model, tokenizer, None, policy.engine)
+    generator = generation.make_generator(backend, model, tokenizer, None, dataclasses.asdict(policy.engine))
     lc = policy.long_context
     started = time.perf_counter()
     result = evaluate_long_context(generator, tokenizer, filler, lc.context_lengths, lc.tasks, lc.trials, policy.seed)

@@ -162,7 +162,7 @@ class EngineGenerator:
         from compress.engine import LLM, SamplingParams
 
         self.sampling_params = SamplingParams
-        self.llm = LLM(model, tokenizer, kv_cache_dtype=kv_cache_dtype or "auto", **engine_options)
+        self.llm = LLM(model, tokenizer, **{**engine_options, "kv_cache_dtype": kv_cache_dtype or "auto"})
         self.kv_cache_dtype = self.llm.config.kv_cache_dtype
 
     def _run(self, prompt_ids, max_new_tokens, ignore_eos=False):

@@ -35,10 +35,10 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 
 @dataclass
 class EvalSpec:
-    perplexity: bool = True
-    seq_len: int = 512
-    batch_size: int = 4
-    max_windows: int | None = None
+    perplexity: bool = True  # score perplexity of the baseline and the compressed model (the headline figure)
+    seq_len: int = 512  # tokens per evaluation window
+    batch_size: int = 4  # windows per forward pass
+    max_windows: int | None = None  # windows scored per text (null: every window of the held-out split)
     reference: str | None = None  # "rtn": also evaluate round-to-nearest with the recipe's weight scheme
     # The headline evaluation text: another source than the calibration data, whose held-out split is reported beside
     # it as the in-domain figure. None: the in-domain split is the only evaluation (labelled so).
@@ -48,8 +48,8 @@ class EvalSpec:
 @dataclass
 class OutputSpec:
     dir: str | None = None  # default <artifacts>/runs
-    run_name: str | None = None
-    save_dtype: str | None = None  # default: the model's dtype; else one of SAVE_DTYPES
+    run_name: str | None = None  # names the run folder <time>-<run_name>-<id> (null: the recipe); letters, digits, ._-
+    save_dtype: str | None = None  # float16 | bfloat16 | float32 (null: the model's dtype)
 
 
 @dataclass
@@ -59,9 +59,9 @@ class PlanSpec:
 
 @dataclass
 class TrackingSpec:
-    enabled: bool = True
+    enabled: bool = True  # log params, metrics and the checkpoint to MLflow
     uri: str | None = None  # default $MLFLOW_TRACKING_URI or sqlite:///<artifacts>/mlflow.db
-    experiment: str = "compress"
+    experiment: str = "compress"  # the MLflow experiment the run is logged in
 
 
 @dataclass
@@ -70,19 +70,19 @@ class RunConfig:
     defaults, so a wrong type is refused while composing) and, through ``OmegaConf.to_object`` of the composed
     recipe, the typed object the pipeline reads. ``build_run_config`` adds the checks types cannot express."""
 
-    recipe: str = "???"
+    recipe: str = "???"  # recipes/<recipe>.yaml: its name labels the run, its checkpoint and its MLflow run
     stages: list[Any] = field(default_factory=list)  # each checked against its stage's config (group ``stage``)
-    model: ModelSpec = field(default_factory=ModelSpec)
-    data: DataSpec = field(default_factory=DataSpec)
-    eval: EvalSpec = field(default_factory=EvalSpec)
-    output: OutputSpec = field(default_factory=OutputSpec)
-    tracking: TrackingSpec = field(default_factory=TrackingSpec)
-    gate: GatePolicy = field(default_factory=GatePolicy)
-    plan: PlanSpec = field(default_factory=PlanSpec)
+    model: ModelSpec = field(default_factory=ModelSpec)  # the model to compress (``model=<name>``: recipes/model/)
+    data: DataSpec = field(default_factory=DataSpec)  # the calibration text and its held-out split (``data=<name>``)
+    eval: EvalSpec = field(default_factory=EvalSpec)  # perplexity before and after, on the headline evaluation text
+    output: OutputSpec = field(default_factory=OutputSpec)  # where the run folder and checkpoint go
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)  # MLflow logging of the run
+    gate: GatePolicy = field(default_factory=GatePolicy)  # the release gate's policy (``gate=<name>``: recipes/gate/)
+    plan: PlanSpec = field(default_factory=PlanSpec)  # the pre-flight plan of RAM, disk and time
     resume: bool = True  # keep the layer walk's progress so the same command continues after a crash
-    seed: int = 0
-    device: str = "auto"
-    calibration_batch_size: int = 8
+    seed: int = 0  # picks the calibration windows (stages with randomness have their own seed key)
+    device: str = "auto"  # where the layer walk computes: auto (cuda if visible, else cpu), cpu, cuda, cuda:N, mps
+    calibration_batch_size: int = 8  # calibration windows per forward pass of the layer walk
 
     @property
     def raw(self) -> dict[str, Any]:

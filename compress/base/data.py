@@ -38,15 +38,15 @@ PIECE_CHARS = 2000
 class DataSpec:
     """What ``recipes/data/*.yaml`` configures."""
 
-    source: str = "pydoc"  # one of SOURCES
+    source: str = "pydoc"  # pydoc | shakespeare | python_code | python_docstrings | file | hf
     path: str | None = None  # local .txt / .jsonl for source=file
     name: str | None = None  # datasets name for source=hf
-    subset: str | None = None
-    split: str = "train"
-    text_field: str = "text"
-    eval_fraction: float = 0.2
-    num_samples: int = 64
-    seq_len: int = 512
+    subset: str | None = None  # the dataset's configuration name for source=hf
+    split: str = "train"  # the dataset split for source=hf
+    text_field: str = "text"  # the record field (.jsonl) or dataset column holding the text
+    eval_fraction: float = 0.2  # share of the pieces held out for evaluation (chosen by a hash of their text)
+    num_samples: int = 64  # calibration windows
+    seq_len: int = 512  # tokens per calibration window
     generated: float = 0.0  # share of the calibration windows the model samples itself (compress.model.calibration_set)
 
 

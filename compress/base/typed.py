@@ -24,9 +24,30 @@ def typed(schema: type[T], values: Any, where: str = "") -> T:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values or {}))
+        merged = OmegaConf.merge(OmegaConf.structured(schema), values or {})
+        return OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise config_error(error, where, schema) from None
+    except (TypeError, ValueError) as error:  # a section's own __post_init__ check, which names no key
+        key = ".".join(part for part in (where, refusing_section(merged)) if part)
+        raise CompressError(f"{key}: {error}" if key else str(error)) from None
+
+
+def refusing_section(node: Any, path: str = "") -> str:
+    """The dotted path of the innermost dataclass section of ``node`` whose constructor refuses its values."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+            try:
+                OmegaConf.to_object(child)
+            except (TypeError, ValueError):
+                return refusing_section(child, f"{path}.{key}" if path else str(key))
+            except OmegaConfBaseException:
+                continue  # a missing value elsewhere in that section: not what refused
+    return path
 
 
 def config_error(error: BaseException, where: str = "", schema: type | None = None) -> CompressError:
@@ -65,7 +86,7 @@ def config_error(error: BaseException, where: str = "", schema: type | None = No
 
 
 def schema_type(schema: type, path: list[str]) -> type | None:
-    """The dataclass at ``path`` in ``schema``; None inside its untyped parts (``stages``, ``gate.engine``). Hydra's
+    """The dataclass at ``path`` in ``schema``; None inside its untyped parts (``stages``). Hydra's
     errors about a command-line key name the key, not always the dataclass that lacks it."""
     owner: Any = schema
     for part in path:

@@ -37,7 +37,7 @@ def parse(argv: list[str]) -> tuple[GenerateOptions, SamplingParams]:
     every problem is a one-line ``CompressError``."""
     options, _ = parse_options(GenerateOptions, argv, SYNOPSIS)
     from compress.engine import SamplingParams
-    from compress.engine.config import EngineConfig
+    from compress.engine.engine_config import EngineConfig
 
     try:
         params = SamplingParams(

@@ -19,7 +19,7 @@ from torch import nn
 
 from compress.checkpoint import load_checkpoint
 from compress.engine.block_manager import BlockManager, blocks_for
-from compress.engine.config import EngineConfig
+from compress.engine.engine_config import EngineConfig
 from compress.engine.model_runner import ModelRunner
 from compress.engine.sampler import sample
 from compress.engine.scheduler import ScheduledBatch, Scheduler

@@ -55,9 +55,9 @@ VERIFY_TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + 
 class ModelSpec:
     """Where the weights come from and what loading them may do (see ``recipes/model/*.yaml``)."""
 
-    path: str = DEFAULT_MODEL
-    trust_remote_code: bool = False
-    allow_pickle: bool = False
+    path: str = DEFAULT_MODEL  # a local HF folder, a hub id, or a shipped model's name (smollm2-135m, gemma3-270m)
+    trust_remote_code: bool = False  # allow the model's own Python code from its folder or the hub
+    allow_pickle: bool = False  # allow pickle (.bin) weights, which can run code when loaded; safetensors never do
     dtype: str = "auto"  # auto: the checkpoint's own dtype (config.json); float32 / bfloat16 / float16 to override
     lazy: bool = True  # local safetensors folders: decoder layers are read from disk only when the walk reaches them
 

@@ -46,6 +46,7 @@ from compress.stages.weights import target_linears
 @dataclass
 class PruneConfig:
     sparsity: str = "2:4"  # N:M, N kept out of every M consecutive input weights
+    # modules left as they are: an exact name, a dotted suffix (mlp.down_proj) or re:<regex>
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
 
     def __post_init__(self):
@@ -65,7 +66,7 @@ class CalibratedPruneConfig(PruneConfig):
 class SparseGPTConfig(CalibratedPruneConfig):
     block_size: int = 128  # columns updated lazily per block (a multiple of M)
     dampening: float = 0.01  # fraction of mean(diag H) added to the diagonal
-    max_damp_retries: int = 6
+    max_damp_retries: int = 6  # each failed Cholesky multiplies the dampening by 10
 
     def __post_init__(self):
         super().__post_init__()
@@ -195,6 +196,8 @@ class PruneStage(Stage):
 
 
 class MagnitudePruneStage(PruneStage):
+    """N:M pruning by weight magnitude alone: drop the smallest |W|; no calibration."""
+
     name = "magnitude_prune"
     needs_calibration = False
 
@@ -204,6 +207,8 @@ class MagnitudePruneStage(PruneStage):
 
 
 class WandaStage(PruneStage):
+    """Wanda (Sun et al. 2023): drop the smallest |W| times its input channel's norm over the calibration tokens."""
+
     name = "wanda"
     Config = CalibratedPruneConfig
     input_statistic = "norm"
@@ -214,6 +219,8 @@ class WandaStage(PruneStage):
 
 
 class SparseGPTStage(PruneStage):
+    """SparseGPT (Frantar and Alistarh 2023): prune column by column, updating the rest to absorb the error."""
+
     name = "sparsegpt"
     Config = SparseGPTConfig
     input_statistic = "gram"

@@ -42,7 +42,7 @@ class RotateConfig:
     residual: bool = True  # R1: rotate the residual stream
     heads: bool = True  # R2: rotate each value head (v_proj rows, o_proj columns)
     kind: str = "hadamard"  # hadamard (random signs) | random (random orthogonal)
-    seed: int = 0
+    seed: int = 0  # draws the random signs or the random orthogonal matrices
 
     def __post_init__(self):
         if self.kind not in KINDS:

@@ -61,7 +61,7 @@ class SignRoundConfig(WeightQuantConfig):
     tune_clip: bool = True  # also learn each group's clipping ratio (both ends of the range when asymmetric)
     min_clip: float = 0.5  # the smallest ratio a group's range may be clipped to
     init: str = "rtn"  # rtn: start from round-to-nearest (SignRound as published) | gptq: refine GPTQ's solution
-    seed: int = 0
+    seed: int = 0  # draws each step's calibration sequences
 
     def __post_init__(self):
         if self.iterations < 1:

@@ -26,7 +26,8 @@ from compress.stages.mappings import family_mappings, fold_scale, layer_mappings
 
 @dataclass
 class SmoothQuantConfig:
-    alpha: float = 0.5  # migration strength
+    alpha: float = 0.5  # migration strength: higher moves more of the activations' range into the weights
+    # modules left as they are: an exact name, a dotted suffix (mlp.down_proj) or re:<regex>
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
 
     def __post_init__(self):

@@ -20,9 +20,10 @@ from compress.stages.hessian import input_groups
 
 @dataclass
 class WeightQuantConfig:
-    bits: int = 4
-    group_size: int | None = 128
-    symmetric: bool = True
+    bits: int = 4  # bits per weight code
+    group_size: int | None = 128  # input weights sharing one scale (null: one scale per output channel)
+    symmetric: bool = True  # scale only; false adds a zero point per group
+    # modules left as they are: an exact name, a dotted suffix (mlp.down_proj) or re:<regex>
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     format: str = "int"  # int | nvfp4 (e2m1, fp8 group-16 scales + global) | mxfp4 (e2m1, e8m0 group-32 scales)
     activations: str = "none"  # none (16-bit) | fp4 (W4A4: inputs quantized to the weights' FP4 format)

@@ -10,6 +10,7 @@ or cached) is never loaded. A caller judging several candidates against one base
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import time
@@ -273,7 +274,7 @@ def _run_layers(
     if kept is not None:
         kept.reuse(context, runs)
     verdicts = _Verdicts()
-    backend, engine_options = result.backend, dict(context.policy.engine)
+    backend, engine_options = result.backend, dataclasses.asdict(context.policy.engine)
     one_at_a_time = context.policy.models_in_memory == 1
     for index, run in enumerate(runs):
         first_load = kept is None and candidate.model is None and _needs(run, context, candidate)
