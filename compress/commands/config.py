@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
     if wants_help(argv):
         print(__doc__)
         return 0
-    from compress.app.config_reference import markdown, sections, select, text
+    from compress.commands.config_reference import markdown, sections, select, text
 
     as_markdown = "--markdown" in argv
     wanted = [arg for arg in argv if arg != "--markdown"]

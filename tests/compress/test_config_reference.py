@@ -10,7 +10,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from compress.__main__ import main
-from compress.app.config_reference import (
+from compress.app.run_config import RunConfig
+from compress.base.errors import CompressError
+from compress.base.typed import typed
+from compress.commands.config_reference import (
     MARKDOWN_COMMAND,
     Section,
     field_meanings,
@@ -19,9 +22,6 @@ from compress.app.config_reference import (
     missing_meanings,
     sections,
 )
-from compress.app.run_config import RunConfig
-from compress.base.errors import CompressError
-from compress.base.typed import typed
 from compress.evals.gate import resolve_policy
 from compress.stages import STAGES
 

@@ -68,7 +68,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("stages", {"compress.stages"}),
     ("compression", {"compress.compression"}),
     ("evals", {"compress.evals"}),
-    ("app", {"compress.app", "compress.search", "compress.api", "compress"}),
+    ("app", {"compress.app", "compress.api", "compress"}),
+    ("search", {"compress.search"}),
     ("cli", {"compress.commands", "compress.__main__"}),
 ]
 
