@@ -18,7 +18,8 @@ calibration at ``--samples`` x ``--seq-len`` (default 32 x 512; awq_int4 samples
 cuts them from pydoc, fp8_dynamic reads none), the perplexity passes on ``--eval-windows`` windows of 512 tokens
 of the in-domain text (``eval.data=null``: the out-of-domain Shakespeare text is a download the GPU box cannot
 make), ``gate=quick`` (long_context without frequent_words, which the byte tokenizer cannot answer in its token
-budget; lm_eval only when the ``lm_eval`` package imports), MLflow tracking off (not installed there).
+budget; lm_eval only when the ``lm_eval`` package imports; a 2 GB KV pool for the generation layers on a GPU),
+MLflow tracking off (not installed there).
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ def run_overrides(args: argparse.Namespace, with_lm_eval: bool) -> list[str]:
     if args.gate != "none":
         overrides.append("gate.long_context.tasks=[variable_tracking,multi_key]")
         overrides += [] if with_lm_eval else ["gate.lm_eval.enabled=false"]
+        if args.device.startswith("cuda"):  # quick's 64 MB KV pool (sized for a CPU) holds 512 tokens of an 8B model,
+            overrides.append("gate.engine.kv_cache_memory_gb=2")  # less than its max_model_len of 1024: refused
     return overrides + list(args.extra)
 
 

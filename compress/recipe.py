@@ -62,8 +62,9 @@ def _stage_keys(stage: dict) -> list[str] | None:
 
 def check_overrides(recipe: str, overrides: list[str]) -> list[str]:
     """Raise on unknown group options and stage keys; return the overrides with stage arguments the recipe file
-    leaves at their defaults (and ``gate.engine`` options) made appendable. The typed keys are checked by the
-    schema while composing; stages are a list of different kinds, read from the recipe file, where they live."""
+    leaves at their defaults made appendable, and ``gate.engine`` options settable whether the gate preset sets them
+    or not. The typed keys are checked by the schema while composing; stages are a list of different kinds, read
+    from the recipe file, where they live."""
     from omegaconf import OmegaConf
 
     stages = OmegaConf.to_container(OmegaConf.load(recipes_dir() / f"{recipe}.yaml")).get("stages") or []
@@ -83,7 +84,7 @@ def check_overrides(recipe: str, overrides: list[str]) -> list[str]:
         elif override.startswith(("+", "~")):
             pass
         elif parts[:2] == ["gate", "engine"] and len(parts) == 3:
-            override = "+" + override  # free-form compress.engine.EngineConfig options, checked after composing
+            override = "++" + override  # free-form EngineConfig options (add or override), checked after composing
         elif parts[0] == "stages" and len(parts) > 1:
             override = _stage_override(override, parts, stages)
         checked.append(override)
