@@ -117,10 +117,12 @@ def _nvml_handle(index: int | None):
         return None
 
 
-def lm_eval_imports(env: dict) -> bool:
-    """Whether the gate's accuracy layer can run here (the GPU image lacks lm-eval unless its wheels are carried)."""
+def lm_eval_probe(env: dict) -> subprocess.Popen:
+    """Whether the gate's accuracy layer can run here (the GPU image lacks lm-eval unless its wheels are carried):
+    a child importing it, started beside the model's build; its exit status answers."""
     probe = "import lm_eval, lm_eval.models.huggingface, lm_eval.tasks"
-    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0
+    quiet = subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, "-c", probe], env=env, stdout=quiet, stderr=quiet)
 
 
 def run_overrides(args: argparse.Namespace, with_lm_eval: bool) -> list[str]:
@@ -290,11 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         work, model_dir = Path(tmp), Path(tmp) / "model"
         build = [sys.executable, "-m", "benchmarks.gpu_e2e", "--build-into", str(model_dir), "--device", args.device]
         build += ["--tiny"] * args.tiny + (["--layers", str(args.layers)] if args.layers else [])
+        probe = lm_eval_probe(env)
         built = subprocess.run(build, env=env, cwd=REPO, capture_output=True, text=True)
         if built.returncode != 0:
-            raise SystemExit(f"building the model failed: {built.stderr.strip().splitlines()[-1:]}")
+            raise SystemExit(f"building the model failed: {(built.stderr.strip() or 'no output').splitlines()[-1]}")
         model = json.loads(built.stdout.strip().splitlines()[-1])
-        with_lm_eval = args.gate != "none" and lm_eval_imports(env)
+        with_lm_eval = probe.wait() == 0 and args.gate != "none"
         overrides = run_overrides(args, with_lm_eval)
         result = {
             "command": "python -m benchmarks.gpu_e2e " + " ".join(sys.argv[1:] if argv is None else argv),
