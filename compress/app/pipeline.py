@@ -23,7 +23,6 @@ from compress.app.rundir import staged_run_folder
 from compress.app.tracking import RunLog, check_writable, flatten, tracking_uri
 from compress.base import distributed
 from compress.base.data import load_corpus, tokenize
-from compress.base.distributed import select_device
 from compress.base.errors import CompressError
 from compress.base.memory import release_freed_memory
 from compress.base.paths import artifacts_dir
@@ -59,7 +58,7 @@ def run(config: RunConfig) -> RunResult | None:
         raise CompressError(f"eval.reference={config.eval.reference!r} is unknown; use rtn or null")
     if config.eval.reference == "rtn":
         rtn_reference(stages)  # fail now, not after the compression, when the recipe has no integer scheme
-    device = select_device(config.device)
+    device = distributed.select_device(config.device)
     check_model_source(config.model)  # a missing model fails here, before a run folder or MLflow run exists
     distributed.main_first(lambda: resolve_model_path(config.model))  # convert the default model once
     runs_dir = Path(config.output.dir) if config.output.dir else artifacts_dir() / "runs"
@@ -93,7 +92,7 @@ def run(config: RunConfig) -> RunResult | None:
                         report["gate"] = release_gate(config, staging, final, run_log, report, evaluation_texts)
                 report.update(
                     wall_time_s=time.perf_counter() - wall_start, peak_rss_mb=peak_rss_mb(), timings_s=timer.seconds,
-                    peak_rss_rise_mb=timer.peak_rise_mb,
+                    peak_rss_rise_mb=timer.peak_rise_mb, peak_gpu_mb=timer.peak_gpu_mb, phase_spans=timer.spans,
                 )  # fmt: skip
                 write_report(report, staging)
                 if run_log is not None:
@@ -127,6 +126,7 @@ def _load(config: RunConfig, stages: list[Stage], timer: Timer, device: torch.de
         headline = in_domain
         if outside is not None:
             headline = _evaluation_text(config, tokenizer, config.eval.data.source, outside, "eval.data")
+    with timer.phase("sample"):  # the calibration windows: cut from the text, or sampled by the model on `device`
         samples = calibration_set(model, tokenizer, corpus.calibration_text, config.data, config.seed, device)
     return model, tokenizer, samples, headline, None if headline is in_domain else in_domain
 

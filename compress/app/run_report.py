@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,25 +25,44 @@ def peak_rss_mb() -> float:
 
 
 class Timer:
-    """Wall time per named phase (load_model, compress, save, ...), summed over repeated phases, and the phases
-    that raised the process's peak RSS (by how much): which step to shrink when a run does not fit."""
+    """Wall time per named phase (load_model, compress, save, ...), summed over repeated phases, the phases that
+    raised the process's peak RSS (by how much): which step to shrink when a run does not fit; each phase's peak
+    GPU memory (torch's allocations, once CUDA is in use); and every phase's span in epoch seconds, so a sampler
+    outside the process (benchmarks/gpu_e2e.py) can attribute what it measured to a phase."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
         self.peak_rise_mb: dict[str, float] = {}
+        self.peak_gpu_mb: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         raise_if_signalled()
-        start, peak = time.perf_counter(), peak_rss_mb()
+        began, start, peak = time.time(), time.perf_counter(), peak_rss_mb()
+        cuda = _cuda_in_use()
+        if cuda is not None:
+            cuda.reset_peak_memory_stats()
         try:
             yield
             raise_if_signalled()
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            elapsed = time.perf_counter() - start  # one clock for both: a span lasts what the phase's seconds say
+            self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
+            self.spans.append((name, began, began + elapsed))
             rise = peak_rss_mb() - peak
             if rise > 0:
                 self.peak_rise_mb[name] = self.peak_rise_mb.get(name, 0.0) + rise
+            cuda = _cuda_in_use()
+            if cuda is not None:
+                gpu_peak = cuda.max_memory_allocated() / 2**20
+                self.peak_gpu_mb[name] = max(self.peak_gpu_mb.get(name, 0.0), gpu_peak)
+
+
+def _cuda_in_use():
+    """``torch.cuda`` once this process has initialised CUDA, else None (a CPU run never touches it)."""
+    torch = sys.modules.get("torch")
+    return torch.cuda if torch is not None and torch.cuda.is_initialized() else None
 
 
 def run_metrics(report: dict) -> dict[str, float]:

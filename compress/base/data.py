@@ -257,16 +257,15 @@ def load_corpus(spec: DataSpec) -> Corpus:
 
 
 def _split(spec: DataSpec) -> Corpus:
-    import datasets
-
+    """Plain lists, no ``datasets`` table: a local text needs no package beyond the standard library (the lent GPU
+    machines run ``compress run`` without ``datasets``, benchmarks/gpu_e2e.py)."""
     if not 0.0 < spec.eval_fraction < 1.0:
         raise CompressError(f"data.eval_fraction={spec.eval_fraction} must be between 0 and 1")
     all_pieces = [piece for document in documents(spec) for piece in pieces(document)]
-    table = datasets.Dataset.from_dict({"text": all_pieces})
-    table = table.map(lambda row: {"evaluation": _in_evaluation(row["text"], spec.eval_fraction)})
+    held_out = [_in_evaluation(piece, spec.eval_fraction) for piece in all_pieces]
     corpus = Corpus(
-        calibration=table.filter(lambda row: not row["evaluation"])["text"],
-        evaluation=table.filter(lambda row: row["evaluation"])["text"],
+        calibration=[piece for piece, evaluation in zip(all_pieces, held_out, strict=True) if not evaluation],
+        evaluation=[piece for piece, evaluation in zip(all_pieces, held_out, strict=True) if evaluation],
     )
     if not corpus.calibration:
         raise CompressError(f"the calibration split of data source {spec.source!r} is empty: give more text")
