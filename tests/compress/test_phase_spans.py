@@ -19,5 +19,5 @@ def test_every_phase_is_recorded_as_a_span_in_order_and_repeats_are_summed():
     starts_and_ends = [t for _, start, end in timer.spans for t in (start, end)]
     assert before <= starts_and_ends[0] and starts_and_ends == sorted(starts_and_ends) and starts_and_ends[-1] <= after
     data = sum(end - start for name, start, end in timer.spans if name == "data")
-    assert abs(timer.seconds["data"] - data) < 1e-9  # the same measurement, not two clocks read at two moments
+    assert abs(timer.seconds["data"] - data) < 1e-6  # one measurement (epoch floats resolve ~0.2 µs), not two clocks
     assert timer.peak_gpu_mb == {}  # CUDA never initialised here
