@@ -42,8 +42,9 @@ def check_model_files(folder: Path) -> None:
             "a format compress does not read (transformers would load its linears as random weights); give the "
             "original dense model, or a compressed-tensors checkpoint (recipe=gptq_int4)"
         )
-    check_config_keys(config_file, config)
-    if not quantized and headers:
+    if headers:  # pickle weights (model.allow_pickle) go to transformers' own load unchecked
+        check_config_keys(config_file, config)
+    if headers and not quantized:
         check_weights_fit(folder, headers)
 
 
@@ -59,7 +60,7 @@ def read_headers(folder: Path) -> Headers:
         except (SafetensorError, OSError, ValueError) as error:
             reason = " ".join(str(error).split())
             raise CompressError(
-                f"{file} is truncated or corrupt ({reason}): re-download it or re-save the model"
+                f"{file} is corrupt or truncated ({reason}): re-create the checkpoint, or re-download the model"
             ) from None
     return headers
 
