@@ -146,7 +146,7 @@ def in_recipe_file(error: CompressError, recipe: str, overrides: list[str]) -> C
     path = recipes_dir() / f"{recipe}.yaml"
     if key is None or any(_key(o) == key[0] or key[0].startswith(_key(o) + ".") for o in overrides):
         return error
-    if OmegaConf.select(OmegaConf.load(path), key[0], default=None) is None:
+    if OmegaConf.select(OmegaConf.load(path), key[0], default=None, throw_on_resolution_failure=False) is None:
         return error
     return type(error)(f"{path}: {error}")
 

@@ -71,6 +71,20 @@ def gptq_for_llama(source: Path, target: Path, config_extra: dict | None = None)
     return folder
 
 
+def compressed_checkpoint(source: Path, target: Path) -> Path:
+    """The tiny model quantized (RTN int4) and saved as a compressed-tensors checkpoint, as a run saves it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.checkpoint import save_checkpoint
+    from compress.compression import compress_model
+
+    model = AutoModelForCausalLM.from_pretrained(source).eval()
+    rtn = {"type": "rtn", "bits": 4, "group_size": 32, "symmetric": True}
+    compress_model(model, [rtn], torch.zeros(1, 8, dtype=torch.long), batch_size=1)
+    save_checkpoint(model, AutoTokenizer.from_pretrained(source), target)
+    return target
+
+
 def without_config_keys(source: Path, target: Path, *keys: str) -> Path:
     folder = copy_model(source, target)
     config = json.loads((folder / "config.json").read_text())
@@ -155,6 +169,10 @@ def bad_model_cases(tiny: Path, tmp: Path) -> dict[str, tuple[list[str], tuple[s
     )
     awq = gptq_for_llama(tiny, tmp / "autoawq")
     (awq / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": 32, "w_bit": 4}))
+    checkpoint = compressed_checkpoint(tiny, tmp / "checkpoint")
+    scale = "model.layers.1.self_attn.q_proj.weight_scale"
+    scale_lie = lying_header(checkpoint, tmp / "checkpoint-scale-lie", scale, shape=[32, 4])
+    embed_lie = lying_header(checkpoint, tmp / "checkpoint-dtype-lie", "model.embed_tokens.weight", dtype="I32")
     gate = ["gate", f"baseline={tiny}", "gate.backend=transformers", f"out={tmp / 'gate-out'}"]
     return {
         "truncated safetensors": ([*RUN, f"model={truncated}"], (str(weights), "truncated")),
@@ -163,6 +181,14 @@ def bad_model_cases(tiny: Path, tmp: Path) -> dict[str, tuple[list[str], tuple[s
         "header lies about a shape, generate": (
             ["generate", f"checkpoint={shape_lie}", "prompt=hi", "max_tokens=2"],
             ("model.safetensors", layer, "(32, 128)"),
+        ),
+        "checkpoint header lies about a scale's shape, generate": (
+            ["generate", f"checkpoint={scale_lie}", "prompt=hi", "max_tokens=2"],
+            (str(scale_lie / "model.safetensors"), "config.json", "re-create it"),
+        ),
+        "checkpoint header lies about a dtype, generate": (
+            ["generate", f"checkpoint={embed_lie}", "prompt=hi", "max_tokens=2"],
+            ("model.embed_tokens.weight is stored as torch.int32", "re-create it"),
         ),
         "header lies about a dtype": ([*RUN, f"model={dtype_lie}"], ("model.safetensors", layer, "int32")),
         "header lies about a size": ([*RUN, f"model={size_lie}"], (str(size_lie / "model.safetensors"),)),
@@ -178,6 +204,11 @@ def bad_model_cases(tiny: Path, tmp: Path) -> dict[str, tuple[list[str], tuple[s
         ),
         "AutoGPTQ": ([*RUN, f"model={autogptq}"], (str(autogptq / "config.json"), "gptq")),
         "AutoAWQ": ([*RUN, f"model={awq}"], (str(awq / "quant_config.json"), "AWQ")),
+        "AutoAWQ, gate": ([*gate, f"checkpoint={awq}"], (str(awq / "quant_config.json"), "AWQ")),
+        "config.json without hidden_size, generate": (
+            ["generate", f"checkpoint={no_hidden}", "prompt=hi", "max_tokens=2"],
+            ("config.json", "hidden_size"),
+        ),
     }
 
 
