@@ -24,6 +24,8 @@ def typed(schema: type[T], values: Any, where: str = "") -> T:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
+        if OmegaConf.is_config(values):  # resolved first: an interpolation's value is type-checked like any other
+            values = OmegaConf.to_container(values, resolve=True)
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values or {}))
     except OmegaConfBaseException as error:
         raise config_error(error, where, schema) from None

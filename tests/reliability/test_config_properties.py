@@ -113,3 +113,13 @@ def test_a_gate_value_yaml_cannot_read_is_one_usage_line(artifacts, capsys, valu
     assert main(["gate", "checkpoint=a", "baseline=b", f"gate.enabled={value}"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("error:") == 1 and f"error: gate.enabled={value}:" in err, err
+
+
+def test_an_interpolation_into_a_section_is_one_usage_line(tiny_model_dir, artifacts):
+    """Found by probing every run key with odd values: ``eval.data=${oc.env:HOME}`` typed the section as a string
+    (interpolations were resolved after the type check) and the checks failed on it with an AttributeError."""
+    from compress.commands.run import validate
+
+    with pytest.raises(CompressError, match="DataSpec") as raised:
+        validate("rtn_int4", [f"model={tiny_model_dir}", "eval.data=${oc.env:HOME}"], multirun=False)
+    assert exit_code_of(raised.value) == ExitCode.USAGE and "\n" not in str(raised.value)
