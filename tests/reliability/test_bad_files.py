@@ -134,7 +134,7 @@ print(json.dumps(results))
 
 
 def assert_one_clean_line(name: str, stderr: str, needles: tuple[str, ...], artifacts: Path) -> None:
-    """Exit ``code``, one ``error:`` line holding every needle (the file, the fix), no traceback, nothing published."""
+    """One ``error:`` line holding every needle (the file, the fix), no traceback, nothing published."""
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert "Traceback" not in stderr, (name, stderr[-3000:])
     assert len(errors) == 1, (name, stderr[-3000:])
