@@ -128,7 +128,10 @@ def compose_job(recipe: str, overrides: list[str]) -> RunConfig:
         raise CompressError(str(error).strip().splitlines()[0] + options) from None
     except (HydraException, OmegaConfBaseException) as error:
         raise in_recipe_file(config_error(error, schema=RunConfig), recipe, overrides) from None
-    written = None if OmegaConf.is_missing(composed, "recipe") else composed.recipe
+    try:
+        written = None if OmegaConf.is_missing(composed, "recipe") else composed.recipe
+    except OmegaConfBaseException as error:  # recipe=${nope}: an interpolation that cannot resolve
+        raise config_error(error, schema=RunConfig) from None
     check_recipe_name(recipes_dir() / f"{recipe}.yaml", written)
     composed.recipe = recipe
     try:

@@ -123,3 +123,14 @@ def test_an_interpolation_into_a_section_is_one_usage_line(tiny_model_dir, artif
     with pytest.raises(CompressError, match="DataSpec") as raised:
         validate("rtn_int4", [f"model={tiny_model_dir}", "eval.data=${oc.env:HOME}"], multirun=False)
     assert exit_code_of(raised.value) == ExitCode.USAGE and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("override", ["stages.0.type={a: 1}", "stages.0.type=[1,2]", "recipe=${nope}"])
+def test_odd_values_the_probe_found_are_one_usage_line(tiny_model_dir, artifacts, override):
+    """Found by probing every run key with odd values: a mapping or list as a stage type raised TypeError
+    (unhashable) and an unresolvable interpolation on ``recipe`` escaped as InterpolationKeyError."""
+    from compress.commands.run import validate
+
+    with pytest.raises(CompressError) as raised:
+        validate("gptq_int4", [f"model={tiny_model_dir}", override], multirun=False)
+    assert exit_code_of(raised.value) == ExitCode.USAGE and "\n" not in str(raised.value)
