@@ -11,6 +11,7 @@ are made settable.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -124,11 +125,31 @@ def compose_job(recipe: str, overrides: list[str]) -> RunConfig:
         options = f"; available: {', '.join(error.options)}" if error.options else ""
         raise CompressError(str(error).strip().splitlines()[0] + options) from None
     except (HydraException, OmegaConfBaseException) as error:
+        raise in_recipe_file(config_error(error, schema=RunConfig), recipe, overrides) from None
+    try:
+        written = None if OmegaConf.is_missing(composed, "recipe") else composed.recipe
+    except OmegaConfBaseException as error:  # recipe=${nope}: an interpolation that cannot resolve
         raise config_error(error, schema=RunConfig) from None
-    written = None if OmegaConf.is_missing(composed, "recipe") else composed.recipe
     check_recipe_name(recipes_dir() / f"{recipe}.yaml", written)
     composed.recipe = recipe
-    return build_run_config(composed)
+    try:
+        return build_run_config(composed)
+    except CompressError as error:
+        raise in_recipe_file(error, recipe, overrides) from None
+
+
+def in_recipe_file(error: CompressError, recipe: str, overrides: list[str]) -> CompressError:
+    """``error`` about a key the recipe file itself sets (no override does) with the file named first: a wrong value
+    in a copied recipe is fixed there, not on the command line."""
+    from omegaconf import OmegaConf
+
+    key = re.match(r"[\w.]+", str(error))
+    path = recipes_dir() / f"{recipe}.yaml"
+    if key is None or any(_key(o) == key[0] or key[0].startswith(_key(o) + ".") for o in overrides):
+        return error
+    if OmegaConf.select(OmegaConf.load(path), key[0], default=None, throw_on_resolution_failure=False) is None:
+        return error
+    return type(error)(f"{path}: {error}")
 
 
 def check_recipe_name(path: Path, written: object) -> None:

@@ -23,13 +23,16 @@ def typed(schema: type[T], values: Any, where: str = "") -> T:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    merged = None
     try:
+        if OmegaConf.is_config(values):  # resolved first: an interpolation's value is type-checked like any other
+            values = OmegaConf.to_container(values, resolve=True)
         merged = OmegaConf.merge(OmegaConf.structured(schema), values or {})
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise config_error(error, where, schema) from None
     except (TypeError, ValueError) as error:  # a section's own __post_init__ check, which names no key
-        key = ".".join(part for part in (where, refusing_section(merged)) if part)
+        key = ".".join(part for part in (where, merged is not None and refusing_section(merged)) if part)
         raise CompressError(f"{key}: {error}" if key else str(error)) from None
 
 

@@ -24,11 +24,13 @@ tensors, shards, the staged folder, the size summary) → ``reader`` (tensors ba
 from compress.checkpoint.description import quantization_config, source_dtype, torch_dtype
 from compress.checkpoint.loading import load_checkpoint, load_tokenizer, loading_errors
 from compress.checkpoint.reader import parameters_on_meta, read_config_json, read_quantization_config
+from compress.checkpoint.validation import check_model_files
 from compress.checkpoint.writer import CheckpointSummary, CheckpointWriter, save_checkpoint, summarize
 
 __all__ = [
     "CheckpointSummary",
     "CheckpointWriter",
+    "check_model_files",
     "load_checkpoint",
     "load_tokenizer",
     "loading_errors",

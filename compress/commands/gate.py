@@ -36,7 +36,15 @@ def load_policy(name: str, overrides: list[str]) -> dict:
     if not path.is_file():
         choices = sorted(file.stem for file in path.parent.glob("*.yaml"))
         raise CompressError(f"no gate policy {name!r} in {path.parent}; choose one of {choices}")
-    policy = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
+    policy = OmegaConf.load(path)
+    for override in overrides:  # one at a time, so a value YAML or OmegaConf cannot read is named in one line
+        try:
+            policy = OmegaConf.merge(policy, OmegaConf.from_dotlist([override]))
+        except Exception as error:  # noqa: BLE001 - yaml's and omegaconf's parse and merge errors alike
+            reason = " ".join(str(error).split("\n")[0].split())
+            raise CompressError(
+                f"gate.{override}: {reason}; give gate.<key>=<a YAML value> (quote odd strings)"
+            ) from None
     return OmegaConf.to_container(policy)
 
 

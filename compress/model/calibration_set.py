@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from compress.base.data import DataSpec, calibration_samples, tokenize, window_start_token
-from compress.base.errors import CompressError
+from compress.base.errors import CompressError, EnvironmentFailure
 from compress.base.locks import file_lock, lock_beside
 from compress.base.paths import artifacts_dir
 from compress.model.layer_walk import decoder_layers
@@ -173,7 +173,7 @@ def _cached_batch(sample, identity: str, count: int, seq_len: int, seed: int, st
     with file_lock(lock_beside(cache), f"the calibration cache entry {cache}"):  # a second run reads what one samples
         if cache.is_file():
             log.info("calibration: %d sampled windows from %s", count, cache)
-            return torch.load(cache)
+            return _read_cached(cache, count, seq_len)
         log.info(
             "calibration: sampling %d windows of %d tokens from the model (seed %d, %s)", count, seq_len, seed, path
         )
@@ -183,6 +183,22 @@ def _cached_batch(sample, identity: str, count: int, seq_len: int, seed: int, st
         torch.save(windows, staged)
         staged.replace(cache)
         return windows
+
+
+def _read_cached(cache: Path, count: int, seq_len: int) -> torch.Tensor:
+    """A cached batch, checked: a damaged entry is named with its fix instead of a traceback, or of calibrating on
+    windows of another shape."""
+    try:
+        windows = torch.load(cache)
+        shape = tuple(getattr(windows, "shape", ()))
+        reason = f"holds {type(windows).__name__} {shape}, not {count}x{seq_len} token ids"
+    except Exception as error:  # noqa: BLE001 - unpickling a damaged file raises anything
+        windows, reason = None, " ".join(f"{type(error).__name__}: {error}".split())[:200]
+    if isinstance(windows, torch.Tensor) and windows.dtype == torch.long and tuple(windows.shape) == (count, seq_len):
+        return windows
+    raise EnvironmentFailure(
+        f"calibration cache entry {cache} is damaged ({reason}): delete it and run again (its windows are sampled anew)"
+    )
 
 
 def _timed(sampler, model: nn.Module, count: int, seq_len: int, seed: int, start: int) -> torch.Tensor:

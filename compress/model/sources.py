@@ -26,10 +26,10 @@ from compress.base.errors import CompressError
 from compress.base.memory import release_freed_memory
 from compress.base.paths import artifacts_dir
 from compress.checkpoint import (
+    check_model_files,
     load_checkpoint,
     load_tokenizer,
     loading_errors,
-    read_config_json,
     read_quantization_config,
     torch_dtype,
 )
@@ -197,6 +197,7 @@ def resolve_model_path(spec: ModelSpec) -> str:
         if not (path / "config.json").is_file():
             raise CompressError(f"model path {path} has no config.json: point model= at a Hugging Face model folder")
         _check_weight_files(path, spec.allow_pickle)
+        check_model_files(path)
         return str(path)
     if spec.path.startswith((".", "/", "~")) or spec.path.count("/") > 1:
         raise CompressError(f"model path {spec.path} does not exist; give an existing folder or a hub id (org/name)")
@@ -219,9 +220,12 @@ def check_model_source(spec: ModelSpec) -> None:
         if local_model_folder(spec) is None:
             PACKAGED[spec.path].find_packages()
         return
-    folder = Path(resolve_model_path(spec))
-    if (folder / "config.json").is_file():
-        read_config_json(folder / "config.json")  # a damaged config fails now, before a run folder exists
+    folder = Path(resolve_model_path(spec))  # damaged or foreign files fail now, before a run folder exists
+    if folder.is_dir() and not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise CompressError(
+            f"model folder {folder} has no tokenizer (tokenizer.json, tokenizer_config.json): copy the tokenizer files "
+            "from the model's source into it"
+        )
 
 
 def _check_weight_files(folder: Path, allow_pickle: bool) -> None:

@@ -25,7 +25,7 @@ STAGES.update({s.name: s for s in (LoRAMergeStage, MagnitudePruneStage, WandaSta
 def build_stage(args: dict, position: int) -> Stage:
     args = dict(args)
     kind = args.pop("type", None)
-    if kind not in STAGES:
+    if not isinstance(kind, str) or kind not in STAGES:  # a list or mapping is not a stage name (nor hashable)
         raise CompressError(
             f"stages.{position}: type={kind!r} is not a known stage; available: {', '.join(sorted(STAGES))}"
         )

@@ -101,7 +101,7 @@ def test_damaged_and_mistaken_inputs_fail_in_one_line_and_write_nothing(tiny_mod
     run = ["run", "recipe=rtn_int4", *SMALL, *QUIET]
     cases = {
         "truncated config.json": ([*run, f"model={truncated}"], "config.json is not valid JSON"),
-        "corrupt safetensors": ([*run, f"model={corrupt}"], "cannot load model"),
+        "corrupt safetensors": ([*run, f"model={corrupt}"], "is corrupt or truncated"),
         "NaN weights": ([*run, f"model={nan}"], "non-finite values (NaN/inf)"),
         "recipe key typo": ([*run, f"model={tiny_model_dir}", "stages.0.gruop_size=32"], "did you mean 'group_size'"),
         "pattern matching nothing": (
