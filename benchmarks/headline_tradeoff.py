@@ -1,18 +1,19 @@
 """The headline's quality against its calibration size: `awq_int4` (the `make run` recipe) on the default model with
 sampled calibration sets of several shapes, three calibration draws each, scored out of domain as the run scores it.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.headline_tradeoff 64x512 32x512 64x256 --seeds 0 1 2
-    python -m benchmarks.headline_tradeoff 32x512 --seeds 0 1 2 --overrides stages.0.grid=10 --label grid10
+    OMP_NUM_THREADS=1 python -m benchmarks.headline_tradeoff 32x512 --seeds 0 2 32
+    python -m benchmarks.headline_tradeoff 32x512 --seeds 0 2 32 --overrides stages.0.grid=10 --label grid10
 
 Why: `make run` must finish in minutes on a 2-core CPU, and most of its time is sampling the calibration windows and
-the layer walk over them (both proportional to the calibration tokens); this measures what fewer tokens cost in
-quality. Each draw samples ``N`` windows of ``L`` tokens from the model at temperature 1 (``compress.calibration_set``,
-the run's path, cached under ``artifacts/calibration``), compresses the default model with ``awq_int4`` on exactly
-those ids through ``compress.oneshot`` (with ``--overrides``), reloads the checkpoint and scores it on the run's
-out-of-domain headline text (Shakespeare, 512-token windows, ``benchmarks/quality.py``'s protocol). Draws are
-independent for seeds < 16 (``sampled_windows``). Each draw is kept in ``artifacts/benchmarks/headline-tradeoff`` as
-it finishes (several processes may share the work: a draw already there is not run again); the report joins every
-draw of the settings asked for: mean ratio and a 95% t-interval over the draws, and the CPU seconds of each phase
+the layer walk over them (both grow with the calibration tokens); this measures what fewer tokens cost in quality.
+Each draw samples ``N`` windows of ``L`` tokens from the model at temperature 1 (``compress.calibration_set``, the
+run's path, cached under ``artifacts/calibration``), compresses the default model with ``awq_int4`` on exactly those
+ids through ``compress.oneshot`` (with ``--overrides``), reloads the checkpoint and scores it on the run's
+out-of-domain headline text (Shakespeare, 512-token windows, ``benchmarks/quality.py``'s protocol). Draws must share
+no sampled batch (checked): seed ``s`` samples the batches seeded ``s, s + 16, ...``, so 32 windows at seeds 0 and 32
+are the two halves of 64 windows at seed 0. Each draw is kept in ``artifacts/benchmarks/headline-tradeoff`` as it
+finishes (several processes may share the work: a draw already there is not run again); the report joins every draw
+of the settings asked for: mean ratio, a 95% t-interval over the draws, and the CPU seconds of each phase
 (``time.process_time``: comparable on a shared machine, unlike wall time). Torch's thread count is pinned
 (``--threads``, recorded): it alone moves this recipe's ratio by about 2 points (docs/results.md).
 Writes ``benchmarks/results/headline-tradeoff.{json,md}``.
@@ -46,6 +47,18 @@ def parse_setting(text: str) -> tuple[int, int]:
     if count < 1 or length < 2:
         raise SystemExit(f"setting {text!r}: need at least 1 window of at least 2 tokens")
     return count, length
+
+
+def check_independent(seeds: list[int], count: int) -> None:
+    """Draws must share no sampled batch: seed ``s`` samples the batches seeded ``s, s + B, s + 2B, ...`` (``B`` =
+    ``SAMPLING_BATCH``), so 32 windows at seeds 0 and 32 are two disjoint halves of 64 windows at seed 0."""
+    from compress.calibration_set import SAMPLING_BATCH
+
+    batches = [{seed + done for done in range(0, count, SAMPLING_BATCH)} for seed in seeds]
+    for i, first in enumerate(batches):
+        for j in range(i + 1, len(batches)):
+            if first & batches[j]:
+                raise SystemExit(f"--seeds {seeds[i]} and {seeds[j]} share sampled batches at {count} windows")
 
 
 def interval(values: list[float]) -> tuple[float, float, float]:
@@ -153,8 +166,8 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true", help="join the draws already kept; run none")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "headline-tradeoff")
     args = parser.parse_args()
-    if any(not 0 <= seed < 16 for seed in args.seeds):
-        raise SystemExit("--seeds: use seeds 0..15 (seeds s and s+16 share sampled batches)")
+    for setting in args.settings:
+        check_independent(args.seeds, parse_setting(setting)[0])
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT))
     from benchmarks.quality import texts
