@@ -52,7 +52,7 @@ def parse_setting(text: str) -> tuple[int, int]:
 def check_independent(seeds: list[int], count: int) -> None:
     """Draws must share no sampled batch: seed ``s`` samples the batches seeded ``s, s + B, s + 2B, ...`` (``B`` =
     ``SAMPLING_BATCH``), so 32 windows at seeds 0 and 32 are two disjoint halves of 64 windows at seed 0."""
-    from compress.calibration_set import SAMPLING_BATCH
+    from compress.model.calibration_set import SAMPLING_BATCH
 
     batches = [{seed + done for done in range(0, count, SAMPLING_BATCH)} for seed in seeds]
     for i, first in enumerate(batches):
@@ -89,9 +89,9 @@ def draw(model_dir: Path, model, ids: torch.Tensor, count: int, length: int, see
     """One calibration draw: sample (or read the cache), compress, reload, score."""
     from benchmarks.quality import score
     from compress import oneshot
-    from compress.calibration_set import sampled_windows, start_token
+    from compress.base.data import window_start_token
     from compress.checkpoint import load_checkpoint
-    from compress.data import window_start_token
+    from compress.model.calibration_set import sampled_windows, start_token
 
     began = (time.process_time(), time.perf_counter())
     samples = sampled_windows(model, count, length, seed, start_token(model, window_start_token(model.config)), "cpu")
@@ -171,8 +171,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT))
     from benchmarks.quality import texts
-    from compress.models import ModelSpec, load, resolve_model_path
-    from compress.paths import artifacts_dir
+    from compress.base.paths import artifacts_dir
+    from compress.model.sources import ModelSpec, load, resolve_model_path
 
     work = artifacts_dir() / "benchmarks" / "headline-tradeoff"
     work.mkdir(parents=True, exist_ok=True)
