@@ -15,7 +15,8 @@ FAST = [*SMALL, "gate=none"]  # the release gate has its own test below
 
 
 def test_awq_run_writes_checkpoint_report_and_mlflow(tiny_model_dir, artifacts, capsys):
-    assert main(["run", "recipe=awq_int4", f"model={tiny_model_dir}", *FAST, "stages.0.grid=4"]) == 0
+    args = [*FAST, "stages.0.grid=4", "eval.reference=rtn"]  # the RTN reference is asked for, not a default
+    assert main(["run", "recipe=awq_int4", f"model={tiny_model_dir}", *args]) == 0
     [run_dir] = (artifacts / "runs").iterdir()
     report = json.loads((run_dir / "report.json").read_text())
     assert set(report["perplexity"]) == {"baseline", "candidate", "rtn_reference"}
