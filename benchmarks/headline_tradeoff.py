@@ -6,7 +6,7 @@ sampled calibration sets of several shapes, three calibration draws each, scored
 
 Why: `make run` must finish in minutes on a 2-core CPU, and most of its time is sampling the calibration windows and
 the layer walk over them (both grow with the calibration tokens); this measures what fewer tokens cost in quality.
-Each draw samples ``N`` windows of ``L`` tokens from the model at temperature 1 (``compress.calibration_set``, the
+Each draw samples ``N`` windows of ``L`` tokens from the model at temperature 1 (``compress.model.calibration_set``, the
 run's path, cached under ``artifacts/calibration``), compresses the default model with ``awq_int4`` on exactly those
 ids through ``compress.oneshot`` (with ``--overrides``), reloads the checkpoint and scores it on the run's
 out-of-domain headline text (Shakespeare, 512-token windows, ``benchmarks/quality.py``'s protocol). Draws must share
