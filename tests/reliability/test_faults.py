@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from compress.locks import FileLock, lock_beside
 from compress.resume import progress_folder
 from compress.staging import STAGING_OWNER
+from tests.reliability.faults import injected
 
 SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "stages.0.group_size=32"]
 QUIET = ["gate=none", "tracking.enabled=false"]
@@ -63,6 +64,9 @@ def test_sigkill_at_seeded_points_leaves_nothing_that_looks_finished(tiny_model_
             AutoModelForCausalLM.from_pretrained(folder / "checkpoint")
     assert subprocess.run([sys.executable, "-m", "compress", *args], cwd=REPO, env=cli_env(artifacts)).returncode == 0
     assert not any(runs.glob(f".*/{STAGING_OWNER}"))  # the dead runs' staging folders were swept
+    detail = "a whole run folder (report, a checkpoint transformers loads) or only a staging folder the next run sweeps"
+    injected("SIGKILL from outside", "a run, at seeded times after its staging folder appears", "nothing lost", detail,
+             times=3)  # fmt: skip
 
 
 def test_sigterm_during_the_gate_ends_its_mlflow_run_killed_and_writes_no_verdict(tiny_model_dir, tmp_path):
@@ -80,6 +84,8 @@ def test_sigterm_during_the_gate_ends_its_mlflow_run_killed_and_writes_no_verdic
     assert process.returncode == -signal.SIGTERM, err[-3000:]
     assert run_statuses(artifacts / "mlflow.db") == ["KILLED"]
     assert not (out / "gate.json").exists()  # CI cannot read the old PASS as this gate's verdict
+    detail = "dies of SIGTERM, MLflow `KILLED`, the old verdict removed and no new one"
+    injected("SIGTERM from outside", "`gate`, once its MLflow run is open", "nothing lost", detail)
 
 
 def test_damaged_and_mistaken_inputs_fail_in_one_line_and_write_nothing(tiny_model_dir, tmp_path):
@@ -124,6 +130,8 @@ def test_damaged_and_mistaken_inputs_fail_in_one_line_and_write_nothing(tiny_mod
         assert "Traceback" not in stderr, name
         assert finished_runs(artifacts / "runs") == [] and not any((artifacts / "runs").glob(".*")), name
         assert not (tmp_path / "gate" / "gate.json").exists(), name
+        detail = "exit 2, one `error:` line, no traceback, nothing written"
+        injected("damaged or mistaken input", name, "refused", detail)
 
 
 def test_two_runs_into_one_artifacts_folder_and_store_both_complete(tiny_model_dir, tmp_path, empty_mlflow_db):
@@ -138,6 +146,8 @@ def test_two_runs_into_one_artifacts_folder_and_store_both_complete(tiny_model_d
     runs = finished_runs(artifacts / "runs")
     assert len(runs) == 2 and all((run / "report.json").is_file() for run in runs)
     assert run_statuses(artifacts / "mlflow.db") == ["FINISHED", "FINISHED"]
+    detail = "both exit 0, two run folders, both MLflow runs `FINISHED`"
+    injected("two identical runs started together", "one artifacts folder and MLflow store", "nothing lost", detail)
 
 
 def checkpoint_tensors(run: Path) -> dict:
@@ -165,6 +175,8 @@ def test_ctrl_c_ends_a_run_with_130_and_leaves_nothing(tiny_model_dir, tmp_path)
         assert held.descriptor is not None  # the run never had the lock
     assert finished_runs(runs) == [] and not any(runs.glob(f".*/{STAGING_OWNER}"))
     assert [path.name for path in runs.glob(".*")] == [".progress"] and not any((runs / ".progress").iterdir())
+    detail = "exit 130, nothing published, no staging left"
+    injected("SIGINT from outside (Ctrl-C)", "a run waiting at its progress lock", "nothing lost", detail)
 
 
 RUN_PAUSED_IN_ITS_WALK = """
@@ -207,3 +219,5 @@ def test_a_second_identical_run_waits_for_the_first_and_both_publish_the_same_ch
     tensors, expected = checkpoint_tensors(one), checkpoint_tensors(other)
     assert tensors.keys() == expected.keys() and all(torch.equal(tensors[k], expected[k]) for k in expected)
     assert not (runs / ".progress").exists()  # the last run to publish removed it
+    detail = "the second waits (one line), then both exit 0 with identical checkpoint tensors"
+    injected("two identical runs, one inside its walk", "the progress folder's lock", "waited", detail)

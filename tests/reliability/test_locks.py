@@ -13,6 +13,7 @@ from cli_support import REPO, cli_env
 
 from compress.errors import CompressError
 from compress.locks import FileLock, lock_beside
+from tests.reliability.faults import injected
 
 HOLDER = """
 import sys
@@ -68,6 +69,7 @@ def test_a_lock_dies_with_its_holder(tmp_path):
     assert lock.try_acquire()
     lock.release()
     assert not path.exists()  # the last holder removes its file
+    injected("a lock holder killed (SIGKILL)", "`FileLock`", "nothing lost", "the lock is free at once")
 
 
 def test_a_waiter_whose_lock_file_was_removed_locks_the_new_one(tmp_path, caplog):
@@ -84,6 +86,8 @@ def test_a_waiter_whose_lock_file_was_removed_locks_the_new_one(tmp_path, caplog
     assert not FileLock(path, "x").try_acquire()  # one holder
     lock.release()
     assert caplog.text.count("waiting for") == 1
+    detail = "the waiter locks the new file: one holder"
+    injected("a lock file removed while another process waits", "`FileLock`", "waited", detail)
 
 
 def test_a_second_writer_of_one_checkpoint_name_waits_then_refuses_in_one_line(tmp_path, caplog):
@@ -99,6 +103,8 @@ def test_a_second_writer_of_one_checkpoint_name_waits_then_refuses_in_one_line(t
     [error] = outcome
     assert isinstance(error, CompressError) and "already exists" in str(error)
     assert [path.name for path in tmp_path.iterdir()] == ["checkpoint"]  # no staging folder, no lock left
+    detail = "the second waits, then is refused in one line; no staging folder or lock left"
+    injected("two writers of one checkpoint name", "`CheckpointWriter`", "refused", detail)
 
 
 SAMPLES = """
@@ -138,6 +144,8 @@ def test_two_runs_sampling_one_calibration_cache_entry_sample_it_once(tiny_model
     assert first.returncode == 0 and second.returncode == 0, err[-3000:]
     assert "sampling" not in out  # read from the cache, not sampled again
     assert torch.equal(torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt"))
+    detail = "the second waits, then reads the first's windows: sampled once"
+    injected("two samplers of one calibration cache entry", "`sampled_windows`", "waited", detail)
 
 
 def test_a_lock_this_process_left_held_is_taken_over_not_waited_for(tmp_path):
@@ -148,3 +156,5 @@ def test_a_lock_this_process_left_held_is_taken_over_not_waited_for(tmp_path):
     assert left.descriptor is None and taken.descriptor is not None
     taken.release()
     assert not path.exists()
+    detail = "taken over, not waited for"
+    injected("a lock left held by failed work in this process", "`FileLock`", "nothing lost", detail)
