@@ -79,8 +79,8 @@ def test_a_waiter_whose_lock_file_was_removed_locks_the_new_one(tmp_path, caplog
     process = holder(path)
     thread, outcome = in_thread(lambda: FileLock(path, "x").acquire())
     until_waiting(thread, caplog)
-    process.communicate("go\n", timeout=60)
-    thread.join(timeout=60)
+    process.communicate("go\n")
+    thread.join()
     [lock] = outcome
     assert lock.descriptor is not None and path.exists()
     assert not FileLock(path, "x").try_acquire()  # one holder
@@ -98,8 +98,8 @@ def test_a_second_writer_of_one_checkpoint_name_waits_then_refuses_in_one_line(t
     thread, outcome = in_thread(lambda: CheckpointWriter(target))
     until_waiting(thread, caplog)
     assert "waiting for the checkpoint name" in caplog.text
-    process.communicate("go\n", timeout=60)  # it publishes its checkpoint and lets go
-    thread.join(timeout=60)
+    process.communicate("go\n")  # it publishes its checkpoint and lets go
+    thread.join()
     [error] = outcome
     assert isinstance(error, CompressError) and "already exists" in str(error)
     assert [path.name for path in tmp_path.iterdir()] == ["checkpoint"]  # no staging folder, no lock left
@@ -139,8 +139,8 @@ def test_two_runs_sampling_one_calibration_cache_entry_sample_it_once(tiny_model
     while "waiting for the calibration cache entry" not in line:
         assert line, "the second never waited"
         line = second.stderr.readline()
-    first.communicate("go\n", timeout=120)
-    out, err = second.communicate("go\n", timeout=120)
+    first.communicate("go\n")
+    out, err = second.communicate("go\n")
     assert first.returncode == 0 and second.returncode == 0, err[-3000:]
     assert "sampling" not in out  # read from the cache, not sampled again
     assert torch.equal(torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt"))

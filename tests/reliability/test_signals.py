@@ -239,7 +239,7 @@ def test_a_process_whose_ctrl_c_lands_in_a_finalizer_exits_130(tiny_model_dir, t
     args = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", *SMALL, "gate=none"]
     command = [sys.executable, "-c", CTRL_C_IN_A_FINALIZER, *args]
     env = cli_env(artifacts)
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)  # no deadline: see wait_for
     assert done.returncode == 130, done.stderr[-3000:]
     assert "interrupted by signal" in done.stderr.splitlines()[-1]
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr

@@ -58,29 +58,35 @@ def one_run(index: int, extra: list[str], scratch: Path) -> dict:
     command = [sys.executable, "-m", "pytest", *PYTEST, *extra, f"--junitxml={junit}", TESTS]
     load, start = os.getloadavg()[0], time.monotonic()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    seconds = time.monotonic() - start
+    if not junit.exists():
+        print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
+    return summarised(index, junit, done.returncode, time.monotonic() - start, load)
+
+
+def summarised(index: int, junit: Path, code: int, seconds: float, load: float | None) -> dict:
+    """One run's entry: passes, seconds, the load average at its start, the failed tests with their messages."""
     cases = outcomes(junit) if junit.exists() else []
     failed = [case for case in cases if case["outcome"] in ("failure", "error")]
-    print(f"run {index}: exit {done.returncode}, {len(cases) - len(failed)}/{len(cases)} passed, {seconds:.0f} s")
+    print(f"run {index}: exit {code}, {len(cases) - len(failed)}/{len(cases)} passed, {seconds:.0f} s", flush=True)
     for case in failed:
         print(f"  FAILED {case['test']}: {case.get('message', '')[:200]}")
-    if not cases:
-        print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
     return {
         "run": index,
-        "exit": done.returncode,
+        "exit": code,
         "passed": sum(case["outcome"] == "passed" for case in cases),
         "tests": len(cases),
         "seconds": round(seconds, 1),
-        "load_average_at_start": round(load, 2),
+        "load_average_at_start": "?" if load is None else round(load, 2),
         "failed": failed,
         "slowest": sorted(cases, key=lambda case: -case["seconds"])[:3],
     }
 
 
-def record(label: str, runs: list[dict], burners: int, command: str) -> dict:
+def record(label: str, runs: list[dict], burners: int, command: str, planned: int, note: str) -> dict:
     return {
         "label": label,
+        "planned": planned,
+        "note": note,
         "command": command,
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": f"{cpu_name()}, {os.cpu_count()} cores",
@@ -94,6 +100,10 @@ def record(label: str, runs: list[dict], burners: int, command: str) -> dict:
     }
 
 
+def cut_short(rec: dict) -> str:
+    return f" ({len(rec['runs'])} of {rec['planned']} planned)" if len(rec["runs"]) < rec["planned"] else ""
+
+
 def markdown(records: list[dict]) -> str:
     lines = [
         "# The reliability tests under load",
@@ -103,7 +113,8 @@ def markdown(records: list[dict]) -> str:
         "(the load average at each run's start says how much).",
     ]
     for rec in records:
-        lines += ["", f"## {rec['label']}: {rec['all_passed']}/{len(rec['runs'])} runs all green", ""]
+        lines += ["", f"## {rec['label']}: {rec['all_passed']}/{len(rec['runs'])} runs all green{cut_short(rec)}", ""]
+        lines += [rec["note"], ""] if rec.get("note") else []
         lines += [f"- Command: `{rec['command']}` (git {rec['git']}), {rec['date']}", f"- CPU: {rec['cpu']}"]
         lines += [f"- Burner: `{rec['burner']}`", f"- Each run: `{rec['pytest']}`", ""]
         lines += ["| Run | Passed | Seconds | Load average at start | Failed |", "|---|---|---|---|---|"]
@@ -121,7 +132,8 @@ def markdown(records: list[dict]) -> str:
 
 def summary(records: list[dict]) -> str:
     rows = [
-        f"- **{rec['label']}** ({rec['date']}, {rec['cpu']}): {rec['all_passed']}/{len(rec['runs'])} runs all green, "
+        f"- **{rec['label']}** ({rec['date']}, {rec['cpu']}): {rec['all_passed']}/{len(rec['runs'])} runs all green"
+        f"{cut_short(rec)}, "
         f"{sum(run['passed'] for run in rec['runs'])}/{sum(run['tests'] for run in rec['runs'])} tests passed, "
         f"{min(run['seconds'] for run in rec['runs']):.0f}–{max(run['seconds'] for run in rec['runs']):.0f} s a run"
         for rec in records
@@ -147,25 +159,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--label", default="after", help="names this batch's JSON and section (e.g. before, after)")
     parser.add_argument("--burners", type=int, default=os.cpu_count() or 1, help="burner processes (default: cores)")
+    parser.add_argument("--note", default="", help="a sentence shown with this batch")
+    parser.add_argument(
+        "--from-junit", nargs="+", type=Path, help="record runs already made (their pytest --junitxml files) instead"
+    )
     args = parser.parse_args(ours)
     if args.runs < 1 or not re.fullmatch(r"[\w-]+", args.label):
         parser.error("--runs must be >= 1 and --label a plain word")
     command = " ".join(["python -m tests.reliability.under_load", *ours, *(["--", *extra] if extra else [])])
+    runs: list[dict] = []
+
+    def save() -> None:  # after every run: a batch cut short still records what it ran
+        rec = record(args.label, runs, args.burners, command, args.runs, args.note)
+        rec["git"] = "(the note says)" if args.from_junit else rec["git"]
+        RESULTS.joinpath(f"reliability-under-load-{args.label}.json").write_text(json.dumps(rec, indent=1) + "\n")
+        records = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("reliability-under-load-*.json"))]
+        write_doc(sorted(records, key=lambda rec: rec["label"] != "before"))  # before first
+
+    if args.from_junit:
+        for index, junit in enumerate(args.from_junit, 1):
+            suite = ElementTree.parse(junit).getroot().find("testsuite")
+            failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+            runs.append(summarised(index, junit, int(failed > 0), float(suite.get("time", 0)), None))
+        save()
+        return 0
     burner = subprocess.Popen(
         [sys.executable, "-m", "tests.reliability.burner", "--processes", str(args.burners), "--seconds", "14400"],
         cwd=REPO,
     )
     try:
         with tempfile.TemporaryDirectory() as scratch:
-            runs = [one_run(index, extra, Path(scratch)) for index in range(1, args.runs + 1)]
+            for index in range(1, args.runs + 1):
+                runs.append(one_run(index, extra, Path(scratch)))
+                save()
     finally:
         burner.terminate()
         burner.wait()
-    RESULTS.joinpath(f"reliability-under-load-{args.label}.json").write_text(
-        json.dumps(record(args.label, runs, args.burners, command), indent=1) + "\n"
-    )
-    records = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("reliability-under-load-*.json"))]
-    write_doc(sorted(records, key=lambda rec: rec["label"] != "before"))  # before first
     return 0 if all(run["exit"] == 0 for run in runs) else 1
 
 
