@@ -48,7 +48,7 @@ def outcomes(junit: Path) -> list[dict]:
         module = case.get("classname", "").replace(".", "/")
         cases.append(
             {"test": f"{module}.py::{case.get('name')}", "seconds": float(case.get("time", 0)), "outcome": kind}
-            | ({"message": message[:300]} if message else {})
+            | ({"message": message[:2000]} if message else {})
         )
     return cases
 
@@ -126,7 +126,8 @@ def markdown(records: list[dict]) -> str:
             )
         messages = {case["test"]: case.get("message", "") for run in rec["runs"] for case in run["failed"]}
         for test, message in messages.items():
-            lines.append(f"\n`{test}`: {message.splitlines()[0] if message else '(no message)'}")
+            first = message.splitlines()[0] if message else "(no message)"
+            lines.append(f"\n`{test}`: {first if len(first) < 240 else first[:150] + ' … ' + first[-80:]}")
     return "\n".join(lines) + "\n"
 
 
@@ -166,12 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(ours)
     if args.runs < 1 or not re.fullmatch(r"[\w-]+", args.label):
         parser.error("--runs must be >= 1 and --label a plain word")
-    command = " ".join(["python -m tests.reliability.under_load", *ours, *(["--", *extra] if extra else [])])
+    shown = [arg for i, arg in enumerate(ours) if "--note" not in (arg, ours[i - 1] if i else "")]  # the note is shown
+    command = " ".join(["python -m tests.reliability.under_load", *shown, *(["--", *extra] if extra else [])])
     runs: list[dict] = []
 
     def save() -> None:  # after every run: a batch cut short still records what it ran
         rec = record(args.label, runs, args.burners, command, args.runs, args.note)
-        rec["git"] = "(the note says)" if args.from_junit else rec["git"]
+        if args.from_junit:  # when those runs were made, not now
+            start = ElementTree.parse(args.from_junit[0]).getroot().find("testsuite").get("timestamp", "")
+            rec |= {"git": "(the note says)", "date": start[:16].replace("T", " ") + " UTC"}
         RESULTS.joinpath(f"reliability-under-load-{args.label}.json").write_text(json.dumps(rec, indent=1) + "\n")
         records = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("reliability-under-load-*.json"))]
         write_doc(sorted(records, key=lambda rec: rec["label"] != "before"))  # before first
