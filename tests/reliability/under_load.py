@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--from-junit", nargs="+", type=Path, help="record runs already made (their pytest --junitxml files) instead"
     )
+    parser.add_argument("--render", action="store_true", help="only rewrite the Markdown from the JSONs there are")
     args = parser.parse_args(ours)
     if args.runs < 1 or not re.fullmatch(r"[\w-]+", args.label):
         parser.error("--runs must be >= 1 and --label a plain word")
@@ -181,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         records = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("reliability-under-load-*.json"))]
         write_doc(sorted(records, key=lambda rec: rec["label"] != "before"))  # before first
 
+    if args.render:
+        write_doc(sorted(map(json.loads, map(Path.read_text, RESULTS.glob("reliability-under-load-*.json"))),
+                         key=lambda rec: rec["label"] != "before"))  # fmt: skip
+        return 0
     if args.from_junit:
         for index, junit in enumerate(args.from_junit, 1):
             suite = ElementTree.parse(junit).getroot().find("testsuite")
