@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 run: setup
 	@# the default model's one-time GGUF conversion in its own process: the run's heap never holds what it freed
-	$(BIN)/python -c "from compress.models import default_model_dir; default_model_dir()"
+	$(BIN)/python -c "from compress.model.sources import default_model_dir; default_model_dir()"
 	$(BIN)/python -m compress run recipe=$(RECIPE) $(ARGS)
 
 # The tests run torch on one thread each (tests/conftest.py), so one pytest worker per core: 2 on CI.

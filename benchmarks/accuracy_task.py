@@ -72,7 +72,7 @@ def round_to_nearest(model, candidate: str) -> None:
     """Fake-quantize every linear weight of the decoder layers in place (embeddings and the tied head stay)."""
     import torch
 
-    from compress.quant import WeightScheme, fake_quantize
+    from compress.grids.int_grid import WeightScheme, fake_quantize
 
     bits, group = CANDIDATES[candidate]
     scheme = WeightScheme(bits=bits, group_size=group, symmetric=True)
@@ -88,7 +88,7 @@ def measure(limit: int | None, batch_size: int, threads: int, candidate: str | N
 
     from compress.evals.gate.stats import proportion_interval
     from compress.evals.lm_eval_tasks import run_lm_eval
-    from compress.models import default_model_dir
+    from compress.model.sources import default_model_dir
 
     torch.set_num_threads(threads)
     folder = default_model_dir()

@@ -30,11 +30,11 @@ from typing import Literal
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from compress.base.errors import CompressError
 from compress.commands.args import parse_options, show_value, usage, wants_help
 from compress.engine.llm import LLM
 from compress.engine.sequence import SamplingParams
-from compress.errors import CompressError
-from compress.models import load as load_model
+from compress.model.sources import load as load_model
 
 SYNOPSIS = "python -m compress bench engine [checkpoint=PATH mode=serve|decode requests=48 rate=2 ...]"
 
@@ -131,7 +131,7 @@ def convert_linears(model, weights: str, group_size: int) -> list[tuple[torch.nn
     """Replace every decoder ``nn.Linear`` with our quantized module (round to nearest). For speed measurements:
     quality comes from the pipeline's stages. Returns ``(parent, name, dense)`` so :func:`restore` can undo it."""
     from compress.formats import Fp8Linear, Int8Linear, QuantizedLinear
-    from compress.quant import WeightScheme, quantize
+    from compress.grids.int_grid import WeightScheme, quantize
 
     if weights not in ("w4a16", "int8", "fp8"):
         raise ValueError(f"decode_weights: unknown format {weights!r}; choose w4a16, int8 or fp8")

@@ -26,8 +26,8 @@ from typing import Literal
 import torch
 import triton
 
+from compress.base.errors import CompressError
 from compress.commands.args import parse_options, usage, wants_help
-from compress.errors import CompressError
 from compress.kernels import ops
 from compress.kernels.accuracy import relative_error
 from compress.kernels.packing import pack_int32

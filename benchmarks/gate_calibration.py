@@ -34,14 +34,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from compress.base.data import tokenize  # noqa: E402
+from compress.base.paths import artifacts_dir  # noqa: E402
 from compress.checkpoint import load_checkpoint  # noqa: E402
-from compress.data import tokenize  # noqa: E402
 from compress.evals.divergence import DivergenceMeter, ReferenceRecorder  # noqa: E402
 from compress.evals.gate import checks as gate_checks  # noqa: E402
 from compress.evals.gate.policy import resolve_policy  # noqa: E402
 from compress.evals.perplexity import stored_model_perplexity  # noqa: E402
-from compress.models import ModelSpec, load, resolve_model_path  # noqa: E402
-from compress.paths import artifacts_dir  # noqa: E402
+from compress.model.sources import ModelSpec, load, resolve_model_path  # noqa: E402
 
 RECIPES = {  # name → (recipe, overrides); rtn_int8 (W8A16 g64) is the clearly-inside case
     "rtn_int8": ("rtn_int4", ["stages.0.bits=8"]),
@@ -72,7 +72,7 @@ def evaluation_text(name: str) -> str:
     (its source, or its docstrings), files sorted by name."""
     if name == "shakespeare":
         return shakespeare_text()
-    from compress.data import _python_code_documents, _python_docstring_documents
+    from compress.base.data import _python_code_documents, _python_docstring_documents
 
     documents = {"python_code": _python_code_documents, "python_docstrings": _python_docstring_documents}[name]()
     return "\n\n".join(documents)
@@ -82,7 +82,7 @@ def ladder_transform(fraction: float):
     """A per-layer transform moving the default model ``fraction`` of the way from its own weights to their int4 g64
     symmetric round-to-nearest: a real model whose loss grows smoothly with ``fraction``, to place checkpoints at
     chosen distances from a limit (a rung of the ladder). Applied as the scoring pass reads each layer."""
-    from compress.quant import WeightScheme, fake_quantize
+    from compress.grids.int_grid import WeightScheme, fake_quantize
 
     scheme = WeightScheme(bits=4, group_size=64, symmetric=True)
 
@@ -218,7 +218,7 @@ def analyze(scores: dict) -> dict:
     gate's interval, and the independent-windows t-interval it replaced)."""
     from compress.commands.gate import load_policy
     from compress.evals.gate import stats
-    from compress.evals.gate.run import blocking_checks
+    from compress.evals.gate.runner import blocking_checks
 
     base = scores["models"]["baseline"]["window_nll"]
     count = len(base)

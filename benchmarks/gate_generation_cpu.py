@@ -30,8 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from compress.evals import generation, loading  # noqa: E402
-from compress.models import ModelSpec, resolve_model_path  # noqa: E402
+from compress.evals import generation, sides  # noqa: E402
+from compress.model.sources import ModelSpec, resolve_model_path  # noqa: E402
 
 NEW_TOKENS = 8
 BACKENDS = ("transformers", "engine")
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model, tokenizer = loading.load_for_eval(resolve_model_path(ModelSpec()))
+    model, tokenizer = sides.load_for_eval(resolve_model_path(ModelSpec()))
     vocab = model.config.vocab_size
 
     def fresh(length: int, count: int = 1) -> list[list[int]]:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from compress.commands.gate import load_policy  # noqa: E402
 from compress.evals.gate import checks, stats  # noqa: E402
 from compress.evals.gate.policy import resolve_policy  # noqa: E402
-from compress.evals.gate.run import blocking_checks  # noqa: E402
+from compress.evals.gate.runner import blocking_checks  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DRAWS = 1000

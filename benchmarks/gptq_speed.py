@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.peer_comparison import PEER_PYTHON, SCHEMES, checkpoint_size_mb, evaluate, measured_run  # noqa: E402
-from compress.data import DataSpec, calibration_samples, load_corpus, tokenize  # noqa: E402
-from compress.models import ModelSpec, load, resolve_model_path  # noqa: E402
+from compress.base.data import DataSpec, calibration_samples, load_corpus, tokenize  # noqa: E402
+from compress.model.sources import ModelSpec, load, resolve_model_path  # noqa: E402
 
 
 def export(rev: str, folder: Path) -> Path:

@@ -43,8 +43,8 @@ from benchmarks.bench_kernels import (
     quantized_weight,
     timer,
 )
+from compress.base.errors import CompressError
 from compress.commands.args import parse_options, usage, wants_help
-from compress.errors import CompressError
 from compress.kernels.accuracy import relative_error
 from compress.kernels.timing import NotCapturable, graph_time_ms
 from compress.kernels.w8a8 import quantize_per_token_reference

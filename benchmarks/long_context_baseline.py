@@ -9,6 +9,7 @@ The prompts are the gate's own: its evaluation text as filler, its seed, its bac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -29,7 +30,7 @@ def main() -> None:
     from compress.evals.gate.policy import resolve_policy
     from compress.evals.gate.stats import proportion_interval
     from compress.evals.long_context import evaluate_long_context
-    from compress.models import default_model_dir
+    from compress.model.sources import default_model_dir
 
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
     raw = load_policy("default", [])
@@ -40,7 +41,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     filler = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
     backend = generation.choose_backend(policy.backend)
-    generator = generation.make_generator(backend, model, tokenizer, None, policy.engine)
+    generator = generation.make_generator(backend, model, tokenizer, None, dataclasses.asdict(policy.engine))
     lc = policy.long_context
     started = time.perf_counter()
     result = evaluate_long_context(generator, tokenizer, filler, lc.context_lengths, lc.tasks, lc.trials, policy.seed)

@@ -1,4 +1,4 @@
-"""Model-free quantization (``compress.model_free``) vs the layer walk, and vs reading the input files once.
+"""Model-free quantization (``compress.compression.model_free``) vs the layer walk, and vs reading the input files once.
 
     COMPRESS_ARTIFACTS=/path/to/artifacts python benchmarks/model_free.py          # rtn_int4 and fp8_dynamic
     python benchmarks/model_free.py --recipes rtn_int4 --results /tmp/mf           # elsewhere, one recipe
@@ -60,8 +60,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.peak_rss import SHAPES  # noqa: E402
 from benchmarks.peer_comparison import checkpoint_size_mb, measured_run  # noqa: E402
-from compress.models import ModelSpec, local_model_folder  # noqa: E402
-from compress.paths import artifacts_dir  # noqa: E402
+from compress.base.paths import artifacts_dir  # noqa: E402
+from compress.model.sources import ModelSpec, local_model_folder  # noqa: E402
 
 MODES = ("read", "model_free", "layer_walk", "llmcompressor")
 PEER = "llmcompressor"
@@ -97,10 +97,10 @@ def child(mode: str, folder: Path, recipe: str, target: Path) -> None:
         model_free_ptq(folder, target, scheme=scheme, ignore=PEER_IGNORE, max_workers=1, device="cpu")
         print(f"work_s {time.perf_counter() - start:.3f}")
         return
-    from compress.compression import compress_model
-    from compress.model_free import quantize_model_free
-    from compress.models import load
-    from compress.saving import checkpoint_writer, write_checkpoint
+    from compress.compression.in_memory import compress_model
+    from compress.compression.model_free import quantize_model_free
+    from compress.compression.saving import checkpoint_writer, write_checkpoint
+    from compress.model.sources import load
     from compress.stages import build_chain
 
     chain = stages_of(recipe)

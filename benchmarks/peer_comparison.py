@@ -9,8 +9,9 @@ Per scheme, each toolkit compresses the default model in its own subprocess (llm
 ``artifacts/peer-venv``: ``python3 -m venv artifacts/peer-venv && artifacts/peer-venv/bin/pip install llmcompressor``)
 reading the same calibration ids from one file; wall time and peak RSS are that subprocess's (GNU time), so both
 include model load, calibration, quantization and save. Both checkpoints are then loaded by ``compress`` and scored
-by ``evals/perplexity.py`` on the evaluation split of ``compress.data``. Results: ``benchmarks/results/peer-*.json``
-and ``.md``. A peer that refuses a scheme (llm-compressor's AWQ without an accelerator) is recorded with its error.
+by ``evals/perplexity.py`` on the evaluation split of ``compress.base.data``. Results:
+``benchmarks/results/peer-*.json`` and ``.md``. A peer that refuses a scheme (llm-compressor's AWQ without an
+accelerator) is recorded with its error.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from compress.base.data import DataSpec, calibration_samples, load_corpus, tokenize  # noqa: E402
 from compress.checkpoint import load_checkpoint  # noqa: E402
-from compress.data import DataSpec, calibration_samples, load_corpus, tokenize  # noqa: E402
 from compress.evals.perplexity import perplexity  # noqa: E402
-from compress.models import ModelSpec, load, resolve_model_path  # noqa: E402
+from compress.model.sources import ModelSpec, load, resolve_model_path  # noqa: E402
 
 # scheme → (our recipe, what llm-compressor runs: see peer_llmcompressor.recipe)
 SCHEMES = {

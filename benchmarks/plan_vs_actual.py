@@ -4,11 +4,11 @@
     python -m benchmarks.plan_vs_actual --only rtn_int4-default --out /tmp/check   # one pair
 
 Every pair is one `python -m compress run` in a fresh process under GNU time. The prediction is what that same
-process printed first (`plan for ...`, from config and safetensors headers and a 0.3 s probe: `compress/plan.py`);
-the measurement is GNU time's peak RSS of the process (torchrun: of its largest rank, `/usr/bin/time` on each), the
-checkpoint's size plus the largest resume progress folder, and the pipeline's own wall time (`report.json`, which
-leaves out interpreter start and imports). Ratios are predicted / measured; the goal is RAM and disk within ±20%,
-time within ±50% (issue 34). Writes ``benchmarks/results/plan-vs-actual.{json,md}``.
+process printed first (`plan for ...`, from config and safetensors headers and a 0.3 s probe:
+`compress/app/preflight.py`); the measurement is GNU time's peak RSS of the process (torchrun: of its largest rank,
+`/usr/bin/time` on each), the checkpoint's size plus the largest resume progress folder, and the pipeline's own wall
+time (`report.json`, which leaves out interpreter start and imports). Ratios are predicted / measured; the goal is RAM
+and disk within ±20%, time within ±50% (issue 34). Writes ``benchmarks/results/plan-vs-actual.{json,md}``.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ ONE_B = dict(
 
 def model_folder(kind: str, work: Path) -> str:
     if kind == "default":
-        from compress.config import ModelSpec
-        from compress.models import resolve_model_path
+        from compress.app.run_config import ModelSpec
+        from compress.model.sources import resolve_model_path
 
         return str(resolve_model_path(ModelSpec()))
     folder = work / f"model-{kind}"

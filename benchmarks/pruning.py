@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from compress import oneshot
+from compress.base.data import DataSpec, calibration_samples, load_corpus, tokenize
 from compress.checkpoint import load_checkpoint
-from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
 from compress.evals.perplexity import perplexity
-from compress.models import default_model_dir, load
+from compress.model.sources import default_model_dir, load
 from compress.stages.lora import save_adapter
 
 RESULTS = Path(__file__).parent / "results"

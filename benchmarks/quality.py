@@ -30,7 +30,7 @@ RECIPES = ["rtn_int4", "awq_int4", "gptq_int4", "rotate_gptq_int4", "smoothquant
 
 
 def texts(tokenizer) -> dict[str, torch.Tensor]:
-    from compress.data import DataSpec, load_corpus, out_of_domain, tokenize
+    from compress.base.data import DataSpec, load_corpus, out_of_domain, tokenize
 
     return {
         "out_of_domain": tokenize(tokenizer, load_corpus(out_of_domain()).evaluation_text),
@@ -54,9 +54,9 @@ def scored_baseline(
     """``(model folder, token ids of both texts, the report's header with the fp32 baseline's scores)``; the
     header keeps the recipes' calibration ids (``samples``: 64 x 512 tokens of pydoc, seed 0, as a run cuts them),
     for a peer toolkit to calibrate on the same tokens."""
-    from compress.calibration_set import calibration_set
-    from compress.data import DataSpec, load_corpus
-    from compress.models import ModelSpec, load, resolve_model_path
+    from compress.base.data import DataSpec, load_corpus
+    from compress.model.calibration_set import calibration_set
+    from compress.model.sources import ModelSpec, load, resolve_model_path
 
     model_dir = Path(resolve_model_path(ModelSpec(path=model_name)))
     model, tokenizer = load(ModelSpec(path=model_name, lazy=False))

@@ -1,4 +1,5 @@
-"""What keeping the walk's progress costs (``compress/resume.py``): the same run with ``resume=true`` and ``false``.
+"""What keeping the walk's progress costs (``compress/model/resume.py``): the same run with ``resume=true`` and
+``false``.
 
     python -m benchmarks.resume_cost                      # gptq_int4 on the default model, 2 rounds
     python -m benchmarks.resume_cost --recipe awq_int4 --rounds 1

@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 from compress import oneshot
+from compress.base.data import DataSpec, calibration_samples, load_corpus, tokenize
 from compress.checkpoint import load_checkpoint
-from compress.compression import compress_model
-from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
+from compress.compression.in_memory import compress_model
 from compress.evals.perplexity import perplexity
-from compress.models import default_model_dir, load
-from compress.quant import WeightScheme, fake_quantize
+from compress.grids.int_grid import WeightScheme, fake_quantize
+from compress.model.sources import default_model_dir, load
 
 RESULTS = Path(__file__).parent / "results"
 INT4 = {"bits": 4, "group_size": 64, "symmetric": True, "ignore": ["lm_head"]}

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 
-from compress.calibration_set import generated_windows, sampled_windows, start_token
-from compress.data import DataSpec, load_corpus, out_of_domain, tokenize, window_start_token
-from compress.models import ModelSpec, load
+from compress.base.data import DataSpec, load_corpus, out_of_domain, tokenize, window_start_token
+from compress.model.calibration_set import generated_windows, sampled_windows, start_token
+from compress.model.sources import ModelSpec, load
 
 
 def ngrams(ids: list[int], n: int) -> set[tuple[int, ...]]:

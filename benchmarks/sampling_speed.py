@@ -3,8 +3,9 @@
     OMP_NUM_THREADS=2 python benchmarks/sampling_speed.py                  # 16 windows x 128 tokens per path
     python benchmarks/sampling_speed.py --windows 16 --seq-len 512 --device cuda
 
-Both paths sample what ``compress.calibration_set`` samples for ``data.generated`` (temperature 1 from the model's
-start token, ``SAMPLING_BATCH`` windows together) from the default model (``compress.models.default_model_dir()``,
+Both paths sample what ``compress.model.calibration_set`` samples for ``data.generated`` (temperature 1 from the model's
+start token, ``SAMPLING_BATCH`` windows together) from the default model
+(``compress.model.sources.default_model_dir()``,
 fp32, loaded whole), back to back on the same machine in the order loop, engine, engine, loop (a drift in the
 machine's load over the run weighs on both paths alike; the gap between rows of one path shows its size). Results:
 ``benchmarks/results/sampling-speed.{json,md}``.
@@ -25,9 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from compress.calibration_set import _sample, _sample_engine, on_device, start_token  # noqa: E402
-from compress.data import window_start_token  # noqa: E402
-from compress.models import default_model_dir, load  # noqa: E402
+from compress.base.data import window_start_token  # noqa: E402
+from compress.model.calibration_set import _sample, _sample_engine, on_device, start_token  # noqa: E402
+from compress.model.sources import default_model_dir, load  # noqa: E402
 
 SAMPLERS = {"loop": _sample, "engine": _sample_engine}
 

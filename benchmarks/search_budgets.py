@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from compress import oneshot  # noqa: E402
+from compress.base.data import load_corpus  # noqa: E402
 from compress.commands.run import validate  # noqa: E402
-from compress.data import load_corpus  # noqa: E402
 from compress.evals.gate import run_gate  # noqa: E402
-from compress.models import resolve_model_path  # noqa: E402
+from compress.model.sources import resolve_model_path  # noqa: E402
 from compress.search import SearchSpec, run_search  # noqa: E402
 
 

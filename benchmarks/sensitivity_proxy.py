@@ -27,10 +27,11 @@ from scipy.stats import spearmanr
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from compress.compression import compress_model  # noqa: E402
-from compress.data import DataSpec, calibration_samples, load_corpus, tokenize  # noqa: E402
+from compress.base.data import DataSpec, calibration_samples, load_corpus, tokenize  # noqa: E402
+from compress.compression.in_memory import compress_model  # noqa: E402
 from compress.evals.perplexity import perplexity  # noqa: E402
-from compress.models import ModelSpec, load, materialize_all  # noqa: E402
+from compress.model.lazy_weights import materialize_all  # noqa: E402
+from compress.model.sources import ModelSpec, load  # noqa: E402
 from compress.search import SensitivityConfig, SensitivityStage, output_fisher, quantization_delta  # noqa: E402
 from compress.stages.mixed import candidate  # noqa: E402
 

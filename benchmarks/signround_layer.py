@@ -56,9 +56,9 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--name", default="signround-layer", help="results file stem")
     args = parser.parse_args()
-    from compress.calibration import capture_first_layer_inputs, decoder_layers, run_layer
-    from compress.data import DataSpec, calibration_samples, load_corpus, tokenize
-    from compress.models import ModelSpec, load
+    from compress.base.data import DataSpec, calibration_samples, load_corpus, tokenize
+    from compress.model.layer_walk import capture_first_layer_inputs, decoder_layers, run_layer
+    from compress.model.sources import ModelSpec, load
     from compress.stages import build_chain
     from compress.stages.base import LayerContext
 

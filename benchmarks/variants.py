@@ -67,7 +67,7 @@ PEER_OVERRIDES = ("seed", "data.generated", "data.num_samples")  # what decides 
 def peer_options(overrides: list[str]) -> tuple[int, float, int]:
     """``(seed, data.generated, data.num_samples)`` of a peer run's overrides; anything else is refused before any
     run starts."""
-    from compress.data import DataSpec
+    from compress.base.data import DataSpec
 
     options = dict(override.split("=", 1) for override in overrides)
     unknown = sorted(set(options) - set(PEER_OVERRIDES))
@@ -81,9 +81,9 @@ def peer_options(overrides: list[str]) -> tuple[int, float, int]:
 def peer_samples(model_name: str, seed: int, generated: float, num_samples: int) -> torch.Tensor:
     """The calibration ids our run cuts (and samples) with ``seed=seed data.generated=generated
     data.num_samples=num_samples``."""
-    from compress.calibration_set import calibration_set
-    from compress.data import DataSpec, load_corpus
-    from compress.models import ModelSpec, load
+    from compress.base.data import DataSpec, load_corpus
+    from compress.model.calibration_set import calibration_set
+    from compress.model.sources import ModelSpec, load
 
     model, tokenizer = load(ModelSpec(path=model_name, lazy=False))
     spec = DataSpec(generated=generated, num_samples=num_samples)

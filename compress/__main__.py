@@ -6,13 +6,14 @@ from __future__ import annotations
 import importlib
 import sys
 
-from compress.errors import EXIT_CODES_HELP, ExitCode
+from compress.base.errors import EXIT_CODES_HELP, ExitCode
 
 COMMANDS = {
     "run": "run a recipe: calibrate, compress, save a checkpoint, evaluate, gate, log to MLflow",
     "plan": "what a run will need (RAM, disk, time per phase), predicted without reading any weight",
     "search": "the smallest mixed-precision checkpoint within a bits budget that passes the gate",
     "gate": "judge a candidate checkpoint against a baseline; exit 0 pass, 1 block, 3 inconclusive",
+    "config": "every configuration key: type, default and meaning (`config gate`, `config --markdown`)",
     "compare": "table and Pareto plot of logged runs",
     "generate": "generate text from a checkpoint with the compress engine",
     "bench": "benchmarks: `bench kernels` (vs torch), `bench peers` (vs torch int4/int8/fp8, gemlite), `bench engine`",

@@ -21,15 +21,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compress import distributed
-from compress.calibration_set import calibration_set, spec_for_chain
-from compress.compression import compress_model
-from compress.data import DataSpec, load_corpus
-from compress.errors import CompressError
-from compress.models import load, resolve_model_path
-from compress.paths import artifacts_dir
-from compress.recipe import RecipeLike, compose
-from compress.saving import checkpoint_writer, write_checkpoint
+from compress.app.recipe import RecipeLike, compose
+from compress.base import distributed
+from compress.base.data import DataSpec, load_corpus
+from compress.base.errors import CompressError
+from compress.base.paths import artifacts_dir
+from compress.compression.in_memory import compress_model
+from compress.compression.saving import checkpoint_writer, write_checkpoint
+from compress.model.calibration_set import calibration_set, spec_for_chain
+from compress.model.sources import load, resolve_model_path
 from compress.stages import build_chain
 
 DataLike = str | Path | torch.Tensor | Sequence[str] | None
@@ -105,7 +105,7 @@ def calibration_ids(
 ) -> torch.Tensor:
     """Token ids ``[num_samples, seq_len]`` from whatever ``data`` is (see :func:`oneshot`): token ids are used as they
     are; text gives windows (opening with a Gemma model's ``<bos>``), with the share ``spec.generated`` sampled from
-    ``model`` itself (:mod:`compress.calibration_set`) on ``device`` (default: where the model is)."""
+    ``model`` itself (:mod:`compress.model.calibration_set`) on ``device`` (default: where the model is)."""
     if isinstance(data, torch.Tensor):
         if data.dim() != 2 or data.dtype != torch.long:
             raise CompressError(

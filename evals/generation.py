@@ -3,9 +3,9 @@
 Two backends: the compress engine (``compress.engine.LLM``) when it is installed, otherwise a plain greedy loop
 over the transformers model's forward with a KV cache. gate.json records which one ran. Both run the candidate with
 its checkpoint's KV-cache dtype, every key and value rounded exactly once, as the engine stores it: with the
-checkpoint's calibrated scales when it has them (the loaded model's attention applies them, ``compress.kv_quant``),
-else per token and KV head as it enters the cache (the engine's scheme when it has no calibrated scale). KV
-quantization is what hurts long-context retrieval first, so the needle layer must see it.
+checkpoint's calibrated scales when it has them (the loaded model's attention applies them,
+``compress.grids.kv_quant``), else per token and KV head as it enters the cache (the engine's scheme when it has no
+calibrated scale). KV quantization is what hurts long-context retrieval first, so the needle layer must see it.
 """
 
 from __future__ import annotations
@@ -17,9 +17,14 @@ from typing import Protocol
 
 import torch
 
-from compress.errors import CompressError
+from compress.base.errors import CompressError
+from compress.grids.kv_quant import (
+    calibrated_kv_cache_dtype,
+    calibrated_kv_unused,
+    fake_quantize_kv,
+    resolve_kv_cache_dtype,
+)
 from compress.kernels.dtypes import KV_CACHE_DTYPES
-from compress.kv_quant import calibrated_kv_cache_dtype, calibrated_kv_unused, fake_quantize_kv, resolve_kv_cache_dtype
 
 
 class TokenConstraint(Protocol):
@@ -35,7 +40,7 @@ class TokenConstraint(Protocol):
 class Generator(Protocol):
     backend: str
     kv_cache_dtype: str
-    """The KV-cache dtype it runs, ``auto`` resolved (``compress.kv_quant.resolve_kv_cache_dtype``)."""
+    """The KV-cache dtype it runs, ``auto`` resolved (``compress.grids.kv_quant.resolve_kv_cache_dtype``)."""
 
     def generate(
         self, prompt_ids: list[int], max_new_tokens: int, constraint: TokenConstraint | None = None
@@ -83,7 +88,7 @@ class TransformersGenerator:
         calibrated = calibrated_kv_cache_dtype(model)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype, calibrated)
         storage = KV_CACHE_DTYPES[self.kv_cache_dtype]
-        # The calibrated dtype: the model's attention (compress.kv_quant) rounds each key and value it attends to
+        # The calibrated dtype: the model's attention (compress.grids.kv_quant) rounds each key and value it attends to
         # with the scales, from the values as computed, so the cache keeps them unrounded; rounding on the way in
         # too would round every value twice. Any other dtype leaves the scales unused and rounds on the way in.
         self.uses_calibrated_scales = calibrated is not None and self.kv_cache_dtype == calibrated
@@ -157,7 +162,7 @@ class EngineGenerator:
         from compress.engine import LLM, SamplingParams
 
         self.sampling_params = SamplingParams
-        self.llm = LLM(model, tokenizer, kv_cache_dtype=kv_cache_dtype or "auto", **engine_options)
+        self.llm = LLM(model, tokenizer, **{**engine_options, "kv_cache_dtype": kv_cache_dtype or "auto"})
         self.kv_cache_dtype = self.llm.config.kv_cache_dtype
 
     def _run(self, prompt_ids, max_new_tokens, ignore_eos=False):

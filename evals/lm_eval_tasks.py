@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 
 BENCHMARK_DIR = Path(__file__).parent / "data"
 CHOICE_TASK = "compress_continuation"

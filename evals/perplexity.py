@@ -2,7 +2,7 @@
 
 Protocol: the evaluation split is tokenized as one stream without special tokens and cut into non-overlapping windows
 of ``seq_len`` tokens (the incomplete tail is dropped); every window is scored independently from its first token
-(which a Gemma model sees replaced by its ``<bos>``: ``compress.data.window_start_token``);
+(which a Gemma model sees replaced by its ``<bos>``: ``compress.base.data.window_start_token``);
 perplexity is ``exp`` of the mean negative log-likelihood over all predicted tokens (``seq_len - 1`` per window).
 Each window's mean NLL is kept too (``window_nll``): the gate's interval is over per-window differences. An
 ``observer`` (``compress.evals.divergence``) sees every position's logits in the same pass: the baseline's top of the
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from compress.data import open_with, window_start_token
-from compress.errors import CompressError
+from compress.base.data import open_with, window_start_token
+from compress.base.errors import CompressError
 
 
 @dataclass
@@ -125,9 +125,9 @@ def streamed_perplexity(
     observer: Observer | None = None,
     first_window: int = 0,
 ) -> PerplexityResult:
-    """:func:`perplexity` of a lazily loaded model (``compress.models.load``) on the CPU, computed layer by layer:
-    every window goes through decoder layer 0, then all of them through layer 1, and so on, each layer read from disk
-    and dropped again. It holds one layer and the windows' hidden states (28k tokens × 576 × 4 bytes = 66 MB on the
+    """:func:`perplexity` of a lazily loaded model (``compress.model.sources.load``) on the CPU, computed layer by
+    layer: every window goes through decoder layer 0, then all of them through layer 1, and so on, each layer read from
+    disk and dropped again. It holds one layer and the windows' hidden states (28k tokens × 576 × 4 bytes = 66 MB on the
     default model) instead of the whole model, and leaves the model lazy for the compression walk after it.
     ``transform(index, layer)``, when given, is what runs instead of each layer as read (a quantized copy of it: the
     perplexity of a compression that needs no calibration, without ever holding the compressed model).
@@ -135,9 +135,9 @@ def streamed_perplexity(
     A model already in memory (not lazy, or lazy with layers read and perhaps compressed in place) is evaluated in
     the same layer-major order, its layers kept: a whole-model forward per batch left ~300 MB more in the heap
     (measured on the default model's int4 checkpoint, same perplexity to the last digit)."""
-    from compress.calibration import capture_first_layer_inputs, decoder_layers, fp32_compute, run_layer
-    from compress.memory import release_freed_memory
-    from compress.models import materialize_layer, release_layer
+    from compress.base.memory import release_freed_memory
+    from compress.model.layer_walk import capture_first_layer_inputs, decoder_layers, fp32_compute, run_layer
+    from compress.model.lazy_weights import materialize_layer, release_layer
 
     windows = _model_windows(model, token_ids, seq_len, max_windows, first_window)
     head, cap = model.get_output_embeddings(), _softcap(model)
@@ -184,9 +184,9 @@ def stored_model_perplexity(
     source dtypes (measured on the default model: bf16 compute moved perplexity +0.10%, bf16 storage with fp32 compute
     −0.03%), and the evaluation goes layer by layer (:func:`streamed_perplexity`: a lazily loaded model is read
     and dropped a layer at a time, through ``transform`` if given); on a GPU the model runs whole in its own dtype."""
-    from compress.calibration import fp32_compute
-    from compress.memory import release_freed_memory
-    from compress.models import materialize_all
+    from compress.base.memory import release_freed_memory
+    from compress.model.layer_walk import fp32_compute
+    from compress.model.lazy_weights import materialize_all
 
     release_freed_memory()  # what the run's previous step freed goes back to the OS before this one allocates
     if device.type == "cpu" and _decoder_with_head(model):

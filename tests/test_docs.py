@@ -73,3 +73,39 @@ def test_the_path_finder_reads_inline_code(tmp_path: Path):
     page = tmp_path / "page.md"
     page.write_text("`tests/x/test_y.py::test_z`, `evals/gate/`, not tests/plain.py, `q/k/v` or `benchmarks/<id>.md`")
     assert named_project_paths(page) == ["evals/gate/", "tests/x/test_y.py"]
+
+
+def module_map(readme: str) -> dict[str, tuple[list[str], set[str]]]:
+    """``{layer: (folders, module names)}`` from README's module map (the table whose header is layer | folders |
+    modules); a folder cell `` `checkpoint/` `` after `` `compress/model/` `` is read as ``compress/checkpoint/``."""
+    rows = {}
+    for line in readme.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[1].startswith("`") or cells[0] in ("layer", "---"):
+            continue
+        folders, root = [], ""
+        for folder in re.findall(r"`([^`]+)`", cells[1]):
+            root = folder.split("/")[0] + "/" if "/" in folder.rstrip("/") else root
+            folders.append(folder if folder.startswith(("compress/", "kernels/", "evals/")) else root + folder)
+        rows[cells[0]] = (folders, set(re.findall(r"`(\w+)`", cells[2])))
+    return rows
+
+
+def test_the_module_map_lists_every_module_in_its_layers_folder():
+    rows = module_map((ROOT / "README.md").read_text())
+    assert rows, "README has no module map"
+    missing = []
+    for folder in ("compress", "evals", "kernels"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name == "__init__.py":
+                continue
+            home = str(path.parent.relative_to(ROOT)) + "/"
+            if not any(home in folders and path.stem in names for folders, names in rows.values()):
+                missing.append(str(path.relative_to(ROOT)))
+    assert missing == [], "add these to README's module map, in the row of their folder"
+
+
+def test_the_module_map_reader_sees_a_missing_module():
+    readme = "|---|---|---|\n| base | `compress/base/`, `grids/` | `errors`, `int_grid` |"
+    rows = module_map(readme)
+    assert rows == {"base": (["compress/base/", "compress/grids/"], {"errors", "int_grid"})}

@@ -35,7 +35,7 @@ def test_the_wheel_holds_one_top_level_package(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names if ".dist-info/" not in name}
     assert top_level == {"compress"}
-    assert {"compress/kernels/ops.py", "compress/evals/gate/run.py", "compress/engine/llm.py"} <= set(names)
+    assert {"compress/kernels/ops.py", "compress/evals/gate/runner.py", "compress/engine/llm.py"} <= set(names)
 
 
 def test_installed_beside_another_kernels_package_both_import(wheel, tmp_path):

@@ -9,30 +9,30 @@ import re
 import torch
 from torch import nn
 
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.formats import (
     Fp4Linear,
     Fp8BlockLinear,
     Fp8Linear,
     Int8Linear,
     QuantizedLinear,
-    fp4,
-    fp8_block,
-    w4a16,
-    w8a8,
+    fp4_linear,
+    fp8_block_linear,
+    w4a16_linear,
+    w8a8_linear,
 )
-from compress.moe import checkpoint_name, router_names
+from compress.formats.moe_experts import checkpoint_name, router_names
 
 MIXED_FORMAT = "mixed-precision"  # several formats; each config group names its own
 DENSE = "dense"  # a pruned but unquantized model: plain weights
 ACTIVATION_QUANTIZED = (Int8Linear, Fp8Linear)
 FLOAT_WEIGHTS = (Fp8BlockLinear, Fp4Linear)  # FP8_BLOCK / NVFP4 / MXFP4 modules, described by _float_weight_groups
 READABLE_FORMATS = (
-    w4a16.FORMAT,
-    w8a8.INT_FORMAT,
-    w8a8.FLOAT_FORMAT,
-    fp4.NVFP4_FORMAT,
-    fp4.MXFP4_FORMAT,
+    w4a16_linear.FORMAT,
+    w8a8_linear.INT_FORMAT,
+    w8a8_linear.FLOAT_FORMAT,
+    fp4_linear.NVFP4_FORMAT,
+    fp4_linear.MXFP4_FORMAT,
     MIXED_FORMAT,
     DENSE,
 )
@@ -48,12 +48,12 @@ def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -
         return None
     schemes: dict[tuple, list[str]] = {}
     for name, module in sorted(quantized.items(), key=lambda item: natural(item[0])):
-        schemes.setdefault(w4a16.scheme_key(module), []).append(name)
+        schemes.setdefault(w4a16_linear.scheme_key(module), []).append(name)
     groups = {}
     for index, (key, names) in enumerate(sorted(schemes.items(), key=str)):
         alone = len(schemes) == 1 and not activation_groups  # "Linear" would also match the W8A8 modules
         targets = ["Linear"] if alone else [f"re:^{re.escape(n)}$" for n in names]
-        groups[f"group_{index}"] = {"targets": targets, **w4a16.config_group(*key)}
+        groups[f"group_{index}"] = {"targets": targets, **w4a16_linear.config_group(*key)}
     for index, group in enumerate(activation_groups, start=len(groups)):
         groups[f"group_{index}"] = group
     formats = sorted({group["format"] for group in groups.values()})
@@ -73,7 +73,7 @@ def quantization_config(model: nn.Module, kv_cache_scheme: dict | None = None) -
 def natural(name: str) -> tuple:
     """Sort key of a module name with its numbers as numbers (``layers.2`` before ``layers.10``): config.json lists
     names in this order, not the module tree's, so a writer that walks the safetensors files instead of the modules
-    (``compress.model_free``) writes the same config."""
+    (``compress.compression.model_free``) writes the same config."""
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
@@ -84,10 +84,10 @@ def _activation_groups(model: nn.Module) -> list[dict]:
     model_type = getattr(model.config, "model_type", None)
     for name, module in sorted(model.named_modules(), key=lambda item: natural(item[0])):
         if isinstance(module, ACTIVATION_QUANTIZED):
-            by_scheme.setdefault(w8a8.scheme_key(module), []).append(checkpoint_name(model_type, name))
+            by_scheme.setdefault(w8a8_linear.scheme_key(module), []).append(checkpoint_name(model_type, name))
     single = len(by_scheme) == 1 and not any(isinstance(m, QuantizedLinear) for m in model.modules())
     return [
-        {"targets": ["Linear"] if single else [f"re:^{re.escape(n)}$" for n in names], **w8a8.config_group(*key)}
+        {"targets": ["Linear"] if single else [f"re:^{re.escape(n)}$" for n in names], **w8a8_linear.config_group(*key)}
         for key, names in sorted(by_scheme.items())
     ]
 
@@ -97,7 +97,7 @@ def _float_weight_groups(model: nn.Module) -> list[dict]:
     by_scheme: dict[str, tuple[dict, list[str]]] = {}
     for name, module in sorted(model.named_modules(), key=lambda item: natural(item[0])):
         if isinstance(module, FLOAT_WEIGHTS):
-            scheme = (fp8_block if isinstance(module, Fp8BlockLinear) else fp4).config_group(module)
+            scheme = (fp8_block_linear if isinstance(module, Fp8BlockLinear) else fp4_linear).config_group(module)
             by_scheme.setdefault(json.dumps(scheme, sort_keys=True), (scheme, []))[1].append(name)
     others = (QuantizedLinear, *ACTIVATION_QUANTIZED)
     single = len(by_scheme) == 1 and not any(isinstance(m, others) for m in model.modules())

@@ -13,11 +13,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from compress.base.errors import CompressError
 from compress.checkpoint.description import READABLE_FORMATS, source_dtype, torch_dtype
-from compress.errors import CompressError
 from compress.formats import Fp4Linear, Fp8BlockLinear, Fp8Linear, Int8Linear, QuantizedLinear
+from compress.formats.moe_experts import checkpoint_name, model_name, unfuse_experts
 from compress.kernels.packing import unpack_int32
-from compress.moe import checkpoint_name, model_name, unfuse_experts
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -125,7 +125,7 @@ def _attach_kv_scales(model: nn.Module, block: dict | None, tensors: dict, folde
     """``k_scale``/``v_scale`` buffers on every attention module, with K/V quantized as a runtime would."""
     if block is None:
         return
-    from compress.kv_quant import KVCacheScheme, attention_modules, route_attention, set_scales
+    from compress.grids.kv_quant import KVCacheScheme, attention_modules, route_attention, set_scales
 
     scheme = KVCacheScheme.from_dict(block)
     for name, attention in attention_modules(model).items():
@@ -196,6 +196,31 @@ def load_compressed(folder: Path, qconfig: dict, dtype: str) -> nn.Module:
     with parameters_on_meta():  # the quantized modules replace most of them: never allocate the dense weights
         model = AutoModelForCausalLM.from_config(config, dtype=saved)
     unfuse_experts(model)  # the checkpoint stores one linear per expert
+    try:
+        missing, unexpected = _fill(model, folder, qconfig, tensors)
+    except (RuntimeError, ValueError, IndexError, KeyError) as error:  # a header that lies about a shape or dtype
+        files = sorted(folder.glob("*.safetensors"))
+        reason = " ".join(str(error).split())[:300]
+        raise CompressError(
+            f"{files[0] if len(files) == 1 else folder}: the stored tensors do not fit {folder / 'config.json'} "
+            f"({type(error).__name__}: {reason}); the checkpoint is damaged: re-create it"
+        ) from None
+    allowed_missing = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    # QuantizedLinear buffers were filled directly above; everything else must come from the file.
+    quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    missing = [k for k in missing if k not in allowed_missing and k.rpartition(".")[0] not in quantized]
+    if missing or unexpected:
+        raise CompressError(
+            f"{folder}: weights do not match the model config (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    if allowed_missing:
+        model.tie_weights()
+    return model
+
+
+def _fill(model: nn.Module, folder: Path, qconfig: dict, tensors: dict) -> tuple[list[str], list[str]]:
+    """The quantized modules put in place and every tensor loaded: ``(missing, unexpected)`` keys."""
+    model_type = getattr(model.config, "model_type", None)
     for name, module in list(model.named_modules()):
         if type(module) is nn.Linear and _is_float_weight(name, qconfig, tensors):
             _replace_float_weight(model, name, module, qconfig, tensors)
@@ -209,16 +234,8 @@ def load_compressed(folder: Path, qconfig: dict, dtype: str) -> nn.Module:
             _replace_activation_quantized(model, name, module, tensors)
     _attach_kv_scales(model, qconfig.get("kv_cache_scheme"), tensors, folder)
     expected = model.state_dict()  # the file's tensors take the modules' dtypes, as a copy into them would
+    for key, value in tensors.items():  # ... but an integer tensor is never read as floats, nor the reverse
+        if key in expected and value.is_floating_point() != expected[key].is_floating_point():
+            raise ValueError(f"{key} is stored as {value.dtype}, the model needs {expected[key].dtype}")
     tensors = {key: value.to(expected[key].dtype) if key in expected else value for key, value in tensors.items()}
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-    allowed_missing = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    # QuantizedLinear buffers were filled directly above; everything else must come from the file.
-    quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    missing = [k for k in missing if k not in allowed_missing and k.rpartition(".")[0] not in quantized]
-    if missing or unexpected:
-        raise CompressError(
-            f"{folder}: weights do not match the model config (missing {missing[:5]}, unexpected {unexpected[:5]})"
-        )
-    if allowed_missing:
-        model.tie_weights()
-    return model
+    return model.load_state_dict(tensors, strict=False, assign=True)

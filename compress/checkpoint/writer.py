@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from compress.base.errors import CompressError
+from compress.base.locks import FileLock, lock_beside
+from compress.base.staging import make_staging, publish
 from compress.checkpoint.description import ACTIVATION_QUANTIZED, quantization_config
-from compress.errors import CompressError
 from compress.formats import QUANTIZED_LINEARS, Fp4Linear, QuantizedLinear
+from compress.formats.moe_experts import checkpoint_name
+from compress.grids.sparsity import SPARSITY_FILE, sparsity_record
 from compress.kernels.packing import pack_int32
-from compress.locks import FileLock, lock_beside
-from compress.moe import checkpoint_name
-from compress.sparsity import SPARSITY_FILE, sparsity_record
-from compress.staging import make_staging, publish
 
 MAX_SHARD_BYTES = 2 * 1024**3
 

@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
-from compress.errors import CompressError, unknown_key_error
+from compress.base.errors import CompressError, unknown_key_error
 
 T = TypeVar("T")
 HELP = {"-h", "--help", "help"}

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from compress.base.errors import EnvironmentFailure
+from compress.base.paths import artifacts_dir
 from compress.commands.args import parse_options, usage, wants_help
 from compress.commands.exits import command_exits
-from compress.errors import EnvironmentFailure
-from compress.paths import artifacts_dir
 
 SYNOPSIS = __doc__.split(":", 1)[0].strip("`").replace("\n", " ")
 SEARCH_TRIAL = "search-trial"  # compress.kind of a `compress search` trial
@@ -91,7 +91,7 @@ def load_rows(model: str | None, recipe: str | None, since: dt.date | None, kind
     """Runs of every experiment in the store, newest first, filtered."""
     from mlflow import MlflowClient
 
-    from compress.tracking import tracking_uri
+    from compress.app.tracking import tracking_uri
 
     uri = tracking_uri()
     try:

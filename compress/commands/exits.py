@@ -8,8 +8,8 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from compress.errors import CompressError, EnvironmentFailure, ExitCode, interruption
-from compress.signals import Terminated
+from compress.base.errors import CompressError, EnvironmentFailure, ExitCode, interruption
+from compress.base.signals import Terminated
 
 
 def exit_code_of(error: BaseException) -> ExitCode:

@@ -9,12 +9,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from compress.app.run_report import VERDICT_EXIT_CODES, verdict_line
+from compress.base.errors import CompressError, interruption
+from compress.base.paths import artifacts_dir, recipes_dir
+from compress.base.signals import signals_recorded
 from compress.commands.args import parse_options, usage, wants_help
 from compress.commands.exits import command_exits
-from compress.errors import CompressError, interruption
-from compress.paths import artifacts_dir, recipes_dir
-from compress.report import VERDICT_EXIT_CODES, verdict_line
-from compress.signals import signals_recorded
 
 SYNOPSIS = __doc__.split(":", 1)[0].strip("`").replace("\n", " ")
 
@@ -36,15 +36,23 @@ def load_policy(name: str, overrides: list[str]) -> dict:
     if not path.is_file():
         choices = sorted(file.stem for file in path.parent.glob("*.yaml"))
         raise CompressError(f"no gate policy {name!r} in {path.parent}; choose one of {choices}")
-    policy = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
+    policy = OmegaConf.load(path)
+    for override in overrides:  # one at a time, so a value YAML or OmegaConf cannot read is named in one line
+        try:
+            policy = OmegaConf.merge(policy, OmegaConf.from_dotlist([override]))
+        except Exception as error:  # noqa: BLE001 - yaml's and omegaconf's parse and merge errors alike
+            reason = " ".join(str(error).split("\n")[0].split())
+            raise CompressError(
+                f"gate.{override}: {reason}; give gate.<key>=<a YAML value> (quote odd strings)"
+            ) from None
     return OmegaConf.to_container(policy)
 
 
 def evaluation_texts(policy: dict) -> list[str]:
     """The held-out split of ``gate.data`` (default: the run's default headline text, out-of-domain for the default
     calibration data), popped from the policy: the evaluators take text, not a data source."""
-    from compress.config import build_section
-    from compress.data import DataSpec, load_corpus, out_of_domain
+    from compress.app.run_config import build_section
+    from compress.base.data import DataSpec, load_corpus, out_of_domain
 
     data = policy.pop("data", None)
     return load_corpus(build_section(DataSpec, data, "gate.data") if data else out_of_domain()).evaluation
@@ -53,9 +61,9 @@ def evaluation_texts(policy: dict) -> list[str]:
 def run_passes(candidate: str, baseline_folder: Path | None, tokenizer, texts: list[str], policy):
     """The perplexity passes a run stored beside ``candidate`` when they are this gate's (same baseline, text and
     protocol, ``policy`` resolved): judging them prints the ratio and interval the run printed
-    (``compress.stored_passes``)."""
-    from compress.data import tokenize
-    from compress.stored_passes import StoredPasses, find_passes, passes_path
+    (``compress.app.stored_passes``)."""
+    from compress.app.stored_passes import StoredPasses, find_passes, passes_path
+    from compress.base.data import tokenize
 
     checkpoint = Path(candidate).expanduser()
     if not checkpoint.is_dir() or not passes_path(checkpoint).is_file():
@@ -69,9 +77,9 @@ def main(argv: list[str]) -> int:
         print(usage(GateOptions, SYNOPSIS) + "\n  gate.<key>=<value>  (any key of recipes/gate/default.yaml)")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from compress.app.stored_passes import STORED_BY
+    from compress.app.tracking import RunLog, check_writable, record_verdict, tracking_uri
     from compress.evals.gate import clear_verdict, describe_sides, resolve_policy, run_gate
-    from compress.stored_passes import STORED_BY
-    from compress.tracking import RunLog, check_writable, record_verdict, tracking_uri
 
     with signals_recorded():  # Ctrl-C or SIGTERM, never lost, ends the gate's MLflow run KILLED
         options, overrides = parse_options(GateOptions, argv, SYNOPSIS, passthrough="gate")

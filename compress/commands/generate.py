@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from compress.base.errors import CompressError
 from compress.commands.args import parse_options, usage, wants_help
 from compress.commands.exits import command_exits
-from compress.errors import CompressError
 
 if TYPE_CHECKING:
     from compress.engine import SamplingParams
@@ -37,7 +37,7 @@ def parse(argv: list[str]) -> tuple[GenerateOptions, SamplingParams]:
     every problem is a one-line ``CompressError``."""
     options, _ = parse_options(GenerateOptions, argv, SYNOPSIS)
     from compress.engine import SamplingParams
-    from compress.engine.config import EngineConfig
+    from compress.engine.engine_config import EngineConfig
 
     try:
         params = SamplingParams(

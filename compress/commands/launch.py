@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from compress.errors import CompressError
-from compress.paths import artifacts_dir
+from compress.base.errors import CompressError
+from compress.base.paths import artifacts_dir
 
 LAUNCHERS = ("basic", "submitit_local", "submitit_slurm")
 GENERIC = ("timeout_min", "mem_gb", "nodes", "cpus_per_task", "gpus_per_node", "tasks_per_node", "name")

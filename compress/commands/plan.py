@@ -1,9 +1,9 @@
 """``python -m compress plan recipe=<name> [model=...] [key=value ...]``: what a run of this recipe will need.
 
-Prints the predicted peak host RAM, accelerator memory, disk and wall time per phase (``compress.plan``) without
-reading any weight: the model's ``config.json`` and safetensors headers, its tokenizer (to count evaluation tokens)
-and a half-second probe of this machine. ``run`` prints the same plan first and refuses, before any work, when free
-disk or available RAM is below it (``plan.enforce=false`` to try anyway). Exit status 0, or a usage error (2).
+Prints the predicted peak host RAM, accelerator memory, disk and wall time per phase (``compress.app.preflight``)
+without reading any weight: the model's ``config.json`` and safetensors headers, its tokenizer (to count evaluation
+tokens) and a half-second probe of this machine. ``run`` prints the same plan first and refuses, before any work, when
+free disk or available RAM is below it (``plan.enforce=false`` to try anyway). Exit status 0, or a usage error (2).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from compress.app.recipe import available, check_overrides, compose_job, resolve_shortcuts
+from compress.base.errors import CompressError
 from compress.commands.exits import command_exits, exit_code_of
-from compress.errors import CompressError
-from compress.recipe import available, check_overrides, compose_job, resolve_shortcuts
 
 
 @command_exits
@@ -21,9 +21,9 @@ def main(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
         print(__doc__)
         return 0
-    from compress.config import register_schema
-    from compress.models import check_model_source, resolve_model_path
-    from compress.plan import available_ram_mb, plan_for
+    from compress.app.preflight import available_ram_mb, plan_for
+    from compress.app.run_config import register_schema
+    from compress.model.sources import check_model_source, resolve_model_path
     from compress.stages import build_chain
 
     try:

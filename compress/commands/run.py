@@ -5,7 +5,7 @@ first job starts; that checked ``RunConfig`` is what runs. ``-m`` sweeps comma-s
 sweeper does (the cartesian product, jobs one after another, or all at once with
 ``hydra/launcher=submitit_local|submitit_slurm``: ``compress.commands.launch``); ``--cfg job`` prints each job's
 configuration and runs nothing. Under ``torchrun --nproc-per-node N`` the ranks calibrate one job together
-(``compress.distributed``). Shortcuts (``model=<folder or hub id>``, ``data=<file or dataset>``) are resolved
+(``compress.base.distributed``). Shortcuts (``model=<folder or hub id>``, ``data=<file or dataset>``) are resolved
 first, and stage arguments the recipe file leaves at their defaults are made settable. Exit status: 0 when every
 job finished (whatever the gate said), unless ``gate.enforce=true``: then 1 on BLOCK, 3 on INCONCLUSIVE; 1 on an
 error.
@@ -18,13 +18,13 @@ import sys
 import traceback
 from typing import TYPE_CHECKING
 
+from compress.app.recipe import available, check_overrides, compose_job, resolve_shortcuts
+from compress.base.errors import CompressError, ExitCode
 from compress.commands.exits import command_exits, exit_code_of
 from compress.commands.launch import Outcome, executor_for, split_launcher, submit
-from compress.errors import CompressError, ExitCode
-from compress.recipe import available, check_overrides, compose_job, resolve_shortcuts
 
 if TYPE_CHECKING:
-    from compress.config import RunConfig
+    from compress.app.run_config import RunConfig
 
 MULTIRUN_FLAGS = {"-m", "--multirun"}
 PRINT_FLAGS = {"--cfg", "-c"}  # followed by `job`: print each job's configuration
@@ -64,8 +64,8 @@ def job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
 
 
 def _run_job(config: RunConfig, job: int) -> Outcome:
-    from compress.pipeline import run
-    from compress.report import VERDICT_EXIT_CODES, gate_details, summary_lines, verdict_line
+    from compress.app.pipeline import run
+    from compress.app.run_report import VERDICT_EXIT_CODES, gate_details, summary_lines, verdict_line
 
     try:
         result = run(config)
@@ -88,15 +88,15 @@ def _run_job(config: RunConfig, job: int) -> Outcome:
 
 
 def config_uri(config) -> str:
-    from compress.tracking import tracking_uri
+    from compress.app.tracking import tracking_uri
 
     return tracking_uri(config.tracking.uri)
 
 
 def validate(recipe: str, overrides: list[str], multirun: bool) -> tuple[list[list[str]], list[RunConfig]]:
     """Every job's overrides and its composed, checked ``RunConfig``, all before the first job starts."""
-    from compress.config import register_schema
-    from compress.models import check_model_source
+    from compress.app.run_config import register_schema
+    from compress.model.sources import check_model_source
 
     register_schema()
     jobs = job_overrides(check_overrides(recipe, resolve_shortcuts(overrides)), multirun)
@@ -136,7 +136,7 @@ def main(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
         print(__doc__)
         return 0
-    from compress import distributed
+    from compress.base import distributed
 
     parallel = distributed.init()  # under torchrun: every rank runs this, rank 0 alone saves and records
     level = logging.INFO if distributed.is_main() else logging.WARNING

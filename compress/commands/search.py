@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 import sys
 
+from compress.base.errors import CompressError
+from compress.base.signals import signals_recorded
 from compress.commands.exits import command_exits
-from compress.errors import CompressError
-from compress.signals import signals_recorded
 
 USAGE = __doc__.split(":", 1)[0].strip("`")
 
@@ -20,8 +20,8 @@ def search_spec(overrides: list[str]):
     """``search.<key>=<value>`` overrides (without the prefix) over ``SearchSpec``'s defaults, type-checked."""
     from omegaconf import OmegaConf
 
+    from compress.base.typed import typed
     from compress.search import SearchSpec
-    from compress.typed import typed
 
     spec = typed(SearchSpec, OmegaConf.from_dotlist(overrides), "search")
     spec.check()

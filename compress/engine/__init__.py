@@ -3,7 +3,7 @@
 ``LLM(model_or_path).generate(prompts, SamplingParams(...))``; see docs/engine.md.
 """
 
-from compress.engine.config import EngineConfig
+from compress.engine.engine_config import EngineConfig
 from compress.engine.llm import LLM, RequestOutput, StreamEvent
 from compress.engine.sequence import SamplingParams
 

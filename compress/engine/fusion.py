@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from compress.formats import QuantizedLinear
-from compress.formats.w4a16 import scheme_key, tensor_version
+from compress.formats.w4a16_linear import scheme_key, tensor_version
 from compress.kernels import ops
 from compress.kernels.w4a16 import KERNEL_BITS, repack_n_contiguous
 

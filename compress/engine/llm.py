@@ -19,12 +19,12 @@ from torch import nn
 
 from compress.checkpoint import load_checkpoint
 from compress.engine.block_manager import BlockManager, blocks_for
-from compress.engine.config import EngineConfig
+from compress.engine.engine_config import EngineConfig
 from compress.engine.model_runner import ModelRunner
 from compress.engine.sampler import sample
 from compress.engine.scheduler import ScheduledBatch, Scheduler
 from compress.engine.sequence import SamplingParams, Sequence
-from compress.kv_quant import calibrated_kv_cache_dtype, resolve_kv_cache_dtype
+from compress.grids.kv_quant import calibrated_kv_cache_dtype, resolve_kv_cache_dtype
 
 Prompt = str | list[int]
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
-from compress.engine.config import EngineConfig
+from compress.engine.engine_config import EngineConfig
 from compress.engine.fusion import fuse_sibling_projections
 from compress.engine.scheduler import ScheduledBatch
 from compress.formats import QuantizedLinear

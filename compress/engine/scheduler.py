@@ -13,7 +13,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from compress.engine.block_manager import BlockManager
-from compress.engine.config import EngineConfig
+from compress.engine.engine_config import EngineConfig
 from compress.engine.sequence import Sequence, SequenceStatus
 
 

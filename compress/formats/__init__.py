@@ -11,13 +11,14 @@ module             compressed-tensors format                   kernel
 
 Each module owns its quantized linear (what stages produce, the checkpoint stores and the engine runs), the config
 group config.json describes it with and, where the search prices it, its stored bits. Adding a format is a module
-here plus its kernel. Imports only torch, ``compress.kernels`` and ``compress.fp4``, so a bare GPU box runs them.
+here plus its kernel. Imports only torch, ``compress.kernels`` and ``compress.grids.fp4_grid``, so a bare GPU box runs
+them.
 """
 
-from compress.formats.fp4 import Fp4Linear
-from compress.formats.fp8_block import Fp8BlockLinear
-from compress.formats.w4a16 import QuantizedLinear
-from compress.formats.w8a8 import Fp8Linear, Int8Linear
+from compress.formats.fp4_linear import Fp4Linear
+from compress.formats.fp8_block_linear import Fp8BlockLinear
+from compress.formats.w4a16_linear import QuantizedLinear
+from compress.formats.w8a8_linear import Fp8Linear, Int8Linear
 
 QUANTIZED_LINEARS = (QuantizedLinear, Int8Linear, Fp8Linear, Fp8BlockLinear, Fp4Linear)  # each has stored_bits()
 

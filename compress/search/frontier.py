@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.search.sensitivity import Unit
 
 

@@ -12,23 +12,23 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from compress.calibration_set import calibration_set
-from compress.compression import compress_model
-from compress.data import load_corpus
-from compress.distributed import select_device
-from compress.errors import CompressError
-from compress.models import load, resolve_model_path
-from compress.paths import artifacts_dir
-from compress.saving import checkpoint_writer, write_checkpoint
+from compress.base.data import load_corpus
+from compress.base.distributed import select_device
+from compress.base.errors import CompressError
+from compress.base.paths import artifacts_dir
+from compress.base.staging import sweep_stale_staging
+from compress.compression.in_memory import compress_model
+from compress.compression.saving import checkpoint_writer, write_checkpoint
+from compress.model.calibration_set import calibration_set
+from compress.model.sources import load, resolve_model_path
 from compress.search.frontier import Allocation, Frontier, budget_error
 from compress.search.record import SearchResult, Tracker, Trial, outcome_line, write_summary
 from compress.search.sensitivity import measure_sensitivity
 from compress.search.spec import SEARCHABLE, SearchSpec
 from compress.stages import build_chain
-from compress.staging import sweep_stale_staging
 
 if TYPE_CHECKING:
-    from compress.evals.gate.run import BaselineMeasures
+    from compress.evals.gate.runner import BaselineMeasures
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def next_point(frontier: Frontier, trials: list[Trial], spec: SearchSpec, max_ra
 def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchResult:
     """Sensitivity → frontier → trials for the composed base recipe ``config`` (a ``RunConfig``)."""
     from compress.evals.gate import resolve_policy
-    from compress.evals.gate.run import BaselineMeasures
+    from compress.evals.gate.runner import BaselineMeasures
 
     candidates = spec.check()
     position, quantizer = _weight_quantizer(config.stages)

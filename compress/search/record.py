@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from compress.errors import ExitCode
+from compress.base.errors import ExitCode
 from compress.search.frontier import Allocation, Frontier
 from compress.search.spec import SearchSpec
 
@@ -122,7 +122,7 @@ class Tracker:
     is off."""
 
     def __init__(self, config, spec: SearchSpec, folder: Path):
-        from compress.tracking import RunLog, check_writable, flatten, tracking_uri
+        from compress.app.tracking import RunLog, check_writable, flatten, tracking_uri
 
         self.parent = None
         self.children: dict[int, object] = {}
@@ -140,7 +140,7 @@ class Tracker:
         return None if self.parent is None else self.parent.run_id
 
     def trial(self, trial: Trial, verdict, checkpoint: Path, allocation: Allocation) -> None:
-        from compress.tracking import RunLog, record_verdict
+        from compress.app.tracking import RunLog, record_verdict
 
         if self.parent is None:
             return
@@ -168,7 +168,7 @@ class Tracker:
         self.children[trial.number] = child
 
     def finish(self, result: SearchResult, policy) -> None:
-        from compress.tracking import register_checkpoint, registered_name
+        from compress.app.tracking import register_checkpoint, registered_name
 
         if self.parent is None:
             return

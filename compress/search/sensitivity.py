@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.base.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.formats import Fp8Linear
-from compress.models import materialize_all
-from compress.moe import unfuse_experts
-from compress.quant import fake_quantize
+from compress.formats.moe_experts import unfuse_experts
+from compress.grids.int_grid import fake_quantize
+from compress.model.lazy_weights import materialize_all
 from compress.search.spec import DEFAULT_CANDIDATES
 from compress.stages.base import LayerContext, Stage
 from compress.stages.hessian import collect_hessians, input_groups

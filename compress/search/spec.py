@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.stages.mixed import Candidate, candidate
 
 DEFAULT_CANDIDATES = ["int3_g64", "int4_g64", "int8", "fp8", "bf16"]
@@ -17,8 +17,8 @@ class SearchSpec:
     """``search.*`` keys of the command."""
 
     budget_bits: float = 4.5  # the most bits per linear weight a trial may use
-    candidates: list[str] = field(default_factory=lambda: list(DEFAULT_CANDIDATES))
-    max_trials: int = 6
+    candidates: list[str] = field(default_factory=lambda: list(DEFAULT_CANDIDATES))  # schemes a linear may get
+    max_trials: int = 6  # most candidate checkpoints built and gated
     start_bits: float | None = None  # the first trial's size; null: the smallest allocation
     tolerance_bits: float = 0.05  # stop bisecting once the largest block and the smallest pass are this close
     margin: float = 0.9  # aim the predicted log-ppl ratio at this fraction of the gate's limit

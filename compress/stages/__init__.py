@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.stages.activations import FP8Stage, W8A8Stage
 from compress.stages.awq import AWQStage
 from compress.stages.base import LayerContext, Stage, prepare_stages
 from compress.stages.distill import DistillStage
 from compress.stages.gptq import GPTQStage
-from compress.stages.kv_cache import KVCacheStage
+from compress.stages.kv_scales import KVCacheStage
 from compress.stages.lora import LoRAMergeStage
 from compress.stages.mixed import MixedStage
 from compress.stages.prune import MagnitudePruneStage, SparseGPTStage, WandaStage
@@ -25,7 +25,7 @@ STAGES.update({s.name: s for s in (LoRAMergeStage, MagnitudePruneStage, WandaSta
 def build_stage(args: dict, position: int) -> Stage:
     args = dict(args)
     kind = args.pop("type", None)
-    if kind not in STAGES:
+    if not isinstance(kind, str) or kind not in STAGES:  # a list or mapping is not a stage name (nor hashable)
         raise CompressError(
             f"stages.{position}: type={kind!r} is not a known stage; available: {', '.join(sorted(STAGES))}"
         )

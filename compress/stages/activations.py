@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compress.calibration import input_absmax
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.formats import Fp8BlockLinear, Fp8Linear, Int8Linear
+from compress.formats.moe_experts import check_weights_handled
+from compress.grids.int_grid import WeightScheme, all_finite, quantize
 from compress.kernels.dtypes import FP8_MAX
-from compress.moe import check_weights_handled
-from compress.quant import WeightScheme, all_finite, quantize
+from compress.model.layer_walk import input_absmax
 from compress.stages.base import LayerContext
 from compress.stages.gptq import GPTQStage
 from compress.stages.weights import WeightQuantizerStage, replace_module, target_linears
@@ -26,14 +26,15 @@ from compress.stages.weights import WeightQuantizerStage, replace_module, target
 
 @dataclass
 class W8A8Config:
-    weights: str = "gptq"  # gptq | rtn
+    weights: str = "gptq"  # how the int8 weights are rounded: gptq | rtn
+    # modules left as they are: an exact name, a dotted suffix (mlp.down_proj) or re:<regex>
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
-    block_size: int = 128
-    dampening: float = 0.01
-    max_damp_retries: int = 6
-    act_order: bool = False
+    block_size: int = 128  # GPTQ weights: columns updated lazily per block
+    dampening: float = 0.01  # GPTQ weights: fraction of mean(diag H) added to the diagonal
+    max_damp_retries: int = 6  # GPTQ weights: each failed Cholesky multiplies the dampening by 10
+    act_order: bool = False  # GPTQ weights: static-group activation order
     clip_search: bool = False  # at 8 bits the absmax range is already right
-    true_sequential: bool = True
+    true_sequential: bool = True  # GPTQ weights: each linear's inputs gathered after the ones before it are quantized
     input_correction: bool = False  # GPTQ weights: aim at the full-precision outputs (compress/stages/cross_moments.py)
 
     def __post_init__(self):
@@ -106,6 +107,7 @@ class W8A8Stage(GPTQStage):
 class FP8Config:
     activations: str = "dynamic"  # dynamic (per token at run time) | static (one calibrated scale per tensor)
     strategy: str = "channel"  # channel (one weight scale per row) | block (FP8_BLOCK: per 128x128, token-group 128)
+    # modules left as they are: an exact name, a dotted suffix (mlp.down_proj) or re:<regex>
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
 
     def __post_init__(self):

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compress import distributed
-from compress.calibration import observe_inputs
-from compress.errors import CompressError
-from compress.quant import fake_quantize
+from compress.base import distributed
+from compress.base.errors import CompressError
+from compress.grids.int_grid import fake_quantize
+from compress.model.layer_walk import observe_inputs
 from compress.stages.base import LayerContext, LayerWork
 from compress.stages.gptq import GPTQConfig, GPTQStage
 from compress.stages.hessian import hessian_walk_bytes, hessian_walk_seconds
@@ -47,7 +47,7 @@ from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, tar
 class AWQConfig(WeightQuantConfig):
     grid: int = 20  # exponents a = 0, 1/grid, ..., (grid-1)/grid
     duo_scaling: bool | str = "both"  # true: mean|x|^a / mean|w|^(1-a); false: mean|x|^a; both: search both
-    clip: bool = True
+    clip: bool = True  # search a clipping ratio per group after scaling
     clip_grid: int = 20  # shrink steps of 1/clip_grid ...
     max_shrink: float = 0.5  # ... down to (1 - max_shrink) of the range
     rounding: str = "rtn"  # rtn: clip search then round to nearest; gptq: GPTQ's error-compensating rounding

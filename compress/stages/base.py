@@ -1,6 +1,6 @@
 """The one interface every compression algorithm implements, so a recipe can chain them in any legal order.
 
-Lifecycle, driven by ``compress.compression.compress_model``:
+Lifecycle, driven by ``compress.compression.in_memory.compress_model``:
 1. ``from_args`` validates the recipe's arguments (unknown keys are named with the valid ones);
 2. ``prepare(model)`` checks the model fits (shapes, group sizes, mappings) before any expensive work;
 3. ``process_layer(ctx)`` runs once per decoder layer, in order, with that layer's calibration inputs when
@@ -8,9 +8,9 @@ Lifecycle, driven by ``compress.compression.compress_model``:
    whole model at once (``layerwise = False``: adapter merging, distillation) implements ``process_model`` instead;
 4. ``finalize(model)`` returns a summary for the report (what was done, per-layer statistics).
 
-A stage also prices its own work for the pre-flight plan (``compress.plan``, which names no stage): its activation
-streams, its working memory and its seconds per decoder layer, from a ``LayerWork``; and it says whether
-``compress.model_free`` may run it straight from the weight files (``runs_model_free``).
+A stage also prices its own work for the pre-flight plan (``compress.app.preflight``, which names no stage): its
+activation streams, its working memory and its seconds per decoder layer, from a ``LayerWork``; and it says whether
+``compress.compression.model_free`` may run it straight from the weight files (``runs_model_free``).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from compress.calibration import LayerInputs
-from compress.errors import CompressError, did_you_mean, unknown_key_error
-from compress.quant import matches
+from compress.base.errors import CompressError, did_you_mean, unknown_key_error
+from compress.grids.int_grid import matches
+from compress.model.layer_walk import LayerInputs
 
 FP32_BYTES = 4
 # Reached rate ÷ probe rate for the work every stage shares (a first fit on SmolLM2-135M, fp32, 2 CPU cores): a
@@ -92,7 +92,7 @@ class Stage(ABC):
     merges_adapters: ClassVar[bool] = False  # merges adapters into dense weights: must precede any compression
     heals: ClassVar[bool] = False  # trains the compressed model back (distillation): must follow a compression
     # process_layer treats each input group of linears alone, so without calibration inputs it can run from the
-    # weight files with no model built (compress.model_free)
+    # weight files with no model built (compress.compression.model_free)
     runs_model_free: ClassVar[bool] = False
     teacher_position: int | None = None  # healing stages: set by build_chain to the first compressing stage
     metrics_sink: Callable[[dict[str, float], int], None] | None = None  # step metrics (loss curves) → MLflow

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compress import distributed
-from compress.calibration import LayerInputs, observe_inputs
+from compress.base import distributed
+from compress.model.layer_walk import LayerInputs, observe_inputs
 
 
 class CrossMoments:

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from compress.calibration import decoder_layers
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.formats import QuantizedLinear
+from compress.grids.sparsity import mask_of
 from compress.kernels.dequant import group_index
-from compress.sparsity import mask_of
+from compress.model.layer_walk import decoder_layers
 from compress.stages.base import Stage
 from compress.stages.weights import replace_module
 
@@ -37,13 +37,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DistillConfig:
-    steps: int = 200
+    steps: int = 200  # optimizer steps
     max_minutes: float | None = 15.0  # stop early when the wall time runs out
-    learning_rate: float = 1e-4
-    warmup_steps: int = 5
-    temperature: float = 2.0
+    learning_rate: float = 1e-4  # AdamW's peak rate: linear warm-up, then cosine decay to zero
+    warmup_steps: int = 5  # steps of linear warm-up
+    temperature: float = 2.0  # softens both next-token distributions before their KL (scaled back by T²)
     hidden_weight: float = 0.0  # weight of the per-layer hidden-state MSE next to the logit KL
-    batch_size: int = 2
+    batch_size: int = 2  # sequences per step
     seq_len: int = 256  # calibration samples are cut into sequences of this length
     held_out: int = 4  # sequences kept out of training to report the KL before and after
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time

@@ -24,16 +24,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compress import distributed
-from compress.calibration import FullPrecisionStream
-from compress.errors import CompressError
+from compress.base import distributed
+from compress.base.errors import CompressError
+from compress.base.memory import release_freed_memory
 from compress.formats import QuantizedLinear
+from compress.grids.int_grid import WeightScheme, all_finite
 from compress.kernels.dequant import dequantize_codes
-from compress.memory import release_freed_memory
-from compress.quant import WeightScheme, all_finite
+from compress.model.layer_walk import FullPrecisionStream
 from compress.stages.base import LayerContext, LayerWork
 from compress.stages.cross_moments import CrossMoments
-from compress.stages.fp4 import Fp4Grid
+from compress.stages.fp4_weights import Fp4Grid
 from compress.stages.hessian import (
     cholesky_inverse_upper,
     collect_hessians,
@@ -55,9 +55,9 @@ class GPTQConfig(WeightQuantConfig):
     dampening: float = 0.01  # fraction of mean(diag H) added to the diagonal
     max_damp_retries: int = 6  # each failed Cholesky multiplies the dampening by 10
     act_order: bool = False  # static-group activation order; measured no better than lazy groups + clipping
-    clip_search: bool = True
-    true_sequential: bool = True
-    input_correction: bool = False  # GPTAQ: also absorb the input error of the compressed layers before (see below)
+    clip_search: bool = True  # try shrunken ranges per group and keep the one with the least Hessian-weighted error
+    true_sequential: bool = True  # gather o_proj's and down_proj's inputs after the linears before them are quantized
+    input_correction: bool = False  # GPTAQ: also absorb the input error of the compressed layers before (cross_moments)
 
     def __post_init__(self):
         if not 0 < self.dampening <= 1:
@@ -84,7 +84,8 @@ def _group_params(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (and zero point) per row ``[out, 1]`` for one group of ``columns`` (``[group, out]``, the transposed
     weight's rows); with ``clip_search`` the range ratio per row that minimises the group's Hessian-weighted rounding
-    error. Every ratio is tried at once along a middle axis, with :func:`compress.quant.quantize`'s arithmetic (the
+    error. Every ratio is tried at once along a middle axis, with :func:`compress.grids.int_grid.quantize`'s arithmetic
+    (the
     stored scales are the ones it would give), and scored by one matmul; ties keep the earlier, wider range."""
     group, rows = columns.shape
     ratios = torch.tensor(CLIP_RATIOS if clip_search else (1.0,), device=columns.device)[:, None]

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compress import distributed
-from compress.calibration import LayerInputs, _StopForward, checked_output, observe_inputs
-from compress.errors import CompressError
-from compress.moe import all_tokens_through_experts
+from compress.base import distributed
+from compress.base.errors import CompressError
+from compress.formats.moe_experts import all_tokens_through_experts
+from compress.model.layer_walk import LayerInputs, _StopForward, checked_output, observe_inputs
 from compress.stages.base import FORWARD_EFFICIENCY, FP32_BYTES, LayerContext, LayerWork
 
 log = logging.getLogger(__name__)

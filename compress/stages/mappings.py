@@ -10,11 +10,11 @@ between families, and must be exact or the "unchanged" model silently is not:
   and the MLP reads ``pre_feedforward_layernorm`` (folding into ``post_attention_layernorm`` would change the model);
 - Phi-3 fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``: the value→output mapping may only scale the
   v rows of ``qkv_proj`` and the up→down mapping only the up half of ``gate_up_proj``;
-- MoE blocks (experts unfused into per-expert linears by ``compress.moe``): the post-attention norm feeds every
-  expert's gate/up (and a shared expert's), so they share one scale, and it feeds the router too, whose input
-  columns must absorb the same scale (``followers``: folded, never quantized) or routing would change. ``*`` in a
-  name stands for every expert index; a mapping whose ``previous`` has one is one mapping per expert (each expert's
-  up feeds its own down).
+- MoE blocks (experts unfused into per-expert linears by ``compress.formats.moe_experts``): the post-attention norm
+  feeds every expert's gate/up (and a shared expert's), so they share one scale, and it feeds the router too, whose
+  input columns must absorb the same scale (``followers``: folded, never quantized) or routing would change. ``*`` in a
+  name stands for every expert index; a mapping whose ``previous`` has one is one mapping per expert (each expert's up
+  feeds its own down).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from compress.calibration import decoder_layers
-from compress.errors import CompressError
+from compress.base.errors import CompressError
+from compress.model.layer_walk import decoder_layers
 from compress.stages.base import FP32_BYTES, LayerWork
 
 

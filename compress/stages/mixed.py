@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compress.calibration import decoder_layers
-from compress.errors import CompressError
-from compress.formats import Fp8Linear, w4a16, w8a8
-from compress.quant import WeightScheme, all_finite, check_group_size, matches, validate_scheme
+from compress.base.errors import CompressError
+from compress.formats import Fp8Linear, w4a16_linear, w8a8_linear
+from compress.grids.int_grid import WeightScheme, all_finite, check_group_size, matches, validate_scheme
+from compress.model.layer_walk import decoder_layers
 from compress.stages.base import LayerContext
 from compress.stages.gptq import GPTQConfig, GPTQStage
 from compress.stages.hessian import collect_hessians, input_groups
@@ -52,9 +52,9 @@ class Candidate:
         if self.kind == "dense":
             return out_features * in_features * dtype_bits
         if self.kind == "fp8":
-            return w8a8.stored_bits(out_features, in_features)
+            return w8a8_linear.stored_bits(out_features, in_features)
         group_size = self.weight_scheme.group_for(in_features)
-        return w4a16.stored_bits(out_features, in_features, self.bits, group_size, dtype_bits)
+        return w4a16_linear.stored_bits(out_features, in_features, self.bits, group_size, dtype_bits)
 
 
 def candidate(name: str) -> Candidate:

@@ -13,8 +13,8 @@ Three ways to choose which weights go, one class each, same lifecycle:
 Calibration is layer by layer like the quantizers (the pipeline feeds layer i+1 with the *pruned* outputs of layer
 i) and, within a layer, sequential: o_proj's statistics are gathered after q/k/v are pruned, down_proj's after
 gate/up. Linears reading the same input share one statistic and are pruned as one stacked matrix (rows are
-independent). The kept mask is attached to each linear (``compress.sparsity``); ``finalize`` checks that every later
-stage kept it.
+independent). The kept mask is attached to each linear (``compress.grids.sparsity``); ``finalize`` checks that every
+later stage kept it.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compress.calibration import decoder_layers
-from compress.errors import CompressError
-from compress.moe import check_weights_handled
-from compress.quant import all_finite
-from compress.sparsity import NMPattern, attach_mask, check_masks_held, mask_of, nm_keep_mask
+from compress.base.errors import CompressError
+from compress.formats.moe_experts import check_weights_handled
+from compress.grids.int_grid import all_finite
+from compress.grids.sparsity import NMPattern, attach_mask, check_masks_held, mask_of, nm_keep_mask
+from compress.model.layer_walk import decoder_layers
 from compress.stages.base import LayerContext, LayerWork, Stage
 from compress.stages.hessian import (
     cholesky_inverse_upper,
@@ -46,6 +46,7 @@ from compress.stages.weights import target_linears
 @dataclass
 class PruneConfig:
     sparsity: str = "2:4"  # N:M, N kept out of every M consecutive input weights
+    # modules left as they are: an exact name, a dotted suffix (mlp.down_proj) or re:<regex>
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
 
     def __post_init__(self):
@@ -65,7 +66,7 @@ class CalibratedPruneConfig(PruneConfig):
 class SparseGPTConfig(CalibratedPruneConfig):
     block_size: int = 128  # columns updated lazily per block (a multiple of M)
     dampening: float = 0.01  # fraction of mean(diag H) added to the diagonal
-    max_damp_retries: int = 6
+    max_damp_retries: int = 6  # each failed Cholesky multiplies the dampening by 10
 
     def __post_init__(self):
         super().__post_init__()
@@ -195,6 +196,8 @@ class PruneStage(Stage):
 
 
 class MagnitudePruneStage(PruneStage):
+    """N:M pruning by weight magnitude alone: drop the smallest |W|; no calibration."""
+
     name = "magnitude_prune"
     needs_calibration = False
 
@@ -204,6 +207,8 @@ class MagnitudePruneStage(PruneStage):
 
 
 class WandaStage(PruneStage):
+    """Wanda (Sun et al. 2023): drop the smallest |W| times its input channel's norm over the calibration tokens."""
+
     name = "wanda"
     Config = CalibratedPruneConfig
     input_statistic = "norm"
@@ -214,6 +219,8 @@ class WandaStage(PruneStage):
 
 
 class SparseGPTStage(PruneStage):
+    """SparseGPT (Frantar and Alistarh 2023): prune column by column, updating the rest to absorb the error."""
+
     name = "sparsegpt"
     Config = SparseGPTConfig
     input_statistic = "gram"

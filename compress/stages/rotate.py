@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compress.calibration import decoder_layers
-from compress.errors import CompressError
+from compress.base.errors import CompressError
+from compress.model.layer_walk import decoder_layers
 from compress.stages.base import Stage
 from compress.stages.mappings import Mapping, family_mappings, previous_rows
 
@@ -42,7 +42,7 @@ class RotateConfig:
     residual: bool = True  # R1: rotate the residual stream
     heads: bool = True  # R2: rotate each value head (v_proj rows, o_proj columns)
     kind: str = "hadamard"  # hadamard (random signs) | random (random orthogonal)
-    seed: int = 0
+    seed: int = 0  # draws the random signs or the random orthogonal matrices
 
     def __post_init__(self):
         if self.kind not in KINDS:

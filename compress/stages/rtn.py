@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.stages.base import LayerContext, Stage
 from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, target_linears
 

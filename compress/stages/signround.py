@@ -20,7 +20,7 @@ How this implementation is shaped, and why:
   one layer of the default model in ten minutes on two cores).
 
 The export is the same ``QuantizedLinear`` (pack-quantized int2-8, symmetric or with zero points) that RTN and GPTQ
-write, with codes and scales computed by the arithmetic of :func:`compress.quant.quantize`, or with ``format:
+write, with codes and scales computed by the arithmetic of :func:`compress.grids.int_grid.quantize`, or with ``format:
 nvfp4`` / ``mxfp4`` the same ``Fp4Linear`` (e2m1 codes, fp8 or e8m0 group scales): with V = 0 and no clipping the
 stage reproduces round-to-nearest bit for bit.
 """
@@ -36,15 +36,15 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from compress import distributed
-from compress.calibration import FullPrecisionStream, LayerInputs, checked_output
-from compress.errors import CompressError
+from compress.base import distributed
+from compress.base.errors import CompressError
 from compress.formats import Fp4Linear, QuantizedLinear
-from compress.fp4 import e2m1_codes, stored_group_scales
+from compress.grids.fp4_grid import e2m1_codes, stored_group_scales
+from compress.grids.int_grid import WeightScheme, quantize
 from compress.kernels.fp4 import E2M1_MAX, e2m1_to_float, effective_group_scales
-from compress.quant import WeightScheme, quantize
+from compress.model.layer_walk import FullPrecisionStream, LayerInputs, checked_output
 from compress.stages.base import FP32_BYTES, LayerContext, LayerWork
-from compress.stages.fp4 import Fp4Grid, Fp4Layers
+from compress.stages.fp4_weights import Fp4Grid, Fp4Layers
 from compress.stages.gptq import GPTQConfig, GPTQStage
 from compress.stages.hessian import hessian_walk_bytes, hessian_walk_seconds, input_groups
 from compress.stages.weights import WeightQuantConfig, WeightQuantizerStage, target_linears
@@ -61,7 +61,7 @@ class SignRoundConfig(WeightQuantConfig):
     tune_clip: bool = True  # also learn each group's clipping ratio (both ends of the range when asymmetric)
     min_clip: float = 0.5  # the smallest ratio a group's range may be clipped to
     init: str = "rtn"  # rtn: start from round-to-nearest (SignRound as published) | gptq: refine GPTQ's solution
-    seed: int = 0
+    seed: int = 0  # draws each step's calibration sequences
 
     def __post_init__(self):
         if self.iterations < 1:
@@ -119,7 +119,7 @@ class LearnedRounding(nn.Module):
 
     @classmethod
     def nearest(cls, linear: nn.Linear, scheme: WeightScheme, dtype: torch.dtype) -> LearnedRounding:
-        """Starting from round-to-nearest: :func:`compress.quant.quantize`'s scales and zero points."""
+        """Starting from round-to-nearest: :func:`compress.grids.int_grid.quantize`'s scales and zero points."""
         _, scale, zero = quantize(linear.weight.data, scheme, scale_dtype=dtype)
         group = scheme.group_for(linear.in_features)
         position = linear.weight.data.float().view(linear.out_features, -1, group) / scale.float().unsqueeze(-1)

@@ -15,18 +15,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compress import distributed
-from compress.calibration import observe_inputs
-from compress.errors import CompressError
-from compress.moe import check_weights_handled
-from compress.quant import matches
+from compress.base import distributed
+from compress.base.errors import CompressError
+from compress.formats.moe_experts import check_weights_handled
+from compress.grids.int_grid import matches
+from compress.model.layer_walk import observe_inputs
 from compress.stages.base import LayerContext, LayerWork, Stage
 from compress.stages.mappings import family_mappings, fold_scale, layer_mappings, scale_search_bytes
 
 
 @dataclass
 class SmoothQuantConfig:
-    alpha: float = 0.5  # migration strength
+    alpha: float = 0.5  # migration strength: higher moves more of the activations' range into the weights
+    # modules left as they are: an exact name, a dotted suffix (mlp.down_proj) or re:<regex>
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
 
     def __post_init__(self):

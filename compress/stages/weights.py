@@ -7,22 +7,23 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from compress.calibration import decoder_layers
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.formats import QuantizedLinear
-from compress.moe import ROUTERS, check_weights_handled
-from compress.quant import WeightScheme, all_finite, check_group_size, matches, quantize, validate_scheme
-from compress.sparsity import carry_mask
+from compress.formats.moe_experts import ROUTERS, check_weights_handled
+from compress.grids.int_grid import WeightScheme, all_finite, check_group_size, matches, quantize, validate_scheme
+from compress.grids.sparsity import carry_mask
+from compress.model.layer_walk import decoder_layers
 from compress.stages.base import LayerContext, Stage
-from compress.stages.fp4 import Fp4Layers, rtn_fp4
+from compress.stages.fp4_weights import Fp4Layers, rtn_fp4
 from compress.stages.hessian import input_groups
 
 
 @dataclass
 class WeightQuantConfig:
-    bits: int = 4
-    group_size: int | None = 128
-    symmetric: bool = True
+    bits: int = 4  # bits per weight code
+    group_size: int | None = 128  # input weights sharing one scale (null: one scale per output channel)
+    symmetric: bool = True  # scale only; false adds a zero point per group
+    # modules left as they are: an exact name, a dotted suffix (mlp.down_proj) or re:<regex>
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     format: str = "int"  # int | nvfp4 (e2m1, fp8 group-16 scales + global) | mxfp4 (e2m1, e8m0 group-32 scales)
     activations: str = "none"  # none (16-bit) | fp4 (W4A4: inputs quantized to the weights' FP4 format)

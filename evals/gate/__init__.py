@@ -5,7 +5,8 @@ context, latency); each compares the candidate with the baseline on the same ite
 ``recipes/gate/*.yaml`` and reads its verdict from a paired interval: PASS, BLOCK or INCONCLUSIVE
 (``compress.evals.gate.stats``). The first BLOCK stops the gate; an evaluator that raises blocks too (fail closed).
 Outputs: ``gate.json``, ``gate.md`` and plots. The gate only judges: recording the verdict in MLflow and registering the
-checkpoint is the caller's job (``compress.tracking.record_verdict``), so this package never imports the CLI, pipeline
+checkpoint is the caller's job (``compress.app.tracking.record_verdict``), so this package never imports the CLI,
+pipeline
 or tracking layers.
 
 Modules, in import order: ``stats`` (intervals, verdicts) → ``policy`` → ``checks`` → ``context`` → ``windows``
@@ -15,7 +16,7 @@ Modules, in import order: ``stats`` (intervals, verdicts) → ``policy`` → ``c
 from compress.evals.gate.policy import LAYER_ORDER, GatePolicy, resolve_policy
 from compress.evals.gate.report import clear_verdict, summary_metrics, write_report
 from compress.evals.gate.result import GateResult, LayerResult
-from compress.evals.gate.run import describe_sides, run_gate
+from compress.evals.gate.runner import describe_sides, run_gate
 
 __all__ = [
     "clear_verdict",

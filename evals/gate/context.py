@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from compress.evals import generation, loading
+from compress.base.memory import release_freed_memory
+from compress.evals import generation, sides
 from compress.evals.gate.policy import GatePolicy
-from compress.memory import release_freed_memory
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Subject:
 
     def load(self, backend: str, engine_options: dict) -> Subject:
         in_memory = not isinstance(self.source, str | Path)
-        self.model = self.source.eval() if in_memory else loading.load_for_eval(self.source)[0]
+        self.model = self.source.eval() if in_memory else sides.load_for_eval(self.source)[0]
         self.generator = generation.make_generator(
             backend, self.model, self.tokenizer, self.kv_cache_dtype, engine_options
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.evals import generation, latency, long_context, needle
 from compress.evals.gate import checks as gate_checks
 from compress.evals.gate.checks import Check

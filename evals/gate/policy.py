@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from compress.errors import CompressError
-from compress.typed import typed
+from compress.base.errors import CompressError
+from compress.base.typed import typed
+from compress.engine.engine_config import EngineConfig
 
 LAYER_ORDER = ["perplexity", "kl", "lm_eval", "json", "needle", "long_context", "latency"]
 BACKENDS = ("auto", "engine", "transformers")  # generation for the needle, JSON and long-context layers
@@ -18,11 +19,11 @@ BACKENDS = ("auto", "engine", "transformers")  # generation for the needle, JSON
 
 @dataclass
 class PerplexityPolicy:
-    enabled: bool = True
-    blocking: bool = True
-    seq_len: int = 512
+    enabled: bool = True  # run this layer (a layer left out of gate.layers is off too)
+    blocking: bool = True  # its failed checks block the release (false: reported, never deciding)
+    seq_len: int = 512  # tokens per scored window
     max_windows: int | None = 24  # windows of seq_len tokens scored (null: every window of the evaluation text)
-    batch_size: int = 4
+    batch_size: int = 4  # windows per forward pass
     max_ratio: float | None = 1.05  # candidate ppl ≤ max_ratio × baseline ppl (judged on the interval)
     max_value: float | None = None  # hard ceiling on candidate ppl
     decide_max_windows: int | None = None  # gate.decide=true adds windows up to this (null: the whole text)
@@ -33,8 +34,8 @@ class PerplexityPolicy:
 class KLPolicy:
     """Measured in the perplexity pass, on the same windows (``perplexity.seq_len`` / ``max_windows``)."""
 
-    enabled: bool = True
-    blocking: bool = True
+    enabled: bool = True  # run this layer (a layer left out of gate.layers is off too)
+    blocking: bool = True  # its failed checks block the release (false: reported, never deciding)
     top_k: int = 32  # baseline log-probabilities kept per position (compress.evals.divergence: the truncation's error)
     max_mean: float | None = 0.05  # mean KL(baseline ‖ candidate) in nats per token
     min_same_top: float | None = None  # share of positions where both rank the same token first
@@ -42,51 +43,52 @@ class KLPolicy:
 
 @dataclass
 class LmEvalPolicy:
-    enabled: bool = True
-    blocking: bool = True
+    enabled: bool = True  # run this layer (a layer left out of gate.layers is off too)
+    blocking: bool = True  # its failed checks block the release (false: reported, never deciding)
     benchmark: str | None = "arc_easy"  # a public benchmark shipped with the package (evals/data/<name>); null: none
     local_task: bool = False  # the continuation task cut from the evaluation text (a smoke test, not a benchmark)
     tasks: list[str] = field(default_factory=list)  # any lm-eval task names the machine has data for
     include_path: str | None = None  # a folder of the user's own task YAMLs
     limit: int | None = None  # items per task (null: all; arc_easy ships 570)
-    batch_size: int = 4
-    max_length: int = 512
-    max_drop_points: float | None = 3.0  # paired per item; sized on 570 items (benchmarks/results/gate-power.md)
+    batch_size: int = 4  # requests per forward pass
+    max_length: int = 512  # tokens of context and continuation kept per request
+    max_drop_points: float | None = 3.0  # accuracy drop in points, paired per item; sized on 570 items (gate-power.md)
 
 
 @dataclass
 class JsonPolicy:
-    enabled: bool = True
-    blocking: bool = False  # advisory on a CPU: too few items to decide (gate-power.md); gate=full blocks
-    constrained: bool = False
-    max_new_tokens: int = 64
-    num_prompts: int | None = None
-    max_validity_drop_points: float | None = 20.0
-    max_compliance_drop_points: float | None = 20.0
-    min_validity: float | None = None
+    enabled: bool = True  # run this layer (a layer left out of gate.layers is off too)
+    blocking: bool = False  # failed checks block the release; off: too few items on a CPU (gate-power.md)
+    constrained: bool = False  # decode under a JSON grammar (transformers backend): only compliance can drop
+    max_new_tokens: int = 64  # tokens generated per reply
+    num_prompts: int | None = None  # the first this many of the shipped prompts (null: all ten)
+    max_validity_drop_points: float | None = 20.0  # drop in replies that parse as JSON, percentage points
+    max_compliance_drop_points: float | None = 20.0  # drop in replies that also match their schema, points
+    min_validity: float | None = None  # floor on the candidate's share of valid replies (0 to 1)
 
 
 @dataclass
 class NeedlePolicy:
-    enabled: bool = True
-    blocking: bool = False  # advisory on a CPU: too few items to decide (gate-power.md); gate=full blocks
-    context_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
-    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
-    trials: int = 2
-    max_drop_points: float | None = 10.0
-    min_accuracy: float | None = None
+    enabled: bool = True  # run this layer (a layer left out of gate.layers is off too)
+    blocking: bool = False  # failed checks block the release; off: too few items on a CPU (gate-power.md)
+    context_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])  # prompt lengths in tokens
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # where the key sits, 0 to 1
+    trials: int = 2  # seeded prompts per length and depth
+    max_drop_points: float | None = 10.0  # drop in retrieval accuracy, percentage points
+    min_accuracy: float | None = None  # floor on the candidate's retrieval accuracy (0 to 1)
 
 
 @dataclass
 class LongContextPolicy:
     """Multi-hop synthetic tasks (``compress.evals.long_context``), run with the candidate's KV-cache dtype."""
 
-    enabled: bool = True
-    blocking: bool = False  # advisory on a CPU: too few items to decide (gate-power.md); gate=full blocks
-    context_lengths: list[int] = field(default_factory=lambda: [512, 1024])
+    enabled: bool = True  # run this layer (a layer left out of gate.layers is off too)
+    blocking: bool = False  # failed checks block the release; off: too few items on a CPU (gate-power.md)
+    context_lengths: list[int] = field(default_factory=lambda: [512, 1024])  # prompt lengths in tokens
+    # the synthetic tasks (compress.evals.long_context.TASKS)
     tasks: list[str] = field(default_factory=lambda: ["variable_tracking", "multi_key", "frequent_words"])
-    trials: int = 3
-    max_drop_points: float | None = 10.0
+    trials: int = 3  # seeded prompts per task and length
+    max_drop_points: float | None = 10.0  # drop in each task's accuracy, percentage points
 
 
 @dataclass
@@ -94,50 +96,50 @@ class LatencyPolicy:
     """``blocking: auto`` (the default) decides on a GPU and only reports on a CPU, where a shared machine's speed
     drifts more than the limit (:func:`resolve_blocking`); ``true``/``false`` say so whatever the device."""
 
-    enabled: bool = True
-    blocking: Any = "auto"  # true | false | auto
-    prompt_tokens: int = 128
-    new_tokens: int = 16
-    repeats: int = 7
-    warmup: int = 1
-    max_ttft_ratio: float | None = None
-    max_tpot_ratio: float | None = 1.05
+    enabled: bool = True  # run this layer (a layer left out of gate.layers is off too)
+    blocking: Any = "auto"  # true | false | auto (blocks on a GPU, reports only on a CPU)
+    prompt_tokens: int = 128  # prompt length, cut from the evaluation text
+    new_tokens: int = 16  # tokens generated per timed request (at least 2)
+    repeats: int = 7  # timed requests per side
+    warmup: int = 1  # untimed requests per side first
+    max_ttft_ratio: float | None = None  # candidate time to first token ≤ this × the baseline's
+    max_tpot_ratio: float | None = 1.05  # candidate time per output token ≤ this × the baseline's
 
 
 @dataclass
 class RegistryPolicy:
-    """Read by the caller that records the verdict (``compress.tracking.record_verdict``), validated here."""
+    """Read by the caller that records the verdict (``compress.app.tracking.record_verdict``), validated here."""
 
-    register: bool = True
+    register: bool = True  # register a passing candidate as a new version in MLflow's model registry
     name: str | None = None  # default: compress-<baseline name>
     promote: bool = False  # also move the ``champion`` alias to the new version
 
 
 @dataclass
 class GatePolicy:
-    enabled: bool = True
+    enabled: bool = True  # run the gate after the compression (`compress run`)
     enforce: bool = False  # `compress run` exits 1 (block) / 3 (inconclusive) only when true (the gate command always)
-    layers: list[str] = field(default_factory=lambda: list(LAYER_ORDER))
-    confidence: float = 0.95  # of every interval a verdict is read from
+    layers: list[str] = field(default_factory=lambda: list(LAYER_ORDER))  # the layers run, in this order
+    confidence: float = 0.95  # confidence level of every interval a verdict is read from
     familywise: bool = True  # a BLOCK is read at the Bonferroni level over the blocking checks (stats.py)
-    # more kinds of text the perplexity and KL layers judge besides the evaluation text (compress.data.domain_panel)
+    # texts the perplexity and KL layers judge besides the evaluation one (compress.base.data.domain_panel)
     domains: list[str] = field(default_factory=lambda: ["code", "technical"])
     decide: bool = False  # an INCONCLUSIVE perplexity/KL verdict scores more windows until decided (up to a cap)
-    backend: str = "auto"  # one of BACKENDS
-    engine: dict[str, Any] = field(default_factory=dict)  # compress.engine.EngineConfig options
+    backend: str = "auto"  # generates for needle, JSON, long context: auto (engine if installed), engine, transformers
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the engine backend's settings (compress.engine)
     kv_cache_dtype: str | None = None  # null: the candidate's kv_cache_scheme, else the model dtype
-    seed: int = 0
+    seed: int = 0  # seeds the generated prompts of the needle and long-context layers
     models_in_memory: int = 1  # 1: baseline measured and freed before the candidate loads; 2: both, latency interleaved
     experiment: str = "compress"  # MLflow experiment of gate-only runs (read by compress.commands.gate)
     cache_dir: str | None = None  # baseline references for the KL layer (null: <artifacts>/cache/gate-references)
-    perplexity: PerplexityPolicy = field(default_factory=PerplexityPolicy)
-    kl: KLPolicy = field(default_factory=KLPolicy)
-    lm_eval: LmEvalPolicy = field(default_factory=LmEvalPolicy)
-    json: JsonPolicy = field(default_factory=JsonPolicy)
-    needle: NeedlePolicy = field(default_factory=NeedlePolicy)
-    long_context: LongContextPolicy = field(default_factory=LongContextPolicy)
-    latency: LatencyPolicy = field(default_factory=LatencyPolicy)
-    registry: RegistryPolicy = field(default_factory=RegistryPolicy)
+    perplexity: PerplexityPolicy = field(default_factory=PerplexityPolicy)  # perplexity ratio on the evaluation text
+    kl: KLPolicy = field(default_factory=KLPolicy)  # KL divergence of the next-token distributions
+    lm_eval: LmEvalPolicy = field(default_factory=LmEvalPolicy)  # accuracy on lm-eval tasks, paired per item
+    json: JsonPolicy = field(default_factory=JsonPolicy)  # valid and schema-compliant JSON replies
+    needle: NeedlePolicy = field(default_factory=NeedlePolicy)  # retrieving a key hidden in a long prompt
+    long_context: LongContextPolicy = field(default_factory=LongContextPolicy)  # multi-hop synthetic tasks
+    latency: LatencyPolicy = field(default_factory=LatencyPolicy)  # time to first token and per output token
+    registry: RegistryPolicy = field(default_factory=RegistryPolicy)  # what happens to a passing candidate
 
 
 BLOCKING_AUTO = "auto"
@@ -162,18 +164,18 @@ def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
         raise CompressError(f"gate.layers has unknown layers {unknown}; choose from {LAYER_ORDER}")
     if resolved.backend not in BACKENDS:
         raise CompressError(f"gate.backend={resolved.backend!r} is unknown; use {', '.join(BACKENDS)}")
-    from compress.engine.config import EngineConfig
-
-    try:
-        typed(EngineConfig, resolved.engine, "gate.engine")  # a typo here is a usage error, not a BLOCK later
-    except (TypeError, ValueError) as error:
-        raise CompressError(f"gate.engine: {error}") from None
+    engine_kv = resolved.engine.kv_cache_dtype
+    if engine_kv != "auto":
+        raise CompressError(
+            f"gate.engine.kv_cache_dtype={engine_kv}: the gate's KV-cache dtype is one key for both backends; "
+            f"set gate.kv_cache_dtype={engine_kv} instead"
+        )
     from compress.evals.long_context import TASKS
 
     unknown_tasks = sorted(set(resolved.long_context.tasks) - set(TASKS))
     if unknown_tasks:
         raise CompressError(f"gate.long_context.tasks has unknown tasks {unknown_tasks}; choose from {list(TASKS)}")
-    from compress.data import domain_panel
+    from compress.base.data import domain_panel
 
     unknown_domains = sorted(set(resolved.domains) - set(domain_panel()))
     if unknown_domains:

@@ -37,7 +37,7 @@ class GateResult:
     backend: str
     kv_cache_dtype: str | None
     policy: dict
-    registry: dict | None = None  # filled in by whoever records the verdict (compress.tracking.record_verdict)
+    registry: dict | None = None  # filled in by whoever records the verdict (compress.app.tracking.record_verdict)
     mlflow_run_id: str | None = None
     files: list[Path] = field(default_factory=list)  # what this gate wrote: gate.json, gate.md, plots
 

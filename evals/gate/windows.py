@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from compress.base.paths import artifacts_dir
 from compress.evals.divergence import (
     DivergenceMeter,
     ReferenceRecorder,
@@ -39,7 +40,6 @@ from compress.evals.gate.context import GateContext, Subject
 from compress.evals.gate.policy import GatePolicy
 from compress.evals.gate.stats import INCONCLUSIVE
 from compress.evals.perplexity import PerplexityResult, available_windows, evaluation_windows, resident_perplexity
-from compress.paths import artifacts_dir
 
 
 def spread_order(count: int) -> list[int]:

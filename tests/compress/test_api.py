@@ -9,9 +9,9 @@ import yaml
 from helpers import build_tiny_llama, build_tiny_model, build_tiny_tokenizer
 
 from compress import oneshot
+from compress.base.errors import CompressError
 from compress.checkpoint import load_checkpoint
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.stages.lora import save_adapter
 from tests.compress.stages.test_lora import _random_factors
 

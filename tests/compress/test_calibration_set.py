@@ -9,13 +9,13 @@ import pytest
 import torch
 from helpers import build_tiny_llama, build_tiny_model, build_tiny_tokenizer
 
-from compress import calibration_set as module
 from compress.__main__ import main
 from compress.api import oneshot
-from compress.calibration_set import calibration_set, sampled_windows
-from compress.data import DataSpec
-from compress.errors import CompressError
-from compress.models import load
+from compress.base.data import DataSpec
+from compress.base.errors import CompressError
+from compress.model import calibration_set as module
+from compress.model.calibration_set import calibration_set, sampled_windows
+from compress.model.sources import load
 
 TEXT = " ".join(f"word{i % 37}" for i in range(3000))
 
@@ -119,7 +119,7 @@ def test_the_rotation_and_awq_recipes_calibrate_on_samples_until_the_user_names_
     """rotate_gptq_int4, rotate_gptq_int3, awq_int4 and awq_int4_kv_int8 ship with `data: sampled` (the figures
     docs/results.md measured with data.generated=1.0); any data option a user names replaces the whole group, so
     their text is not silently ignored for samples."""
-    from compress.recipe import compose, resolve_shortcuts
+    from compress.app.recipe import compose, resolve_shortcuts
 
     corpus = tmp_path / "mine.jsonl"
     corpus.write_text(json.dumps({"text": "my own workload"}) + "\n")
@@ -133,7 +133,7 @@ def test_the_rotation_and_awq_recipes_calibrate_on_samples_until_the_user_names_
 
 def test_awq_int4_kv_int8_quantizes_the_weights_exactly_as_awq_int4():
     """Its name promises awq_int4 plus an int8 KV cache: the same weight stage, the same calibration."""
-    from compress.recipe import compose
+    from compress.app.recipe import compose
 
     with_kv, plain = compose("awq_int4_kv_int8"), compose("awq_int4")
     assert with_kv.stages[0] == plain.stages[0] and with_kv.data == plain.data

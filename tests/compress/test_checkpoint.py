@@ -6,9 +6,9 @@ from compressed_tensors.quantization import QuantizationConfig
 from helpers import build_tiny_llama
 from transformers import AutoModelForCausalLM
 
+from compress.base.errors import CompressError
 from compress.checkpoint import load_checkpoint, save_checkpoint
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.formats import QuantizedLinear
 from tests.reliability.faults import injected
 

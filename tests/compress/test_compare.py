@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
+from compress.app.tracking import RunLog, experiment_id, tracking_uri
 from compress.commands import compare
-from compress.tracking import RunLog, experiment_id, tracking_uri
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_bad_argument_is_a_usage_error(argument, message, capsys):
 def test_search_trials_are_squares_coloured_by_their_verdict(store):
     from matplotlib.colors import to_rgba
 
-    from compress.tracking import tracking_uri
+    from compress.app.tracking import tracking_uri
 
     parent = RunLog(tracking_uri(), "compress", "search", tags={"compress.kind": "search"})
     for number, (size, ppl, passed) in enumerate([(60.0, 30.0, 0.0), (75.0, 22.0, 1.0)], start=1):

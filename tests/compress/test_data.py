@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from compress.data import DataSpec, calibration_samples, load_corpus, pieces
-from compress.errors import CompressError
+from compress.base.data import DataSpec, calibration_samples, load_corpus, pieces
+from compress.base.errors import CompressError
 
 
 def test_pydoc_split_is_disjoint_deterministic_and_about_the_fraction():
@@ -58,9 +58,9 @@ def test_calibration_windows_are_seeded_and_non_overlapping():
 
 
 def test_the_domain_panel_ships_offline_and_never_overlaps_a_calibration_source():
-    """The gate's kinds of text (compress.data.domain_panel): code and technical prose come with Python itself;
+    """The gate's kinds of text (compress.base.data.domain_panel): code and technical prose come with Python itself;
     none of their evaluation pieces is a piece of pydoc's topics (the shipped calibration source)."""
-    from compress.data import documents, domain_panel, load_corpus, pieces
+    from compress.base.data import documents, domain_panel, load_corpus, pieces
 
     pydoc = {piece for document in documents(DataSpec()) for piece in pieces(document)}
     panel = domain_panel()

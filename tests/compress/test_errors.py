@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from compress.errors import interruption
-from compress.signals import Terminated
+from compress.base.errors import interruption
+from compress.base.signals import Terminated
 
 
 def test_an_error_raised_while_the_interrupt_propagated_is_traced_back_to_it():

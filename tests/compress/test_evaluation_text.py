@@ -8,7 +8,7 @@ import json
 import pytest
 
 from compress.__main__ import main
-from compress.data import DataSpec, documents, load_corpus, out_of_domain
+from compress.base.data import DataSpec, documents, load_corpus, out_of_domain
 
 SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "stages.0.group_size=32"]
 

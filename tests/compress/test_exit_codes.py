@@ -1,16 +1,16 @@
-"""One exit-code table for every command (``compress.errors.ExitCode``): CI can tell a blocked checkpoint (1) from a
-typo (2), an undecided gate (3), a machine or store that failed (4) and a kill (130 / 143). The verdict codes of
-run, gate and search are covered where those commands are tested; this file covers the mapping every command shares
-and the codes no other test reaches."""
+"""One exit-code table for every command (``compress.base.errors.ExitCode``): CI can tell a blocked checkpoint (1) from
+a typo (2), an undecided gate (3), a machine or store that failed (4) and a kill (130 / 143). The verdict codes of run,
+gate and search are covered where those commands are tested; this file covers the mapping every command shares and the
+codes no other test reaches."""
 
 from __future__ import annotations
 
 import pytest
 
 from compress.__main__ import main
+from compress.base.errors import EXIT_CODES_HELP, CompressError, EnvironmentFailure, ExitCode
+from compress.base.signals import Terminated
 from compress.commands.exits import command_exits, exit_code_of
-from compress.errors import EXIT_CODES_HELP, CompressError, EnvironmentFailure, ExitCode
-from compress.signals import Terminated
 
 
 @pytest.mark.parametrize(

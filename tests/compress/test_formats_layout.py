@@ -1,4 +1,5 @@
-"""compress/formats/ mirrors kernels/: one module per stored format, named like the kernel module that runs it, and
+"""compress/formats/ mirrors kernels/: one module per stored format, ``<kernel>_linear.py`` beside the kernel module
+``kernels/<kernel>.py`` that runs it (a file name says its role: the linear layer, not the kernel), and
 each quantized linear prices its own storage the way the mixed-precision search predicts it."""
 
 from pathlib import Path
@@ -7,17 +8,19 @@ import torch
 from torch import nn
 
 from compress import formats
-from compress.formats import w4a16, w8a8
-from compress.quant import WeightScheme, quantize
+from compress.formats import w4a16_linear, w8a8_linear
+from compress.grids.int_grid import WeightScheme, quantize
 from compress.stages.mixed import candidate
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_format_module_is_named_after_its_kernel_module():
-    names = sorted(p.stem for p in (ROOT / "compress" / "formats").glob("*.py") if p.stem != "__init__")
-    assert names == ["fp4", "fp8_block", "w4a16", "w8a8"]
-    assert all((ROOT / "kernels" / f"{name}.py").exists() for name in names)
+    names = sorted(
+        p.stem for p in (ROOT / "compress" / "formats").glob("*.py") if p.stem not in ("__init__", "moe_experts")
+    )
+    assert names == ["fp4_linear", "fp8_block_linear", "w4a16_linear", "w8a8_linear"]
+    assert all((ROOT / "kernels" / f"{name.removesuffix('_linear')}.py").exists() for name in names)
     assert {cls.__module__ for cls in formats.QUANTIZED_LINEARS} == {f"compress.formats.{n}" for n in names}
 
 
@@ -29,5 +32,5 @@ def test_the_search_predicts_the_bits_each_module_stores():
         int4.stored_bits()
     )
     fp8 = formats.Fp8Linear.from_float(linear)
-    assert candidate("fp8").stored_bits(48, 256, dtype_bits=16) == fp8.stored_bits() == w8a8.stored_bits(48, 256)
-    assert w4a16.stored_bits(48, 256, 4, 64, 16) == 48 * (256 // 8 * 32 + 4 * 16)
+    assert candidate("fp8").stored_bits(48, 256, dtype_bits=16) == fp8.stored_bits() == w8a8_linear.stored_bits(48, 256)
+    assert w4a16_linear.stored_bits(48, 256, 4, 64, 16) == 48 * (256 // 8 * 32 + 4 * 16)

@@ -10,8 +10,8 @@ from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
 
-from compress.errors import CompressError
-from compress.fp4 import (
+from compress.base.errors import CompressError
+from compress.grids.fp4_grid import (
     e2m1_codes,
     e2m1_round,
     fake_quantize_fp4,

@@ -7,13 +7,12 @@ The third-party rules on top of the order:
 
 * ``kernels/`` and ``compress/engine/`` are the runtime a bare GPU box installs: they import the standard library,
   torch, triton, transformers, safetensors, numpy, each other, and the runtime modules ``compress.checkpoint``,
-  ``compress.formats``, ``compress.quant``, ``compress.fp4`` and ``compress.kv_quant`` (the quantized layers and KV
-  scheme a checkpoint loads into); never Hydra, MLflow, lm-eval, the pipeline or the gate.
+  ``compress.formats`` (with ``moe_experts``), the grids ``compress.grids.int_grid`` / ``fp4_grid`` / ``kv_quant``
+  (the quantized layers and KV scheme a checkpoint loads into); never Hydra, MLflow, lm-eval, the pipeline or the gate.
 * ``evals/`` may add the gate's own libraries (lm-eval, matplotlib, jsonschema, omegaconf for its policy schema,
-  tqdm) and the runtime side of ``compress`` (engine, checkpoint, models, errors, data, formats, quant, and the
-  layer-walk, memory and location helpers ``compress.models`` itself uses: calibration, memory, paths), but never
-  ``compress.pipeline``, ``compress.commands``, ``compress.tracking``, ``compress.config``, nor MLflow: the app layer
-  records the gate's verdict.
+  tqdm) and the runtime side of ``compress`` (engine, checkpoint, formats, grids, the model sources with their lazy
+  weights and layer walk, and from ``compress.base``: errors, data, typed, memory, paths), but never ``compress.app``
+  (pipeline, tracking, run config), ``compress.commands`` nor MLflow: the app layer records the gate's verdict.
 
 Each rule covers every file below its folder (``evals/gate/`` too), and the checkout's ``benchmarks/`` (not in the
 wheel) is loaded by the ``bench`` command alone.
@@ -34,21 +33,21 @@ RUNTIME_COMPRESS = {
     "compress.engine",
     "compress.checkpoint",
     "compress.formats",
-    "compress.quant",
-    "compress.kv_quant",
-    "compress.moe",
-    "compress.fp4",
-    "compress.errors",
+    "compress.grids.int_grid",
+    "compress.grids.kv_quant",
+    "compress.grids.fp4_grid",
+    "compress.base.errors",
 }
 RUNTIME_ALLOWED = RUNTIME_THIRD_PARTY | RUNTIME_COMPRESS | {"compress.kernels"}
 EVALS_ALLOWED = RUNTIME_ALLOWED | {
     "compress.evals",
-    "compress.models",
-    "compress.calibration",
-    "compress.memory",
-    "compress.paths",
-    "compress.data",
-    "compress.typed",
+    "compress.model.sources",
+    "compress.model.lazy_weights",
+    "compress.model.layer_walk",
+    "compress.base.memory",
+    "compress.base.paths",
+    "compress.base.data",
+    "compress.base.typed",
     "lm_eval",
     "matplotlib",
     "jsonschema",
@@ -58,54 +57,19 @@ EVALS_ALLOWED = RUNTIME_ALLOWED | {
 }
 
 
-# Lowest first. A module may import its own layer and those below; a new module must be placed here.
+# Lowest first, one folder (or more) per layer: the folder tree reads as this order. A module may import its own
+# layer and those below; a new folder must be placed here (a module at compress/'s root is the app's face).
 LAYERS: list[tuple[str, set[str]]] = [
-    (
-        "base",
-        {
-            "compress.errors",
-            "compress.paths",
-            "compress.typed",
-            "compress.memory",
-            "compress.distributed",
-            "compress.quant",
-            "compress.data",
-            "compress.staging",
-            "compress.signals",
-            "compress.locks",
-        },
-    ),  # fmt: skip
+    ("base", {"compress.base"}),
     ("kernels", {"compress.kernels"}),
-    ("formats", {"compress.fp4", "compress.kv_quant", "compress.sparsity", "compress.formats", "compress.moe"}),
-    (
-        "model",
-        {
-            "compress.calibration",
-            "compress.calibration_set",
-            "compress.checkpoint",
-            "compress.models",
-            "compress.engine",
-            "compress.resume",
-        },
-    ),
-    ("stages", {"compress.stages", "compress.compression", "compress.saving", "compress.model_free"}),
+    ("grids", {"compress.grids"}),
+    ("formats", {"compress.formats"}),
+    ("model", {"compress.model", "compress.checkpoint", "compress.engine"}),
+    ("stages", {"compress.stages"}),
+    ("compression", {"compress.compression"}),
     ("evals", {"compress.evals"}),
-    (
-        "app",
-        {
-            "compress.config",
-            "compress.recipe",
-            "compress.api",
-            "compress.evaluation",
-            "compress.search",
-            "compress.tracking",
-            "compress.rundir",
-            "compress.plan",
-            "compress.report",
-            "compress.pipeline",
-            "compress",
-        },
-    ),  # fmt: skip
+    ("app", {"compress.app", "compress.api", "compress"}),
+    ("search", {"compress.search"}),
     ("cli", {"compress.commands", "compress.__main__"}),
 ]
 
@@ -214,13 +178,34 @@ def test_the_order_and_cycle_checks_catch_what_they_should(tmp_path):
     for folder in ("compress", "evals", "kernels"):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "__init__.py").write_text("")
-    (tmp_path / "compress" / "errors.py").write_text("def f():\n    from compress.commands import run")
-    (tmp_path / "compress" / "commands").mkdir()
-    (tmp_path / "compress" / "commands" / "__init__.py").write_text("")
-    (tmp_path / "compress" / "commands" / "run.py").write_text("from compress import errors")
+    for package in ("base", "commands"):
+        (tmp_path / "compress" / package).mkdir()
+        (tmp_path / "compress" / package / "__init__.py").write_text("")
+    (tmp_path / "compress" / "base" / "errors.py").write_text("def f():\n    from compress.commands import run")
+    (tmp_path / "compress" / "commands" / "run.py").write_text("from compress.base import errors")
     graph = project_imports(tmp_path)
-    assert upward_imports(graph) == ["compress.errors (base) imports compress.commands.run (cli)"]
-    assert import_cycles(graph) == [["compress.commands.run", "compress.errors"]]
+    assert upward_imports(graph) == ["compress.base.errors (base) imports compress.commands.run (cli)"]
+    assert import_cycles(graph) == [["compress.base.errors", "compress.commands.run"]]
+
+
+def test_compress_root_holds_only_the_package_face():
+    """Every other module lives in the folder of its layer, so the tree reads as ``LAYERS``; a module added at the
+    root would silently land in the app layer."""
+    assert sorted(path.name for path in (ROOT / "compress").glob("*.py")) == ["__init__.py", "__main__.py", "api.py"]
+    folders = {path.parent.name for path in (ROOT / "compress").glob("*/__init__.py")}
+    declared = {member.split(".")[1] for _, members in LAYERS for member in members if member.count(".") == 1}
+    assert folders <= declared, f"declare {sorted(folders - declared)} in LAYERS"
+
+
+def test_no_two_modules_share_a_file_name():
+    """A traceback names files, not packages: four ``fp4.py`` (grid, format, kernel, stage) read as one. Each module
+    is named by its role (``grids/fp4_grid.py``, ``formats/fp4_linear.py``, ``kernels/fp4.py``,
+    ``stages/fp4_weights.py``)."""
+    seen: dict[str, list[str]] = {}
+    for path in project_modules(ROOT).values():
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
 
 
 def import_statements(path: Path) -> list[tuple[str, str | None]]:
@@ -321,9 +306,11 @@ def test_imports_point_one_way(folder, rules):
 def test_the_rules_catch_an_upward_import(tmp_path, monkeypatch):
     """The walker sees lazy imports inside functions, which is how the gate used to reach MLflow and the CLI layer."""
     (tmp_path / "evals").mkdir()
-    (tmp_path / "evals" / "bad.py").write_text("def f():\n    from compress.tracking import flatten\n    import mlflow")
+    (tmp_path / "evals" / "bad.py").write_text(
+        "def f():\n    from compress.app.tracking import flatten\n    import mlflow"
+    )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert violations("evals", EVALS_ALLOWED) == {"evals/bad.py": ["compress.tracking", "mlflow"]}
+    assert violations("evals", EVALS_ALLOWED) == {"evals/bad.py": ["compress.app.tracking", "mlflow"]}
 
 
 PLANTED = """
@@ -333,7 +320,7 @@ def _planted():
 
     from compress.commands.run import main
 
-    return main, importlib.import_module("compress.tracking")
+    return main, importlib.import_module("compress.app.tracking")
 """
 
 
@@ -341,7 +328,7 @@ def test_both_rules_catch_an_upward_import_planted_in_a_subfolder(tmp_path, monk
     """A copy of ``evals/`` (its ``gate/`` subfolder too) passes both rules as it is; with a lazy import of the CLI
     and an ``importlib`` import of MLflow's app module planted in ``gate/windows.py``, both report that file."""
     shutil.copytree(ROOT / "evals", tmp_path / "evals", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("compress/commands/__init__.py", "compress/commands/run.py", "compress/tracking.py"):
+    for name in ("compress/commands/__init__.py", "compress/commands/run.py", "compress/app/tracking.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
@@ -349,11 +336,11 @@ def test_both_rules_catch_an_upward_import_planted_in_a_subfolder(tmp_path, monk
     windows = tmp_path / "evals" / "gate" / "windows.py"
     windows.write_text(windows.read_text() + PLANTED)
     assert violations("evals", EVALS_ALLOWED) == {
-        "evals/gate/windows.py": ["compress.commands.run", "compress.tracking"]
+        "evals/gate/windows.py": ["compress.app.tracking", "compress.commands.run"]
     }
     assert upward_imports(project_imports(tmp_path)) == [
+        "compress.evals.gate.windows (evals) imports compress.app.tracking (app)",
         "compress.evals.gate.windows (evals) imports compress.commands.run (cli)",
-        "compress.evals.gate.windows (evals) imports compress.tracking (app)",
     ]
 
 
@@ -388,16 +375,16 @@ PIPELINE_USERS = {"compress/commands/run.py"}  # the CLI; its tests drive it thr
 
 
 def test_only_the_cli_and_its_run_tests_import_the_pipeline():
-    """Everything else compresses through ``compress.oneshot`` or ``compress.compression.compress_model``, so the
-    run recipe can change without breaking tests and benchmarks."""
+    """Everything else compresses through ``compress.oneshot`` or ``compress.compression.in_memory.compress_model``, so
+    the run recipe can change without breaking tests and benchmarks."""
     users = {
         str(path.relative_to(ROOT))
         for folder in ("compress", "evals", "kernels", "benchmarks", "tests")
         for path in (ROOT / folder).rglob("*.py")
-        if "compress.pipeline" in imported_modules(path)
+        if "compress.app.pipeline" in imported_modules(path)
     }
     assert users <= PIPELINE_USERS
 
 
 def test_the_run_recipe_stays_one_screenful():
-    assert len((ROOT / "compress" / "pipeline.py").read_text().splitlines()) <= 200
+    assert len((ROOT / "compress" / "app" / "pipeline.py").read_text().splitlines()) <= 200

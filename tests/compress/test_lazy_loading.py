@@ -12,12 +12,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from compress.__main__ import main
-from compress.calibration import decoder_layers
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.base.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.formats import QuantizedLinear
-from compress.models import load, materialize_all
-from compress.quant import WeightScheme, quantize
+from compress.grids.int_grid import WeightScheme, quantize
+from compress.model.layer_walk import decoder_layers
+from compress.model.lazy_weights import materialize_all
+from compress.model.sources import load
 from compress.stages import LayerContext, Stage, build_chain
 
 CPU = torch.device("cpu")

@@ -19,8 +19,8 @@ import pytest
 from cli_support import REPO, cli_env, run_statuses
 
 from compress.__main__ import main
-from compress.staging import STAGING_OWNER, sweep_stale_staging
-from compress.tracking import HOST_TAG, PID_TAG, RunLog, experiment_id
+from compress.app.tracking import HOST_TAG, PID_TAG, RunLog, experiment_id
+from compress.base.staging import STAGING_OWNER, sweep_stale_staging
 from tests.reliability.faults import injected
 
 SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "stages.0.group_size=32"]

@@ -1,5 +1,6 @@
-"""Model-free quantization (``compress.model_free``) writes, from the safetensors files alone, the checkpoint the
-layer walk writes for the same data-free recipe: same tensors, same config.json, and both loaders read it."""
+"""Model-free quantization (``compress.compression.model_free``) writes, from the safetensors files alone, the
+checkpoint the layer walk writes for the same data-free recipe: same tensors, same config.json, and both loaders read
+it."""
 
 import json
 from dataclasses import asdict
@@ -12,13 +13,13 @@ from helpers import build_tiny_llama, build_tiny_moe, build_tiny_tokenizer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from compress import model_free
+from compress.base.errors import CompressError
 from compress.checkpoint import CheckpointWriter, load_checkpoint
-from compress.compression import compress_model
-from compress.errors import CompressError
-from compress.model_free import model_free_eligible, quantize_model_free
-from compress.models import load
-from compress.saving import checkpoint_writer, write_checkpoint
+from compress.compression import model_free
+from compress.compression.in_memory import compress_model
+from compress.compression.model_free import model_free_eligible, quantize_model_free
+from compress.compression.saving import checkpoint_writer, write_checkpoint
+from compress.model.sources import load
 from compress.stages import build_chain
 from compress.stages.rtn import rtn_reference
 
@@ -191,7 +192,7 @@ def test_run_goes_model_free_when_no_evaluation_needs_the_model(tiny_model_dir, 
     """``run`` with a data-free chain and no perplexity pass says "model-free" and writes the layer walk's tensors."""
     from compress.__main__ import main
 
-    caplog.set_level("INFO", logger="compress.pipeline")
+    caplog.set_level("INFO", logger="compress.app.pipeline")
 
     common = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", "stages.0.group_size=32", "gate=none",
               "tracking.enabled=false", "eval.seq_len=64", "eval.max_windows=2", "data.seq_len=64"]  # fmt: skip

@@ -5,12 +5,12 @@ import torch
 from helpers import build_tiny_llama
 from transformers import AutoModelForCausalLM
 
+from compress.base.errors import CompressError
 from compress.checkpoint import save_checkpoint
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.formats import QuantizedLinear
-from compress.kv_quant import calibrated_kv_cache_dtype
-from compress.models import (
+from compress.grids.kv_quant import calibrated_kv_cache_dtype
+from compress.model.sources import (
     GEMMA3_PARTS,
     VERIFY_TEXT,
     ModelSpec,

@@ -14,12 +14,12 @@ from transformers import AutoModelForCausalLM
 
 from compress import oneshot
 from compress.__main__ import main
-from compress.compression import compress_model
-from compress.errors import CompressError
-from compress.paths import recipes_dir
-from compress.plan import ModelShape, Plan, Probe, estimate, model_shape
-from compress.recipe import available, compose
-from compress.resume import WalkProgress
+from compress.app.preflight import ModelShape, Plan, Probe, estimate, model_shape
+from compress.app.recipe import available, compose
+from compress.base.errors import CompressError
+from compress.base.paths import recipes_dir
+from compress.compression.in_memory import compress_model
+from compress.model.resume import WalkProgress
 from compress.stages import STAGES, Stage, build_chain
 from compress.stages.base import LayerWork
 

@@ -1,8 +1,8 @@
 """The plan prices sampled calibration windows on the device that samples them, and says in one line when sampling
 is most of the run, with the override that avoids it."""
 
-from compress.plan import Plan, Probe, estimate, model_shape
-from compress.recipe import compose
+from compress.app.preflight import Plan, Probe, estimate, model_shape
+from compress.app.recipe import compose
 from compress.stages import build_chain
 
 

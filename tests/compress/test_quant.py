@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from compress.errors import CompressError
+from compress.base.errors import CompressError
+from compress.grids.int_grid import WeightScheme, check_group_size, fake_quantize, matches, quantize
 from compress.kernels.dequant import dequantize_codes
-from compress.quant import WeightScheme, check_group_size, fake_quantize, matches, quantize
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -82,7 +82,7 @@ def test_one_dequantization_reference_for_codes_packed_layers_and_gptq(symmetric
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_all_finite_finds_one_nan_or_inf_anywhere(dtype):
-    from compress.quant import all_finite
+    from compress.grids.int_grid import all_finite
 
     weight = torch.randn(48, 80).to(dtype)
     assert all_finite(weight) and all_finite(weight[:0])

@@ -25,8 +25,8 @@ from helpers import build_tiny_llama, build_tiny_tokenizer, relative_error
 from transformers import AutoModelForCausalLM
 
 from compress import oneshot
-from compress.calibration import decoder_layers
 from compress.checkpoint import load_checkpoint
+from compress.model.layer_walk import decoder_layers
 from compress.stages.lora import read_adapter, save_adapter
 from tests.compress.stages.test_lora import _random_factors, _unmerged_logits
 

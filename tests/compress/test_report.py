@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from compress.report import Timer, peak_rss_mb
+from compress.app.run_report import Timer, peak_rss_mb
 
 
 def _touch(megabytes: int) -> None:

@@ -16,10 +16,10 @@ from cli_support import REPO, cli_env
 from safetensors.torch import load_file
 
 from compress.__main__ import main
-from compress.compression import compress_model
-from compress.locks import lock_beside
-from compress.recipe import compose
-from compress.resume import WalkProgress
+from compress.app.recipe import compose
+from compress.base.locks import lock_beside
+from compress.compression.in_memory import compress_model
+from compress.model.resume import WalkProgress
 from compress.stages import build_chain
 from tests.compress.test_distributed import torchrun
 from tests.reliability.faults import injected
@@ -44,7 +44,7 @@ RECIPES = {
 # does at that point, at a point the test can name.
 KILLED_RUN = """
 import os, signal, sys
-from compress import resume
+from compress.model import resume
 keep = resume.WalkProgress.save
 def keep_then_die(self, index, *args):
     keep(self, index, *args)
@@ -211,7 +211,7 @@ def test_every_walking_chain_resumes_to_the_same_model(recipe, tmp_path, caplog)
 
 HOLDS_THE_LOCK = """
 import sys
-from compress.locks import FileLock
+from compress.base.locks import FileLock
 lock = FileLock(sys.argv[1], "the other run's walk").acquire()
 print("held", flush=True)
 sys.stdin.readline()

@@ -21,9 +21,9 @@ from compressed_tensors.quantization.utils import calculate_qparams
 from helpers import build_tiny_llama
 from safetensors.torch import load_file
 
-from compress.calibration import decoder_layers
 from compress.checkpoint import save_checkpoint
-from compress.compression import compress_model
+from compress.compression.in_memory import compress_model
+from compress.model.layer_walk import decoder_layers
 
 GROUP = 64
 RTN_INT4 = {"type": "rtn", "bits": 4, "group_size": GROUP, "symmetric": True}  # recipes/rtn_int4.yaml's scheme

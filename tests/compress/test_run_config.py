@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from compress.__main__ import main
-from compress.config import build_run_config, check_evaluation_length
-from compress.errors import CompressError
+from compress.app.run_config import build_run_config, check_evaluation_length
+from compress.base.errors import CompressError
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_RUN = [
@@ -327,7 +327,7 @@ def test_evaluation_text_shorter_than_one_window_is_named(tiny_model_dir):
 
 def test_the_api_sets_a_stage_key_the_recipe_file_leaves_at_its_default_as_the_cli_does():
     """``oneshot(..., overrides=[...])`` takes the CLI's overrides: gptq_int4.yaml does not list input_correction."""
-    from compress.recipe import compose
+    from compress.app.recipe import compose
 
     [stage] = compose("gptq_int4", ["stages.0.input_correction=true"]).stages
     assert stage["input_correction"] is True
@@ -344,7 +344,7 @@ def copied_recipes(tmp_path: Path, monkeypatch) -> Path:
 def test_a_copied_recipe_is_named_by_its_file_name(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """Hydra picks ``recipes/<name>.yaml`` by file name; the run id, recipe.yaml, MLflow tag and report use the
     composed ``recipe``: a copy must not carry its original's name into them."""
-    from compress.recipe import compose
+    from compress.app.recipe import compose
 
     folder = copied_recipes(tmp_path, monkeypatch)
     shutil.copy(folder / "rtn_int4.yaml", folder / "my_rtn.yaml")
@@ -354,7 +354,7 @@ def test_a_copied_recipe_is_named_by_its_file_name(tiny_model_dir, tmp_path, mon
 
 
 def test_a_recipe_key_that_contradicts_the_file_name_is_one_line(tiny_model_dir, tmp_path, monkeypatch):
-    from compress.recipe import compose
+    from compress.app.recipe import compose
 
     folder = copied_recipes(tmp_path, monkeypatch)
     text = (folder / "rtn_int4.yaml").read_text().replace("stages:", "recipe: rtn_int4\nstages:", 1)

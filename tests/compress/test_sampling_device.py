@@ -9,11 +9,11 @@ import pytest
 import torch
 from helpers import build_tiny_llama
 
-from compress import calibration_set as module
 from compress.__main__ import main
 from compress.api import oneshot
-from compress.calibration_set import _sample, _sample_engine, sampled_windows, sampling_path
-from compress.models import load
+from compress.model import calibration_set as module
+from compress.model.calibration_set import _sample, _sample_engine, sampled_windows, sampling_path
+from compress.model.sources import load
 
 
 def _replayed(model, ids: torch.Tensor, generators: list[torch.Generator], batched: bool) -> torch.Tensor:

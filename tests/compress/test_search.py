@@ -17,11 +17,11 @@ from helpers import build_tiny_llama, build_tiny_moe, never_route_to, small_gate
 from transformers import AutoModelForCausalLM
 
 from compress.__main__ import main
+from compress.base.errors import CompressError
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.commands.run import validate
-from compress.compression import compress_model
+from compress.compression.in_memory import compress_model
 from compress.engine import LLM, SamplingParams
-from compress.errors import CompressError
 from compress.search import (
     Frontier,
     SearchSpec,
@@ -264,7 +264,7 @@ def test_the_closed_loop_raises_precision_after_a_block_and_the_gate_agrees(tiny
 def test_an_impossible_budget_stops_in_one_line_with_exit_1_and_every_trial_recorded(tiny_model_dir, artifacts, capsys):
     from mlflow import MlflowClient
 
-    from compress.tracking import experiment_id
+    from compress.app.tracking import experiment_id
 
     args = [
         "search",
@@ -385,7 +385,7 @@ QUICK_LAYERS = ["perplexity", "kl", "lm_eval", "json", "needle", "long_context",
 def _count_measurements(monkeypatch, model_dir) -> tuple[collections.Counter, collections.Counter]:
     """``(calls, loads)``: each gate layer's measurements by side, counted through the gate's own layer table, and
     the model loads by side, counted through its loader; both call through to the real functions."""
-    from compress.evals import loading
+    from compress.evals import sides
     from compress.evals.gate import layers as gate_layers
 
     calls: collections.Counter = collections.Counter()
@@ -397,13 +397,13 @@ def _count_measurements(monkeypatch, model_dir) -> tuple[collections.Counter, co
 
         monkeypatch.setitem(gate_layers.LAYERS, name, (counted, judge))
     loads: collections.Counter = collections.Counter()
-    real_load = loading.load_for_eval
+    real_load = sides.load_for_eval
 
     def counted_load(source):
         loads["baseline" if Path(source).resolve() == model_dir.resolve() else "candidate"] += 1
         return real_load(source)
 
-    monkeypatch.setattr(loading, "load_for_eval", counted_load)
+    monkeypatch.setattr(sides, "load_for_eval", counted_load)
     return calls, loads
 
 
@@ -460,9 +460,9 @@ def test_a_gate_given_kept_baseline_measures_measures_no_baseline_layer_again(
     another text starts afresh."""
     import shutil
 
-    from compress.data import DataSpec, load_corpus
+    from compress.base.data import DataSpec, load_corpus
     from compress.evals.gate import run_gate
-    from compress.evals.gate.run import BaselineMeasures
+    from compress.evals.gate.runner import BaselineMeasures
 
     candidate = shutil.copytree(tiny_model_dir, tmp_path / "candidate")
     calls, loads = _count_measurements(monkeypatch, tiny_model_dir)

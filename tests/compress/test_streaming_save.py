@@ -9,8 +9,8 @@ from helpers import build_tiny_llama, build_tiny_moe
 from safetensors.torch import load_file
 
 from compress.checkpoint import CheckpointWriter, load_checkpoint, save_checkpoint
-from compress.compression import compress_model
-from compress.saving import write_checkpoint
+from compress.compression.in_memory import compress_model
+from compress.compression.saving import write_checkpoint
 from compress.stages import build_chain
 
 GPTQ_KV = [{"type": "gptq", "bits": 4, "group_size": 32}, {"type": "kv_cache", "dtype": "int8"}]

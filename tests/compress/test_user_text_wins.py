@@ -11,9 +11,9 @@ import torch
 
 from compress import api
 from compress.__main__ import main
-from compress.data import tokenize
-from compress.models import load
-from compress.recipe import compose
+from compress.app.recipe import compose
+from compress.base.data import tokenize
+from compress.model.sources import load
 
 SAMPLING_RECIPES = ("awq_int4", "rotate_gptq_int4", "rotate_gptq_int3", "awq_int4_kv_int8")
 SMALL = ["data.num_samples=3", "data.seq_len=16"]

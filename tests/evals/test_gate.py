@@ -12,11 +12,11 @@ import pytest
 import torch
 from helpers import pydoc_tokenizer, save, scale_by_noise, small_gate_policy, tiny_model_for
 
+from compress.app.tracking import tracking_uri
+from compress.base.data import DataSpec, load_corpus
+from compress.base.errors import CompressError
 from compress.commands import gate as gate_command
-from compress.data import DataSpec, load_corpus
-from compress.errors import CompressError
 from compress.evals.gate import run_gate
-from compress.tracking import tracking_uri
 
 
 def client():
@@ -223,10 +223,10 @@ def test_the_gate_holds_as_many_models_as_its_policy_allows(checkpoints, tmp_pat
     import gc
     import weakref
 
-    from compress.evals import loading
+    from compress.evals import sides
 
     alive, most_alive = [], [0]
-    real_load = loading.load_for_eval
+    real_load = sides.load_for_eval
 
     def counting_load(source):
         gc.collect()
@@ -235,7 +235,7 @@ def test_the_gate_holds_as_many_models_as_its_policy_allows(checkpoints, tmp_pat
         most_alive[0] = max(most_alive[0], sum(ref() is not None for ref in alive))
         return model, tokenizer
 
-    monkeypatch.setattr(loading, "load_for_eval", counting_load)
+    monkeypatch.setattr(sides, "load_for_eval", counting_load)
     policy = small_gate_policy(models_in_memory)
     texts = load_corpus(DataSpec()).evaluation
     result = run_gate(checkpoints["base"], checkpoints["base"], policy, tmp_path, evaluation_texts=texts)
@@ -259,7 +259,7 @@ def test_a_baseline_with_another_tokenizer_is_refused_before_any_evaluation(chec
     KL meaningless, and could pass. One line naming both tokenizers, the usage-error code, no model loaded."""
     from helpers import build_tiny_tokenizer
 
-    from compress.evals import loading
+    from compress.evals import sides
 
     other = build_tiny_tokenizer(vocab_size=400)
     baseline = save(tiny_model_for(other), other, tmp_path / "other-family")
@@ -267,9 +267,9 @@ def test_a_baseline_with_another_tokenizer_is_refused_before_any_evaluation(chec
     def no_loading(source):
         raise AssertionError(f"loaded {source} although the baseline could not be judged against")
 
-    monkeypatch.setattr(loading, "load_for_eval", no_loading)
+    monkeypatch.setattr(sides, "load_for_eval", no_loading)
     texts = load_corpus(DataSpec()).evaluation
-    with pytest.raises(loading.MismatchedTokenizers, match=r"vocabularies differ \(384 and 400 tokens\)"):
+    with pytest.raises(sides.MismatchedTokenizers, match=r"vocabularies differ \(384 and 400 tokens\)"):
         run_gate(checkpoints["base"], baseline, {"layers": ["perplexity"]}, tmp_path / "d", evaluation_texts=texts)
     out = tmp_path / "gate"
     code = gate_command.main([f"checkpoint={checkpoints['base']}", f"baseline={baseline}", "gate=quick", f"out={out}"])
@@ -278,7 +278,7 @@ def test_a_baseline_with_another_tokenizer_is_refused_before_any_evaluation(chec
 
 
 def test_tokenizers_with_one_vocabulary_but_other_splits_are_told_apart():
-    from compress.evals.loading import MismatchedTokenizers, check_same_tokenization
+    from compress.evals.sides import MismatchedTokenizers, check_same_tokenization
 
     tokenizer = pydoc_tokenizer()
     check_same_tokenization(tokenizer, pydoc_tokenizer(), "def f(x):\n    return x")

@@ -14,7 +14,7 @@ from helpers import pydoc_tokenizer, save, tiny_model_for
 
 from compress.checkpoint import save_checkpoint
 from compress.commands import gate as gate_command
-from compress.compression import compress_model
+from compress.compression.in_memory import compress_model
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import pytest
 
 from compress.evals.gate import checks, stats
 from compress.evals.gate.policy import resolve_policy
-from compress.evals.gate.run import blocking_checks
+from compress.evals.gate.runner import blocking_checks
 from compress.evals.gate.windows import spread_order
 
 
@@ -100,7 +100,7 @@ def test_each_domain_of_the_panel_adds_its_window_checks_to_the_family():
 
 
 def test_an_unknown_domain_is_refused_naming_the_choices():
-    from compress.errors import CompressError
+    from compress.base.errors import CompressError
 
     with pytest.raises(CompressError, match=r"gate.domains has unknown domains \['poetry'\]; choose from .*code"):
         resolve_policy({"domains": ["poetry"]})

@@ -12,7 +12,7 @@ from compress.evals.generation import TransformersGenerator
 from compress.evals.json_grammar import DONE, completion, parse_prefix
 from compress.evals.json_validity import PROMPTS, evaluate_json, extract_object
 from compress.evals.needle import NEEDLE, haystack, retrieved
-from compress.kv_quant import fake_quantize_kv
+from compress.grids.kv_quant import fake_quantize_kv
 
 VALID = ['{"a": [1, -2.5e+3, true, null, {"b": "x\\u00e9\\n"}], "c": {}}', "{}", '{ "k" : [ ] }', '{"n": 0.5E-2}']
 INVALID = ["[1]", '{"a": 01}', '{"a": }', "{,}", '{"a": 1,}', '{"a" 1}', '{"a": tru}', '{"a": 1]', '{"a": -}', "{} x"]

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 from helpers import pydoc_tokenizer, save, tiny_model_for
 
+from compress.app.run_report import verdict_line
+from compress.base.data import DataSpec, load_corpus
+from compress.base.errors import CompressError
 from compress.commands.gate import load_policy
-from compress.data import DataSpec, load_corpus
-from compress.errors import CompressError
 from compress.evals.gate import run_gate
 from compress.evals.gate.layers import layer_blocking
 from compress.evals.gate.policy import resolve_blocking, resolve_policy
-from compress.report import verdict_line
 
 
 @pytest.mark.parametrize(

@@ -58,8 +58,8 @@ def test_stored_passes_are_used_only_for_the_same_checkpoint_baseline_text_and_p
 
     import torch
 
+    from compress.app.stored_passes import find_passes, write_passes
     from compress.evals.gate.policy import resolve_policy
-    from compress.stored_passes import find_passes, write_passes
 
     run, baseline, other = tmp_path / "run", tmp_path / "baseline", tmp_path / "other"
     for folder in (run / "checkpoint", baseline, other):

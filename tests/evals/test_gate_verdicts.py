@@ -14,9 +14,9 @@ import pytest
 import torch
 from helpers import pydoc_tokenizer, save, scale_by_noise, tiny_model_for
 
+from compress.base.data import DataSpec, load_corpus
 from compress.commands.gate import load_policy
-from compress.data import DataSpec, load_corpus
-from compress.evals import loading
+from compress.evals import sides
 from compress.evals.divergence import DivergenceMeter, ReferenceRecorder, coarse_kl
 from compress.evals.gate import run_gate, stats
 from compress.evals.gate.checks import drop_check, ratio_check
@@ -115,7 +115,7 @@ def test_coarse_kl_is_a_lower_bound_of_the_full_kl_and_zero_for_equal_distributi
 
 
 def test_kl_is_measured_in_the_perplexity_pass_without_changing_the_perplexity(tokenizer, texts):
-    from compress.data import tokenize
+    from compress.base.data import tokenize
 
     ids = tokenize(tokenizer, "\n\n".join(texts))
     baseline, candidate = tiny_model_for(tokenizer), scale_by_noise(tiny_model_for(tokenizer), strength=0.5)
@@ -193,8 +193,8 @@ def test_a_second_gate_reads_the_cached_reference_and_never_loads_the_baseline(p
     first = run_gate(pair["candidate"], pair["baseline"], policy, tmp_path / "first", evaluation_texts=texts)
     assert first.layer("kl").metrics["candidate"]["reference_cached"] is None
     loaded = []
-    real_load = loading.load_for_eval
-    monkeypatch.setattr(loading, "load_for_eval", lambda source: loaded.append(source) or real_load(source))
+    real_load = sides.load_for_eval
+    monkeypatch.setattr(sides, "load_for_eval", lambda source: loaded.append(source) or real_load(source))
     second = run_gate(pair["candidate"], pair["baseline"], policy, tmp_path / "second", evaluation_texts=texts)
     assert loaded == [pair["candidate"]]  # the baseline's windows came from the cache
     assert Path(second.layer("kl").metrics["candidate"]["reference_cached"]).is_file()
@@ -209,7 +209,7 @@ def test_passes_the_caller_measured_are_judged_before_any_model_loads(pair, toke
     later layers, which are skipped."""
     from transformers import AutoModelForCausalLM
 
-    from compress.data import tokenize
+    from compress.base.data import tokenize
 
     ids = tokenize(tokenizer, "\n\n".join(texts))
     measured = {
@@ -217,7 +217,7 @@ def test_passes_the_caller_measured_are_judged_before_any_model_loads(pair, toke
         for side in ("baseline", "candidate")
     }
     loaded = []
-    monkeypatch.setattr(loading, "load_for_eval", lambda source: loaded.append(source))
+    monkeypatch.setattr(sides, "load_for_eval", lambda source: loaded.append(source))
     # six windows side by side: read one by one here (block_windows=1), two blocks of four would decide nothing
     policy = {
         "layers": ["perplexity", "json"], "backend": "transformers", "domains": [],
@@ -261,8 +261,8 @@ def test_the_policy_defaults_are_the_default_gate():
     KL limit was 0.1 where default.yaml says 0.05)."""
     from omegaconf import OmegaConf
 
+    from compress.base.paths import recipes_dir
     from compress.evals.gate.policy import GatePolicy, policy_dict, resolve_policy
-    from compress.paths import recipes_dir
 
     default = OmegaConf.to_container(OmegaConf.load(recipes_dir() / "gate" / "default.yaml"))
     assert policy_dict(resolve_policy(default)) == policy_dict(GatePolicy())

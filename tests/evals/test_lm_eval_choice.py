@@ -12,7 +12,7 @@ import pytest
 import yaml
 from helpers import pydoc_tokenizer, tiny_model_for
 
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.evals.lm_eval_tasks import (
     BENCHMARK_DIR,
     CHOICE_TASK,

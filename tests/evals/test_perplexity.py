@@ -5,9 +5,9 @@ import pytest
 import torch
 from helpers import build_tiny_llama, build_tiny_model, build_tiny_moe, build_tiny_tokenizer
 
-from compress.calibration import decoder_layers, fp32_compute, restore_dtypes, upcast
-from compress.data import open_with, window_start_token
+from compress.base.data import open_with, window_start_token
 from compress.evals.perplexity import HEAD_CHUNK, perplexity, streamed_perplexity
+from compress.model.layer_walk import decoder_layers, fp32_compute, restore_dtypes, upcast
 
 
 def test_fp32_compute_one_layer_at_a_time_equals_widening_the_whole_model():
@@ -93,7 +93,7 @@ def test_a_lazily_loaded_model_is_scored_layer_by_layer_as_the_whole_model_score
     """The streamed evaluation holds one decoder layer at a time, leaves the model lazy for the walk after it, and
     gives the perplexity of the whole model computed in fp32 (gemma2: soft-capped logits; bf16 storage widened)."""
     from compress.evals.perplexity import can_stream, stored_model_perplexity
-    from compress.models import load
+    from compress.model.sources import load
 
     build_tiny_model(family).to(dtype).save_pretrained(tmp_path, safe_serialization=True)
     lazy, _ = load(tmp_path)
@@ -117,9 +117,9 @@ def test_a_lazily_loaded_model_is_scored_layer_by_layer_as_the_whole_model_score
 def test_a_lazy_model_compressed_in_place_is_scored_with_its_layers_kept_and_stays_usable(tmp_path):
     """A lazily loaded model quantized by the walk (the RTN reference off the streamed path): its layers are no longer
     the file's, so they must not be dropped (that would lose them, and re-reading would bring back dense weights)."""
-    from compress.compression import compress_model
+    from compress.compression.in_memory import compress_model
     from compress.evals.perplexity import can_stream, stored_model_perplexity
-    from compress.models import load
+    from compress.model.sources import load
 
     build_tiny_llama(seed=5).save_pretrained(tmp_path, safe_serialization=True)
     model, _ = load(tmp_path)
@@ -136,9 +136,9 @@ def test_a_reference_quantized_layer_by_layer_as_streamed_scores_as_the_whole_qu
     """The run's round-to-nearest reference: each layer is quantized on a copy as the streamed evaluation reads it.
     Its perplexity is the whole RTN-compressed model's, and neither the compressed model nor any read layer is left
     in memory (the model stays lazy)."""
-    from compress.compression import compress_model
+    from compress.compression.in_memory import compress_model
     from compress.evals.perplexity import stored_model_perplexity
-    from compress.models import load
+    from compress.model.sources import load
     from compress.stages.rtn import RTNConfig, RTNStage
 
     build_tiny_llama(seed=5).to(dtype).save_pretrained(tmp_path, safe_serialization=True)
@@ -161,7 +161,7 @@ def test_a_checkpoint_in_memory_is_scored_layer_by_layer_as_its_whole_forward_sc
     """The run's candidate, loaded whole from its checkpoint: evaluated layer-major (never a whole-model forward,
     whose per-batch heap use cost ~300 MB more on the default model), with the whole forward's perplexity."""
     from compress.checkpoint import load_checkpoint, save_checkpoint
-    from compress.compression import compress_model
+    from compress.compression.in_memory import compress_model
     from compress.evals.perplexity import stored_model_perplexity
 
     model = build_tiny_llama(seed=4)

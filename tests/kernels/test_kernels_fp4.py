@@ -4,7 +4,7 @@ codes per byte, fp16 activations, ragged M/N/K tails against the plain-torch ref
 import pytest
 import torch
 
-from compress.fp4 import quantize_mxfp4, quantize_nvfp4
+from compress.grids.fp4_grid import quantize_mxfp4, quantize_nvfp4
 from compress.kernels.accuracy import relative_error
 from compress.kernels.fp4 import dequantize_fp4_reference, fp4_linear, fp4_linear_reference, pack_fp4
 

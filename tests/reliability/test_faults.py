@@ -19,9 +19,9 @@ from cli_support import REPO, cli_env, run_statuses
 from helpers import build_tiny_tokenizer, tiny_model_for
 from safetensors.torch import load_file, save_file
 
-from compress.locks import FileLock, lock_beside
-from compress.resume import progress_folder
-from compress.staging import STAGING_OWNER
+from compress.base.locks import FileLock, lock_beside
+from compress.base.staging import STAGING_OWNER
+from compress.model.resume import progress_folder
 from tests.reliability.faults import injected
 
 SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "stages.0.group_size=32"]
@@ -108,7 +108,7 @@ def test_damaged_and_mistaken_inputs_fail_in_one_line_and_write_nothing(tiny_mod
     run = ["run", "recipe=rtn_int4", *SMALL, *QUIET]
     cases = {
         "truncated config.json": ([*run, f"model={truncated}"], "config.json is not valid JSON"),
-        "corrupt safetensors": ([*run, f"model={corrupt}"], "cannot load model"),
+        "corrupt safetensors": ([*run, f"model={corrupt}"], "is corrupt or truncated"),
         "NaN weights": ([*run, f"model={nan}"], "non-finite values (NaN/inf)"),
         "recipe key typo": ([*run, f"model={tiny_model_dir}", "stages.0.gruop_size=32"], "did you mean 'group_size'"),
         "pattern matching nothing": (
@@ -182,7 +182,7 @@ def test_ctrl_c_ends_a_run_with_130_and_leaves_nothing(tiny_model_dir, tmp_path)
 
 RUN_PAUSED_IN_ITS_WALK = """
 import sys
-from compress import resume
+from compress.model import resume
 keep = resume.WalkProgress.save
 def keep_then_wait(self, index, *args):
     keep(self, index, *args)

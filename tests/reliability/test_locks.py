@@ -1,5 +1,6 @@
-"""OS file locks between runs (``compress.locks``), each held by a real second process: the waiter says so in one line
-and then finds the holder's work; a lock dies with its holder; a removed lock file is never shared by two holders."""
+"""OS file locks between runs (``compress.base.locks``), each held by a real second process: the waiter says so in one
+line and then finds the holder's work; a lock dies with its holder; a removed lock file is never shared by two
+holders."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from pathlib import Path
 import torch
 from cli_support import REPO, cli_env
 
-from compress.errors import CompressError
-from compress.locks import FileLock, lock_beside
+from compress.base.errors import CompressError
+from compress.base.locks import FileLock, lock_beside
 from tests.reliability.faults import injected
 
 HOLDER = """
 import sys
 from pathlib import Path
-from compress.locks import FileLock
+from compress.base.locks import FileLock
 lock = FileLock(sys.argv[1], "a test").acquire()
 print("held", flush=True)
 sys.stdin.readline()  # the test says when to let go
@@ -110,7 +111,7 @@ def test_a_second_writer_of_one_checkpoint_name_waits_then_refuses_in_one_line(t
 SAMPLES = """
 import sys, torch
 from transformers import AutoModelForCausalLM
-from compress import calibration_set
+from compress.model import calibration_set
 sample = calibration_set._sample
 def announced(*args):
     print("sampling", flush=True)

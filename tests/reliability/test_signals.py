@@ -1,7 +1,7 @@
-"""Ctrl-C and SIGTERM are never lost (``compress.signals``). The signal is delivered at each phase boundary of a real
-run, inside a finalizer, where Python prints the handler's exception and carries on: the run still ends with 130 /
-143, its MLflow run KILLED and nothing published. Seen before the fix: a Ctrl-C during the candidate's evaluation
-ended the run with exit 0 and a published run folder, stderr closing in ``KeyboardInterrupt:``."""
+"""Ctrl-C and SIGTERM are never lost (``compress.base.signals``). The signal is delivered at each phase boundary of a
+real run, inside a finalizer, where Python prints the handler's exception and carries on: the run still ends with 130 /
+143, its MLflow run KILLED and nothing published. Seen before the fix: a Ctrl-C during the candidate's evaluation ended
+the run with exit 0 and a published run folder, stderr closing in ``KeyboardInterrupt:``."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from cli_support import REPO, cli_env, run_statuses
 
+from compress.app.run_report import Timer
+from compress.base.signals import Interrupted, Terminated, pending, signals_recorded
+from compress.base.staging import STAGING_OWNER, make_staging, publish
 from compress.commands.run import main as run_main
-from compress.report import Timer
-from compress.signals import Interrupted, Terminated, pending, signals_recorded
-from compress.staging import STAGING_OWNER, make_staging, publish
 from tests.reliability.faults import injected
 
 SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=2", "stages.0.group_size=32"]
@@ -68,7 +68,7 @@ def signal_at(monkeypatch, phase: str, signum: int) -> Iterator[None]:
     """Deliver ``signum`` inside a finalizer in the middle of ``phase`` (a ``Timer`` phase of the run, or
     ``publish``: after the run folder's files are flushed, right before its rename)."""
     if phase == "publish":
-        import compress.staging as staging
+        import compress.base.staging as staging
 
         flush = staging._fsync_folder
 
@@ -210,7 +210,7 @@ def test_a_signal_after_the_rename_still_ends_the_command(tmp_path):
 CTRL_C_IN_A_FINALIZER = """
 import signal, sys
 from contextlib import contextmanager
-from compress.report import Timer
+from compress.app.run_report import Timer
 
 class SignalsWhenCollected:
     def __del__(self):

@@ -202,7 +202,7 @@ def test_bad_requests_fail_with_a_fix():
 def test_cpu_dense_weights_off_keeps_no_dense_copy_and_decodes_the_same(dense_copies):
     """``cpu_dense_weights=false`` (the quick gate's setting): the quantized linears dequantize per call instead of
     keeping a dense copy (the dense model's memory), with the same greedy tokens."""
-    from compress.compression import compress_model
+    from compress.compression.in_memory import compress_model
     from compress.formats import QuantizedLinear
 
     model = wide_init_model()

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from compress.engine.block_manager import BlockManager
-from compress.engine.config import EngineConfig
+from compress.engine.engine_config import EngineConfig
 from compress.engine.scheduler import Scheduler
 from compress.engine.sequence import SamplingParams, Sequence, SequenceStatus
 

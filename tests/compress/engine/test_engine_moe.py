@@ -7,9 +7,9 @@ import torch
 from helpers import MOE_FAMILIES, build_tiny_moe
 
 from compress.checkpoint import load_checkpoint, save_checkpoint
-from compress.compression import compress_model
+from compress.compression.in_memory import compress_model
 from compress.formats import QuantizedLinear
-from compress.moe import UnfusedExperts
+from compress.formats.moe_experts import UnfusedExperts
 from tests.compress.engine.test_engine_families import assert_engine_matches_transformers, prompts
 
 SAMPLES = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(0))

@@ -5,13 +5,13 @@ import pytest
 import torch
 from helpers import wide_init_model
 
+from compress.base.errors import CompressError
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.engine import LLM, SamplingParams
-from compress.errors import CompressError
 from compress.evals.generation import TransformersGenerator
-from compress.evals.loading import kv_cache_dtype_of
+from compress.evals.sides import kv_cache_dtype_of
+from compress.grids.kv_quant import KVCacheScheme, calibrated_kv_cache_dtype, calibrated_kv_unused, set_scales
 from compress.kernels.dtypes import KV_CACHE_DTYPES
-from compress.kv_quant import KVCacheScheme, calibrated_kv_cache_dtype, calibrated_kv_unused, set_scales
 from tests.compress.engine.test_engine import GREEDY, engine, prompts
 
 SHORT = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -176,8 +176,9 @@ def _gate_generator(model, requested: str) -> TransformersGenerator | None:
 
 @pytest.mark.parametrize("requested", ["auto", *KV_CACHE_DTYPES])
 def test_engine_and_gate_generator_answer_every_kv_cache_dtype_request_alike(models_by_calibration, requested):
-    """One rule (compress.kv_quant.resolve_kv_cache_dtype) for both runtimes: the gate used to refuse a float cache
-    on a KV-calibrated checkpoint that the engine ran, so the gate could not measure what the engine would serve."""
+    """One rule (compress.grids.kv_quant.resolve_kv_cache_dtype) for both runtimes: the gate used to refuse a float
+    cache on a KV-calibrated checkpoint that the engine ran, so the gate could not measure what the engine would
+    serve."""
     for calibrated, model in models_by_calibration.items():
         engine_says = _engine_answer(model, requested)
         generator = _gate_generator(model, requested)

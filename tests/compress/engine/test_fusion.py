@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import wide_init_model
 
-from compress.compression import compress_model
+from compress.compression.in_memory import compress_model
 from compress.engine import LLM, SamplingParams
 from compress.engine.fusion import FusedProjections, fuse_sibling_projections
 from compress.formats import QuantizedLinear

@@ -6,10 +6,10 @@ import pytest
 import torch
 from helpers import build_tiny_llama, build_tiny_tokenizer
 
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.base.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.formats import QuantizedLinear
-from compress.sparsity import mask_of
+from compress.grids.sparsity import mask_of
 from compress.stages import build_chain
 from compress.stages.distill import mean_kl
 

@@ -12,11 +12,11 @@ import torch
 from helpers import FAMILIES, build_tiny_model, relative_error
 from transformers import AutoModelForCausalLM
 
-from compress.calibration import decoder_layers
+from compress.base.errors import CompressError
 from compress.checkpoint import load_checkpoint, save_checkpoint
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.formats import QuantizedLinear
+from compress.model.layer_walk import decoder_layers
 from compress.stages import LayerContext, build_chain
 from compress.stages.lora import read_adapter, save_adapter
 from compress.stages.mappings import previous_width

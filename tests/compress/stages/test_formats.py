@@ -11,15 +11,15 @@ from compressed_tensors.quantization import preset_name_to_scheme
 from helpers import build_tiny_llama
 from transformers import AutoModelForCausalLM
 
+from compress.base.errors import CompressError
 from compress.checkpoint import load_checkpoint, save_checkpoint
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.formats import Fp4Linear, Fp8BlockLinear
+from compress.grids.int_grid import WeightScheme
 from compress.kernels.backend import use_backend
 from compress.kernels.fp4 import pack_fp4
-from compress.quant import WeightScheme
 from compress.stages import build_chain
-from compress.stages.fp4 import Fp4Grid, rtn_fp4
+from compress.stages.fp4_weights import Fp4Grid, rtn_fp4
 from compress.stages.gptq import gptq_quantize
 
 CPU = torch.device("cpu")

@@ -5,9 +5,9 @@ import torch
 from helpers import build_tiny_llama, relative_error
 from transformers import AutoModelForCausalLM
 
+from compress.base.errors import CompressError
 from compress.checkpoint import load_checkpoint, save_checkpoint
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.formats import Fp8Linear
 from compress.stages import build_chain
 

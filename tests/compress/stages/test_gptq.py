@@ -4,10 +4,10 @@ import pytest
 import torch
 from helpers import build_tiny_llama
 
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.base.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.formats import QuantizedLinear
-from compress.quant import WeightScheme, fake_quantize, quantize
+from compress.grids.int_grid import WeightScheme, fake_quantize, quantize
 from compress.stages import build_chain
 from compress.stages.gptq import CLIP_RATIOS, _group_params, cholesky_inverse_upper, gptq_quantize
 
@@ -122,7 +122,7 @@ def test_bad_dampening_is_a_config_error():
 def test_quantization_recipes_build_legal_chains(recipe):
     import yaml
 
-    from compress.paths import recipes_dir
+    from compress.base.paths import recipes_dir
 
     stages = build_chain(yaml.safe_load((recipes_dir() / f"{recipe}.yaml").read_text())["stages"])
     assert stages and sum(s.quantizes_weights for s in stages) <= 1
@@ -131,7 +131,8 @@ def test_quantization_recipes_build_legal_chains(recipe):
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_clip_search_picks_per_row_the_ratio_with_least_hessian_weighted_error(symmetric, dtype):
-    """Against a plain search: quantize at each ratio with compress.quant.quantize, dequantize, score every row."""
+    """Against a plain search: quantize at each ratio with compress.grids.int_grid.quantize, dequantize, score every
+    row."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 32, generator=generator) * torch.rand(48, 1, generator=generator)
     x = torch.randn(256, 32, generator=generator)
@@ -168,7 +169,7 @@ class _OneLinear(torch.nn.Module):
 def test_input_correction_targets_the_least_squares_weight_for_the_full_precision_output():
     """W′ = W C H̃⁻¹ solves min ‖W′ X̃ − W X‖²: its residual is orthogonal to X̃ (the normal equations); when the two
     inputs agree, W′ = W."""
-    from compress.calibration import LayerInputs
+    from compress.model.layer_walk import LayerInputs
     from compress.stages.cross_moments import CrossMoments
 
     generator = torch.Generator().manual_seed(0)

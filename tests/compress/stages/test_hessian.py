@@ -6,10 +6,10 @@ import pytest
 import torch
 from helpers import FAMILIES, build_tiny_llama, build_tiny_model
 
-from compress.calibration import capture_first_layer_inputs, decoder_layers, run_layer
-from compress.errors import CompressError
-from compress.quant import WeightScheme, fake_quantize
-from compress.sparsity import NMPattern
+from compress.base.errors import CompressError
+from compress.grids.int_grid import WeightScheme, fake_quantize
+from compress.grids.sparsity import NMPattern
+from compress.model.layer_walk import capture_first_layer_inputs, decoder_layers, run_layer
 from compress.stages import LayerContext
 from compress.stages.gptq import gptq_quantize
 from compress.stages.hessian import (

@@ -5,10 +5,10 @@ import torch
 from helpers import build_tiny_llama
 from transformers import AutoModelForCausalLM
 
+from compress.base.errors import CompressError
 from compress.checkpoint import load_checkpoint, save_checkpoint
-from compress.compression import compress_model
-from compress.errors import CompressError
-from compress.kv_quant import KVCacheScheme, fake_quantize_kv
+from compress.compression.in_memory import compress_model
+from compress.grids.kv_quant import KVCacheScheme, fake_quantize_kv
 from compress.stages import build_chain
 
 CPU = torch.device("cpu")

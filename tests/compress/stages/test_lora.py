@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import build_tiny_llama
 
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.base.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.stages import build_chain
 from compress.stages.lora import read_adapter, save_adapter
 
@@ -128,7 +128,7 @@ def test_merge_must_come_before_pruning_and_quantization():
 def test_lora_merge_awq_int4_quantizes_the_merged_weights_as_awq_int4():
     """The same AWQ stage as the headline recipe; calibration stays on text (a model's own samples would come from
     the base model, before its adapters are merged)."""
-    from compress.recipe import compose
+    from compress.app.recipe import compose
 
     merged = compose("lora_merge_awq_int4", ["stages.0.adapters=[adapter]"])
     assert [stage["type"] for stage in merged.stages] == ["lora_merge", "awq"]

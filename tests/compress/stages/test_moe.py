@@ -10,12 +10,12 @@ from helpers import MOE_FAMILIES, build_tiny_deepseek_v3, build_tiny_moe, never_
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
 
+from compress.base.errors import CompressError
 from compress.checkpoint import load_checkpoint, save_checkpoint
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.formats import Fp8Linear, Int8Linear, QuantizedLinear
-from compress.moe import UnfusedExperts, unfuse_experts
-from compress.sparsity import mask_of
+from compress.formats.moe_experts import UnfusedExperts, unfuse_experts
+from compress.grids.sparsity import mask_of
 from compress.stages import LayerContext, build_chain
 from compress.stages.mappings import layer_mappings, previous_width
 

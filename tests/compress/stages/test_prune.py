@@ -4,12 +4,12 @@ import pytest
 import torch
 from helpers import build_tiny_llama
 
-from compress.calibration import decoder_layers
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.base.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.formats import QuantizedLinear
-from compress.quant import WeightScheme, quantize
-from compress.sparsity import NMPattern, attach_mask, carry_mask, mask_of, nm_keep_mask
+from compress.grids.int_grid import WeightScheme, quantize
+from compress.grids.sparsity import NMPattern, attach_mask, carry_mask, mask_of, nm_keep_mask
+from compress.model.layer_walk import decoder_layers
 from compress.stages import build_chain
 
 CPU = torch.device("cpu")

@@ -11,9 +11,9 @@ from helpers import FAMILIES, build_tiny_model
 from transformers import AutoModelForCausalLM
 
 from compress import oneshot
-from compress.compression import compress_model
-from compress.errors import CompressError
-from compress.recipe import compose
+from compress.app.recipe import compose
+from compress.base.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.stages.rotate import hadamard_matrix, orthogonal
 
 VOCAB = 320

@@ -4,15 +4,15 @@ import pytest
 import torch
 from helpers import build_tiny_llama, relative_error
 
-from compress.calibration import decoder_layers
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.base.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.formats import Fp4Linear, QuantizedLinear
-from compress.fp4 import e2m1_codes
+from compress.grids.fp4_grid import e2m1_codes
+from compress.grids.int_grid import WeightScheme, quantize
 from compress.kernels.fp4 import pack_fp4
-from compress.quant import WeightScheme, quantize
+from compress.model.layer_walk import decoder_layers
 from compress.stages import build_chain
-from compress.stages.fp4 import Fp4Grid, Fp4Layers, rtn_fp4
+from compress.stages.fp4_weights import Fp4Grid, Fp4Layers, rtn_fp4
 from compress.stages.gptq import gptq_quantize
 from compress.stages.signround import LearnedFp4Rounding, LearnedRounding
 
@@ -28,8 +28,8 @@ def _logits(model, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_untrained_parameters_export_exactly_round_to_nearest(symmetric, dtype):
-    """V = 0 and no clipping is RTN: same codes, scales and zero points as compress.quant.quantize, and the weight
-    the module trains with is the one its export stores."""
+    """V = 0 and no clipping is RTN: same codes, scales and zero points as compress.grids.int_grid.quantize, and the
+    weight the module trains with is the one its export stores."""
     linear = torch.nn.Linear(64, 24, bias=False)
     scheme = WeightScheme(4, 32, symmetric)
     module = LearnedRounding.nearest(linear, scheme, dtype)
@@ -93,7 +93,7 @@ def test_fp4_activations_are_refused_before_any_work():
 @pytest.mark.parametrize(("fmt", "group"), [("nvfp4", 16), ("mxfp4", 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp4_untrained_parameters_export_exactly_round_to_nearest(fmt, group, dtype):
-    """On the e2m1 grid too: V = 0 and no clipping is RTN's codes and scales (compress.stages.fp4.rtn_fp4), and
+    """On the e2m1 grid too: V = 0 and no clipping is RTN's codes and scales (compress.stages.fp4_weights.rtn_fp4), and
     after training the weight the module computes with is the one its export stores."""
     linear = torch.nn.Linear(64, 24, bias=False)
     with torch.no_grad():
@@ -201,7 +201,7 @@ def test_the_next_layer_is_fed_by_the_refined_layer_not_by_gptq():
     """Starting from GPTQ, GPTQ's walk leaves its own outputs in the context; the refined layer differs, and feeding
     the next layer GPTQ's outputs made each layer correct an upstream error the final model no longer has (x1.8
     perplexity on the default model before this was fixed)."""
-    from compress.calibration import capture_first_layer_inputs, run_layer
+    from compress.model.layer_walk import capture_first_layer_inputs, run_layer
     from compress.stages.base import LayerContext
 
     model = build_tiny_llama()

@@ -5,11 +5,11 @@ import torch
 from helpers import build_tiny_llama
 from transformers import AutoModelForCausalLM
 
-from compress.calibration import decoder_layers
+from compress.base.errors import CompressError
 from compress.checkpoint import load_checkpoint, save_checkpoint
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.formats import Int8Linear
+from compress.model.layer_walk import decoder_layers
 from compress.stages import build_chain
 
 CPU = torch.device("cpu")

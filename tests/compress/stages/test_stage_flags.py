@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from compress.errors import CompressError
+from compress.base.errors import CompressError
 from compress.stages import STAGES, Stage, build_chain
 
 

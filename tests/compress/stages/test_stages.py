@@ -2,10 +2,10 @@ import pytest
 import torch
 from helpers import build_tiny_llama
 
-from compress.calibration import capture_first_layer_inputs, decoder_layers
-from compress.compression import compress_model
-from compress.errors import CompressError
+from compress.base.errors import CompressError
+from compress.compression.in_memory import compress_model
 from compress.formats import QuantizedLinear
+from compress.model.layer_walk import capture_first_layer_inputs, decoder_layers
 from compress.stages import LayerContext, build_chain
 from compress.stages.mappings import layer_mappings
 

@@ -1,0 +1,1 @@
+"""The application: run configuration, recipes, the run pipeline, plan, reports, tracking."""

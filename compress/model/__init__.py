@@ -1,0 +1,1 @@
+"""Models: loading (lazily, layer by layer), the layer walk's helpers, calibration windows, resume, MoE."""
