@@ -10,6 +10,7 @@ from compress.base.errors import CompressError
 from compress.checkpoint import load_checkpoint, save_checkpoint
 from compress.compression.in_memory import compress_model
 from compress.formats import QuantizedLinear
+from tests.reliability.faults import injected
 
 
 def _quantized(symmetric: bool, bits: int = 4):
@@ -69,6 +70,7 @@ def test_save_refuses_existing_folder_and_leaves_no_partial_output(tmp_path, mon
     with pytest.raises(OSError, match="No space left"):
         save_checkpoint(model, None, tmp_path / "new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+    injected("disk full", "the checkpoint writer's copy (ENOSPC raised in it)", "refused", "raised, no partial output")
 
 
 def test_corrupt_safetensors_gives_one_clear_error(tmp_path):

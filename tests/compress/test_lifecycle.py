@@ -21,6 +21,7 @@ from cli_support import REPO, cli_env, run_statuses
 from compress.__main__ import main
 from compress.app.tracking import HOST_TAG, PID_TAG, RunLog, experiment_id
 from compress.base.staging import STAGING_OWNER, sweep_stale_staging
+from tests.reliability.faults import injected
 
 SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "stages.0.group_size=32"]
 PERPLEXITY_GATE = ["gate=quick", "gate.layers=[perplexity]"]
@@ -70,6 +71,8 @@ def test_sigterm_removes_the_staging_folder_and_marks_the_run_killed(tiny_model_
     assert "Traceback" not in err
     assert [p.name for p in (artifacts / "runs").iterdir()] in ([], [".progress"])  # progress: kept to resume from
     assert run_statuses(artifacts / "mlflow.db") == ["KILLED"]
+    detail = "dies of SIGTERM, no traceback, no staging left, MLflow `KILLED`"
+    injected("SIGTERM from outside", "`run`, once its MLflow run is open", "nothing lost", detail)
 
 
 def test_stale_staging_folders_of_dead_processes_are_swept(tmp_path):
@@ -246,6 +249,9 @@ def test_unwritable_storage_fails_fast_in_one_line_without_leftovers(tiny_model_
     assert not (work / "runs").exists()  # the store was checked before any folder was made
     assert results["left_on_full_disk"] in ([], [".progress"])  # the half-written staging folder is gone; the walk's
     # progress stays, to continue from once there is room
+    detail = "exit 4, one `error:` line naming the place and the fix, no traceback, no staging left"
+    for name in expected:
+        injected("disk full" if "disk" in name else "read-only storage", name, "refused", detail)
 
 
 def test_a_run_that_loses_the_race_to_create_the_experiment_uses_the_winners(tmp_path, monkeypatch, empty_mlflow_db):

@@ -22,9 +22,11 @@ from compress.compression.in_memory import compress_model
 from compress.model.resume import WalkProgress
 from compress.stages import build_chain
 from tests.compress.test_distributed import torchrun
+from tests.reliability.faults import injected
 
 LAYERS = 4
 KILL_AFTER = 1  # the process dies once layer 1's progress is on disk: the re-run resumes at layer 2
+RESUMED = "the re-run resumes at the next layer and ends with the tensors of a run never stopped"
 QUICK = [
     "data.num_samples=4",
     "data.seq_len=64",
@@ -120,6 +122,7 @@ def test_a_killed_run_resumes_at_the_next_layer_and_ends_with_the_same_checkpoin
 
     assert main(["run", *args, "resume=false", f"output.dir={artifacts / 'uninterrupted'}"]) == 0
     assert_same_checkpoint(artifacts / "runs", artifacts / "uninterrupted")
+    injected("SIGKILL inside the layer walk", f"{recipe}, after layer {KILL_AFTER} is kept", "resumed", RESUMED)
 
 
 def test_a_killed_moe_run_resumes_with_every_expert_equal(moe_model, artifacts, caplog):
@@ -129,6 +132,7 @@ def test_a_killed_moe_run_resumes_with_every_expert_equal(moe_model, artifacts, 
     assert f"resuming at layer {KILL_AFTER + 1}/" in caplog.text
     assert main(["run", *args, "resume=false", f"output.dir={artifacts / 'uninterrupted'}"]) == 0
     assert_same_checkpoint(artifacts / "runs", artifacts / "uninterrupted")
+    injected("SIGKILL inside the layer walk", f"gptq on a MoE, after layer {KILL_AFTER} is kept", "resumed", RESUMED)
 
 
 def test_a_changed_recipe_starts_over_and_says_why(four_layer_model, artifacts, caplog):

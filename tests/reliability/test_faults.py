@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from compress.base.locks import FileLock, lock_beside
 from compress.base.staging import STAGING_OWNER
 from compress.model.resume import progress_folder
+from tests.reliability.faults import injected
 
 SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "stages.0.group_size=32"]
 QUIET = ["gate=none", "tracking.enabled=false"]
@@ -32,11 +33,12 @@ def compress_process(artifacts: Path, *args: str, stderr=subprocess.PIPE) -> sub
     return subprocess.Popen(command, cwd=REPO, env=cli_env(artifacts), stdout=subprocess.PIPE, stderr=stderr, text=True)
 
 
-def wait_for(condition, process: subprocess.Popen, what: str, seconds: float = 180) -> None:
-    deadline = time.monotonic() + seconds
+def wait_for(condition, process: subprocess.Popen, what: str) -> None:
+    """Until ``condition`` holds; fails as soon as ``process`` ends without it. No deadline (nor on the waits for a
+    process to end below): under load a run takes what it takes, and 180 s / 300 s limits failed runs that were only
+    slow (docs/reliability.md, under load). A process that hangs is the CI job's timeout to catch."""
     while not condition():
-        assert process.poll() is None, (what, process.communicate())
-        assert time.monotonic() < deadline, f"{what} never happened"
+        assert process.poll() is None, (f"{what} never happened", process.communicate())
         time.sleep(0.02)
 
 
@@ -57,12 +59,15 @@ def test_sigkill_at_seeded_points_leaves_nothing_that_looks_finished(tiny_model_
         wait_for(lambda: any(runs.glob(f".*/{STAGING_OWNER}")), process, "a staging folder")
         time.sleep(delay)
         process.kill()
-        process.wait(timeout=60)
+        process.wait()
         for folder in finished_runs(runs):
             assert (folder / "report.json").is_file() and (folder / "checkpoint" / "size.json").is_file()
             AutoModelForCausalLM.from_pretrained(folder / "checkpoint")
     assert subprocess.run([sys.executable, "-m", "compress", *args], cwd=REPO, env=cli_env(artifacts)).returncode == 0
     assert not any(runs.glob(f".*/{STAGING_OWNER}"))  # the dead runs' staging folders were swept
+    detail = "a whole run folder (report, a checkpoint transformers loads) or only a staging folder the next run sweeps"
+    injected("SIGKILL from outside", "a run, at seeded times after its staging folder appears", "nothing lost", detail,
+             times=3)  # fmt: skip
 
 
 def test_sigterm_during_the_gate_ends_its_mlflow_run_killed_and_writes_no_verdict(tiny_model_dir, tmp_path):
@@ -76,10 +81,12 @@ def test_sigterm_during_the_gate_ends_its_mlflow_run_killed_and_writes_no_verdic
     )  # fmt: skip
     wait_for(lambda: run_statuses(artifacts / "mlflow.db") == ["RUNNING"], process, "the gate's MLflow run")
     process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=120)
+    _, err = process.communicate()
     assert process.returncode == -signal.SIGTERM, err[-3000:]
     assert run_statuses(artifacts / "mlflow.db") == ["KILLED"]
     assert not (out / "gate.json").exists()  # CI cannot read the old PASS as this gate's verdict
+    detail = "dies of SIGTERM, MLflow `KILLED`, the old verdict removed and no new one"
+    injected("SIGTERM from outside", "`gate`, once its MLflow run is open", "nothing lost", detail)
 
 
 def test_damaged_and_mistaken_inputs_fail_in_one_line_and_write_nothing(tiny_model_dir, tmp_path):
@@ -116,7 +123,7 @@ def test_damaged_and_mistaken_inputs_fail_in_one_line_and_write_nothing(tiny_mod
     artifacts_of = {name: tmp_path / f"artifacts-{name.replace(' ', '-')}" for name in cases}
     processes = {name: compress_process(artifacts_of[name], *args) for name, (args, _) in cases.items()}  # at once:
     for name, process in processes.items():  # each spends its seconds importing, so two cores run two at a time
-        _, stderr = process.communicate(timeout=300)
+        _, stderr = process.communicate()
         message, artifacts = cases[name][1], artifacts_of[name]
         errors = [line for line in stderr.splitlines() if line.startswith("error:")]
         assert process.returncode == 2, (name, stderr[-2000:])
@@ -124,6 +131,8 @@ def test_damaged_and_mistaken_inputs_fail_in_one_line_and_write_nothing(tiny_mod
         assert "Traceback" not in stderr, name
         assert finished_runs(artifacts / "runs") == [] and not any((artifacts / "runs").glob(".*")), name
         assert not (tmp_path / "gate" / "gate.json").exists(), name
+        detail = "exit 2, one `error:` line, no traceback, nothing written"
+        injected("damaged or mistaken input", name, "refused", detail)
 
 
 def test_two_runs_into_one_artifacts_folder_and_store_both_complete(tiny_model_dir, tmp_path, empty_mlflow_db):
@@ -133,11 +142,13 @@ def test_two_runs_into_one_artifacts_folder_and_store_both_complete(tiny_model_d
     args = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", *SMALL, "gate=none"]
     processes = [compress_process(artifacts, *args) for _ in range(2)]
     for process in processes:
-        _, err = process.communicate(timeout=300)
+        _, err = process.communicate()
         assert process.returncode == 0, err[-3000:]
     runs = finished_runs(artifacts / "runs")
     assert len(runs) == 2 and all((run / "report.json").is_file() for run in runs)
     assert run_statuses(artifacts / "mlflow.db") == ["FINISHED", "FINISHED"]
+    detail = "both exit 0, two run folders, both MLflow runs `FINISHED`"
+    injected("two identical runs started together", "one artifacts folder and MLflow store", "nothing lost", detail)
 
 
 def checkpoint_tensors(run: Path) -> dict:
@@ -160,11 +171,13 @@ def test_ctrl_c_ends_a_run_with_130_and_leaves_nothing(tiny_model_dir, tmp_path)
             wait_for(lambda: "waiting for the layer walk's progress" in stderr.read_text(), process, "the lock wait")
             assert any(runs.glob(f".*/{STAGING_OWNER}"))
             process.send_signal(signal.SIGINT)
-            process.communicate(timeout=120)
+            process.communicate()
         assert process.returncode in (130, -signal.SIGINT), stderr.read_text()[-3000:]
         assert held.descriptor is not None  # the run never had the lock
     assert finished_runs(runs) == [] and not any(runs.glob(f".*/{STAGING_OWNER}"))
     assert [path.name for path in runs.glob(".*")] == [".progress"] and not any((runs / ".progress").iterdir())
+    detail = "exit 130, nothing published, no staging left"
+    injected("SIGINT from outside (Ctrl-C)", "a run waiting at its progress lock", "nothing lost", detail)
 
 
 RUN_PAUSED_IN_ITS_WALK = """
@@ -196,8 +209,8 @@ def test_a_second_identical_run_waits_for_the_first_and_both_publish_the_same_ch
         with second_err.open("w") as err2:
             second = compress_process(artifacts, *args, stderr=err2)
             wait_for(lambda: "waiting for the layer walk's progress" in second_err.read_text(), second, "the wait")
-            first.communicate("go\n", timeout=300)
-            second.communicate(timeout=300)
+            first.communicate("go\n")
+            second.communicate()
     assert first.returncode == 0, first_err.read_text()[-3000:]
     assert second.returncode == 0, second_err.read_text()[-3000:]
     waits = [line for line in second_err.read_text().splitlines() if "waiting for" in line]
@@ -207,3 +220,5 @@ def test_a_second_identical_run_waits_for_the_first_and_both_publish_the_same_ch
     tensors, expected = checkpoint_tensors(one), checkpoint_tensors(other)
     assert tensors.keys() == expected.keys() and all(torch.equal(tensors[k], expected[k]) for k in expected)
     assert not (runs / ".progress").exists()  # the last run to publish removed it
+    detail = "the second waits (one line), then both exit 0 with identical checkpoint tensors"
+    injected("two identical runs, one inside its walk", "the progress folder's lock", "waited", detail)

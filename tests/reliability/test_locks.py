@@ -14,6 +14,7 @@ from cli_support import REPO, cli_env
 
 from compress.base.errors import CompressError
 from compress.base.locks import FileLock, lock_beside
+from tests.reliability.faults import injected
 
 HOLDER = """
 import sys
@@ -69,6 +70,7 @@ def test_a_lock_dies_with_its_holder(tmp_path):
     assert lock.try_acquire()
     lock.release()
     assert not path.exists()  # the last holder removes its file
+    injected("a lock holder killed (SIGKILL)", "`FileLock`", "nothing lost", "the lock is free at once")
 
 
 def test_a_waiter_whose_lock_file_was_removed_locks_the_new_one(tmp_path, caplog):
@@ -78,13 +80,15 @@ def test_a_waiter_whose_lock_file_was_removed_locks_the_new_one(tmp_path, caplog
     process = holder(path)
     thread, outcome = in_thread(lambda: FileLock(path, "x").acquire())
     until_waiting(thread, caplog)
-    process.communicate("go\n", timeout=60)
-    thread.join(timeout=60)
+    process.communicate("go\n")
+    thread.join()
     [lock] = outcome
     assert lock.descriptor is not None and path.exists()
     assert not FileLock(path, "x").try_acquire()  # one holder
     lock.release()
     assert caplog.text.count("waiting for") == 1
+    detail = "the waiter locks the new file: one holder"
+    injected("a lock file removed while another process waits", "`FileLock`", "waited", detail)
 
 
 def test_a_second_writer_of_one_checkpoint_name_waits_then_refuses_in_one_line(tmp_path, caplog):
@@ -95,11 +99,13 @@ def test_a_second_writer_of_one_checkpoint_name_waits_then_refuses_in_one_line(t
     thread, outcome = in_thread(lambda: CheckpointWriter(target))
     until_waiting(thread, caplog)
     assert "waiting for the checkpoint name" in caplog.text
-    process.communicate("go\n", timeout=60)  # it publishes its checkpoint and lets go
-    thread.join(timeout=60)
+    process.communicate("go\n")  # it publishes its checkpoint and lets go
+    thread.join()
     [error] = outcome
     assert isinstance(error, CompressError) and "already exists" in str(error)
     assert [path.name for path in tmp_path.iterdir()] == ["checkpoint"]  # no staging folder, no lock left
+    detail = "the second waits, then is refused in one line; no staging folder or lock left"
+    injected("two writers of one checkpoint name", "`CheckpointWriter`", "refused", detail)
 
 
 SAMPLES = """
@@ -134,11 +140,13 @@ def test_two_runs_sampling_one_calibration_cache_entry_sample_it_once(tiny_model
     while "waiting for the calibration cache entry" not in line:
         assert line, "the second never waited"
         line = second.stderr.readline()
-    first.communicate("go\n", timeout=120)
-    out, err = second.communicate("go\n", timeout=120)
+    first.communicate("go\n")
+    out, err = second.communicate("go\n")
     assert first.returncode == 0 and second.returncode == 0, err[-3000:]
     assert "sampling" not in out  # read from the cache, not sampled again
     assert torch.equal(torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt"))
+    detail = "the second waits, then reads the first's windows: sampled once"
+    injected("two samplers of one calibration cache entry", "`sampled_windows`", "waited", detail)
 
 
 def test_a_lock_this_process_left_held_is_taken_over_not_waited_for(tmp_path):
@@ -149,3 +157,5 @@ def test_a_lock_this_process_left_held_is_taken_over_not_waited_for(tmp_path):
     assert left.descriptor is None and taken.descriptor is not None
     taken.release()
     assert not path.exists()
+    detail = "taken over, not waited for"
+    injected("a lock left held by failed work in this process", "`FileLock`", "nothing lost", detail)

@@ -20,9 +20,13 @@ from compress.app.run_report import Timer
 from compress.base.signals import Interrupted, Terminated, pending, signals_recorded
 from compress.base.staging import STAGING_OWNER, make_staging, publish
 from compress.commands.run import main as run_main
+from tests.reliability.faults import injected
 
 SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=2", "stages.0.group_size=32"]
 RUN_PHASES = ["data", "load_model", "eval_baseline", "compress", "save", "eval_candidate", "publish"]
+PLACES = {"publish": "before the run folder's rename"}  # where a phase's name alone does not say
+KILLED_130 = "exit 130, nothing published, no staging left, MLflow `KILLED`"
+KILLED_143 = "exit 143, nothing published, MLflow `KILLED`"
 dropped: list[int] = []  # signals whose exception was raised inside a finalizer (and dropped there by Python)
 
 
@@ -104,6 +108,7 @@ def test_a_ctrl_c_swallowed_by_a_finalizer_at_each_phase_ends_the_run_killed(
     runs = artifacts / "runs"
     assert published(runs) == [] and not any(runs.glob(f".*/{STAGING_OWNER}"))
     assert run_statuses(default_mlflow_store) == ["KILLED"]
+    injected("SIGINT raised inside a finalizer", PLACES.get(phase, phase), "nothing lost", KILLED_130)
 
 
 @pytest.mark.parametrize("phase", ["compress", "publish"])
@@ -117,6 +122,7 @@ def test_a_sigterm_swallowed_by_a_finalizer_ends_the_run_killed(
     assert code == 143
     assert published(artifacts / "runs") == []
     assert run_statuses(default_mlflow_store) == ["KILLED"]
+    injected("SIGTERM raised inside a finalizer", PLACES.get(phase, phase), "nothing lost", KILLED_143)
 
 
 def test_a_signal_while_the_mlflow_run_is_created_ends_it_killed(
@@ -135,6 +141,7 @@ def test_a_signal_while_the_mlflow_run_is_created_ends_it_killed(
     assert run_main(["recipe=rtn_int4", f"model={tiny_model_dir}", *SMALL, "gate=none"]) == 130
     assert run_statuses(default_mlflow_store) == ["KILLED"]
     assert published(artifacts / "runs") == []
+    injected("SIGINT while the MLflow run is created", "`run`", "nothing lost", "exit 130, that run `KILLED`")
 
 
 def test_the_gate_command_opens_its_mlflow_run_inside_its_guard(tiny_model_dir, artifacts, monkeypatch, tmp_path):
@@ -154,6 +161,8 @@ def test_the_gate_command_opens_its_mlflow_run_inside_its_guard(tiny_model_dir, 
     assert gate_main([f"checkpoint={tiny_model_dir}", f"baseline={tiny_model_dir}", *gate]) == 130
     assert run_statuses(artifacts / "mlflow.db") == ["KILLED"]
     assert not (tmp_path / "gate" / "gate.json").exists()
+    detail = "exit 130, that run `KILLED`, no verdict"
+    injected("SIGINT while the MLflow run is created", "`gate`", "nothing lost", detail)
 
 
 @pytest.mark.parametrize("signum, stop", [(signal.SIGINT, Interrupted), (signal.SIGTERM, Terminated)])
@@ -170,6 +179,10 @@ def test_a_signal_dropped_by_a_finalizer_stops_at_the_next_phase_quietly(signum,
     assert reported == []  # the user sees no traceback for a signal they sent
     with timer.phase("later"):  # handled: a later run in this process is not stopped by it
         pass
+    detail = "stopped at the next phase boundary, no `Exception ignored` print"
+    sigint = signum == signal.SIGINT
+    injected("SIGINT dropped by a finalizer" if sigint else "SIGTERM dropped by a finalizer", "between two phases",
+             "nothing lost", detail)  # fmt: skip
 
 
 def test_a_signal_dropped_before_the_rename_publishes_nothing(tmp_path):
@@ -180,6 +193,7 @@ def test_a_signal_dropped_before_the_rename_publishes_nothing(tmp_path):
         publish(staging, tmp_path / "checkpoint")
     assert dropped == [signal.SIGINT]
     assert not (tmp_path / "checkpoint").exists()
+    injected("SIGINT dropped by a finalizer", "`publish`, before its rename", "nothing lost", "nothing published")
 
 
 def test_a_signal_after_the_rename_still_ends_the_command(tmp_path):
@@ -189,6 +203,8 @@ def test_a_signal_after_the_rename_still_ends_the_command(tmp_path):
         publish(staging, tmp_path / "checkpoint")
         signal_inside_a_finalizer(signal.SIGINT)
     assert (tmp_path / "checkpoint").is_dir()
+    detail = "published whole, the signal still raised"
+    injected("SIGINT dropped by a finalizer", "`publish`, after its rename", "nothing lost", detail)
 
 
 CTRL_C_IN_A_FINALIZER = """
@@ -223,9 +239,11 @@ def test_a_process_whose_ctrl_c_lands_in_a_finalizer_exits_130(tiny_model_dir, t
     args = ["run", "recipe=rtn_int4", f"model={tiny_model_dir}", *SMALL, "gate=none"]
     command = [sys.executable, "-c", CTRL_C_IN_A_FINALIZER, *args]
     env = cli_env(artifacts)
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)  # no deadline: see wait_for
     assert done.returncode == 130, done.stderr[-3000:]
     assert "interrupted by signal" in done.stderr.splitlines()[-1]
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
     assert published(artifacts / "runs") == []
     assert run_statuses(artifacts / "mlflow.db") == ["KILLED"]
+    detail = "exit 130 (was 0 and a published run), one `interrupted:` line, no traceback, `KILLED`"
+    injected("SIGINT inside a finalizer, real process", "eval_candidate", "nothing lost", detail)

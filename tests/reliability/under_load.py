@@ -1,0 +1,212 @@
+"""Run the reliability tests several times in a row while a CPU burner keeps every core busy, and record the outcome
+(passes per run, durations, the failing tests by name, the command, date, CPU and load) in
+benchmarks/results/reliability-under-load.md, whose summary docs/reliability.md carries between its markers.
+
+    python -m tests.reliability.under_load [--runs 5] [--label after] [--burners N] [-- extra pytest args]
+
+Each label keeps its own JSON (benchmarks/results/reliability-under-load-<label>.json); the Markdown shows them all,
+so a 'before' (the flakes found) and an 'after' (the fixes) sit side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
+MARKDOWN = RESULTS / "reliability-under-load.md"
+DOC = REPO / "docs" / "reliability.md"
+BEGIN, END = "<!-- under-load:begin (tests/reliability/under_load.py) -->", "<!-- under-load:end -->"
+# the tests that start processes, signal, lock and kill (test_faults_table.py beside them only reads files)
+TESTS = ["tests/reliability/test_faults.py", "tests/reliability/test_locks.py", "tests/reliability/test_signals.py"]
+PYTEST = ["-q", "-p", "no:cacheprovider", "-n", "auto", "--maxprocesses", "4"]  # as `make test` runs them
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def outcomes(junit: Path) -> list[dict]:
+    """One entry per test case of a pytest junit XML: its id, seconds and outcome (passed/failed/error/skipped)."""
+    cases = []
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        kind = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+        message = next((child.get("message", "") for child in case if child.tag in ("failure", "error")), "")
+        module = case.get("classname", "").replace(".", "/")
+        cases.append(
+            {"test": f"{module}.py::{case.get('name')}", "seconds": float(case.get("time", 0)), "outcome": kind}
+            | ({"message": message[:2000]} if message else {})
+        )
+    return cases
+
+
+def one_run(index: int, extra: list[str], scratch: Path) -> dict:
+    junit = scratch / f"run-{index}.xml"
+    command = [sys.executable, "-m", "pytest", *PYTEST, *extra, f"--junitxml={junit}", *TESTS]
+    load, start = os.getloadavg()[0], time.monotonic()
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if not junit.exists():
+        print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
+    return summarised(index, junit, done.returncode, time.monotonic() - start, load)
+
+
+def summarised(index: int, junit: Path, code: int, seconds: float, load: float | None) -> dict:
+    """One run's entry: passes, seconds, the load average at its start, the failed tests with their messages."""
+    cases = outcomes(junit) if junit.exists() else []
+    failed = [case for case in cases if case["outcome"] in ("failure", "error")]
+    print(f"run {index}: exit {code}, {len(cases) - len(failed)}/{len(cases)} passed, {seconds:.0f} s", flush=True)
+    for case in failed:
+        print(f"  FAILED {case['test']}: {case.get('message', '')[:200]}")
+    return {
+        "run": index,
+        "exit": code,
+        "passed": sum(case["outcome"] == "passed" for case in cases),
+        "tests": len(cases),
+        "seconds": round(seconds, 1),
+        "load_average_at_start": "?" if load is None else round(load, 2),
+        "failed": failed,
+        "slowest": sorted(cases, key=lambda case: -case["seconds"])[:3],
+    }
+
+
+def record(label: str, runs: list[dict], burners: int, command: str, planned: int, note: str) -> dict:
+    return {
+        "label": label,
+        "planned": planned,
+        "note": note,
+        "command": command,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": f"{cpu_name()}, {os.cpu_count()} cores",
+        "burner": f"python -m tests.reliability.burner --processes {burners} (pure Python spinners)",
+        "pytest": " ".join(["pytest", *PYTEST, *TESTS]),
+        "git": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip(),
+        "runs": runs,
+        "all_passed": sum(run["exit"] == 0 for run in runs),
+    }
+
+
+def cut_short(rec: dict) -> str:
+    return f" ({len(rec['runs'])} of {rec['planned']} planned)" if len(rec["runs"]) < rec["planned"] else ""
+
+
+def markdown(records: list[dict]) -> str:
+    lines = [
+        "# The reliability tests under load",
+        "",
+        "Generated by `python -m tests.reliability.under_load` (do not edit): the reliability tests run several times",
+        "in a row while a CPU burner keeps every core busy. The machine is shared, so other work ran beside it too",
+        "(the load average at each run's start says how much).",
+    ]
+    for rec in records:
+        lines += ["", f"## {rec['label']}: {rec['all_passed']}/{len(rec['runs'])} runs all green{cut_short(rec)}", ""]
+        lines += [rec["note"], ""] if rec.get("note") else []
+        lines += [f"- Command: `{rec['command']}` (git {rec['git']}), {rec['date']}", f"- CPU: {rec['cpu']}"]
+        lines += [f"- Burner: `{rec['burner']}`", f"- Each run: `{rec['pytest']}`", ""]
+        lines += ["| Run | Passed | Seconds | Load average at start | Failed |", "|---|---|---|---|---|"]
+        for run in rec["runs"]:
+            failed = "; ".join(f"`{case['test'].split('/')[-1]}`" for case in run["failed"]) or "none"
+            lines.append(
+                f"| {run['run']} | {run['passed']}/{run['tests']} | {run['seconds']:.0f} | "
+                f"{run['load_average_at_start']} | {failed} |"
+            )
+        messages = {case["test"]: case.get("message", "") for run in rec["runs"] for case in run["failed"]}
+        for test, message in messages.items():
+            first = message.splitlines()[0] if message else "(no message)"
+            lines.append(f"\n`{test}`: {first if len(first) < 240 else first[:150] + ' … ' + first[-80:]}")
+    return "\n".join(lines) + "\n"
+
+
+def summary(records: list[dict]) -> str:
+    rows = [
+        f"- **{rec['label']}** ({rec['date']}, {rec['cpu']}): {rec['all_passed']}/{len(rec['runs'])} runs all green"
+        f"{cut_short(rec)}, "
+        f"{sum(run['passed'] for run in rec['runs'])}/{sum(run['tests'] for run in rec['runs'])} tests passed, "
+        f"{min(run['seconds'] for run in rec['runs']):.0f}–{max(run['seconds'] for run in rec['runs']):.0f} s a run"
+        for rec in records
+    ]
+    return "\n".join([BEGIN, *rows, "", "Per run, the failures by name and the command: "
+                      "[benchmarks/results/reliability-under-load.md](../benchmarks/results/reliability-under-load.md).",
+                      END])  # fmt: skip
+
+
+def write_doc(records: list[dict]) -> None:
+    MARKDOWN.write_text(markdown(records))
+    text = DOC.read_text()
+    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"error: {DOC} has no {BEGIN} ... {END} section; add the two marker lines where it goes")
+    DOC.write_text(pattern.sub(lambda _: summary(records), text))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--label", default="after", help="names this batch's JSON and section (e.g. before, after)")
+    parser.add_argument("--burners", type=int, default=os.cpu_count() or 1, help="burner processes (default: cores)")
+    parser.add_argument("--note", default="", help="a sentence shown with this batch")
+    parser.add_argument(
+        "--from-junit", nargs="+", type=Path, help="record runs already made (their pytest --junitxml files) instead"
+    )
+    parser.add_argument("--render", action="store_true", help="only rewrite the Markdown from the JSONs there are")
+    args = parser.parse_args(ours)
+    if args.runs < 1 or not re.fullmatch(r"[\w-]+", args.label):
+        parser.error("--runs must be >= 1 and --label a plain word")
+    shown = [arg for i, arg in enumerate(ours) if "--note" not in (arg, ours[i - 1] if i else "")]  # the note is shown
+    command = " ".join(["python -m tests.reliability.under_load", *shown, *(["--", *extra] if extra else [])])
+    runs: list[dict] = []
+
+    def save() -> None:  # after every run: a batch cut short still records what it ran
+        rec = record(args.label, runs, args.burners, command, args.runs, args.note)
+        if args.from_junit:  # when those runs were made, not now
+            start = ElementTree.parse(args.from_junit[0]).getroot().find("testsuite").get("timestamp", "")
+            rec |= {"git": "(the note says)", "date": start[:16].replace("T", " ") + " UTC"}
+        RESULTS.joinpath(f"reliability-under-load-{args.label}.json").write_text(json.dumps(rec, indent=1) + "\n")
+        records = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("reliability-under-load-*.json"))]
+        write_doc(sorted(records, key=lambda rec: rec["label"] != "before"))  # before first
+
+    if args.render:
+        write_doc(sorted(map(json.loads, map(Path.read_text, RESULTS.glob("reliability-under-load-*.json"))),
+                         key=lambda rec: rec["label"] != "before"))  # fmt: skip
+        return 0
+    if args.from_junit:
+        for index, junit in enumerate(args.from_junit, 1):
+            suite = ElementTree.parse(junit).getroot().find("testsuite")
+            failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+            runs.append(summarised(index, junit, int(failed > 0), float(suite.get("time", 0)), None))
+        save()
+        return 0
+    burner = subprocess.Popen(
+        [sys.executable, "-m", "tests.reliability.burner", "--processes", str(args.burners), "--seconds", "14400"],
+        cwd=REPO,
+    )
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            for index in range(1, args.runs + 1):
+                runs.append(one_run(index, extra, Path(scratch)))
+                save()
+    finally:
+        burner.terminate()
+        burner.wait()
+    return 0 if all(run["exit"] == 0 for run in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
