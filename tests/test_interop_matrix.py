@@ -13,8 +13,10 @@ from benchmarks.interop_matrix import (
     RESULT_MARK,
     cheapest_first,
     checkpoint_format,
+    fingerprint,
     format_row,
     recipes,
+    reusable,
     summary,
     transformers_check,
     vllm_check,
@@ -36,6 +38,12 @@ def test_transformers_reads_a_tiny_rtn_checkpoint_as_our_reader_does(tmp_path, a
     check = transformers_check(folder, ["def f(x):", "The module"])
     assert check["loaded"] and check["ran"], check
     assert check["relative"] < 1e-5 and check["max_abs"] < 1e-4 and check["same_top1"] == 1.0
+    # a later run reuses this row only for the same checkpoint and the same vLLM
+    row = {"recipe": "r", "fingerprint": fingerprint(folder), "vllm_python": None}
+    assert reusable({"r": row}, "r", folder, None) is row
+    assert reusable({"r": row}, "r", folder, "/venv/bin/python") is None
+    (folder / "extra.txt").write_text("changed")
+    assert reusable({"r": row}, "r", folder, None) is None
 
 
 def test_a_checkpoint_transformers_cannot_read_is_a_row_not_a_crash(tmp_path):
