@@ -287,15 +287,15 @@ def clean(text: str | None) -> str:
 
 def format_row(row: dict) -> str:
     """One markdown table row: recipe, format, transformers, vLLM accepted, generated (+text), message."""
+    if row.get("skipped"):
+        return f"| {row['recipe']} | — | not run: {clean(row['skipped'])} | — | — | |"
+    if row.get("checkpoint_error"):
+        return f"| {row['recipe']} | — | **no checkpoint**: {clean(row['checkpoint_error'])} | — | — | |"
     vllm = row["vllm"]
     generated = yes_no(vllm.get("generated"))
     if vllm.get("generated"):
         generated += f': "{clean(vllm.get("text"))}"'
     message = "" if vllm.get("generated") or vllm.get("accepted") is None else clean(vllm.get("error"))
-    if row.get("skipped"):
-        return f"| {row['recipe']} | — | not run: {clean(row['skipped'])} | — | — | |"
-    if row.get("checkpoint_error"):
-        return f"| {row['recipe']} | — | **no checkpoint**: {clean(row['checkpoint_error'])} | — | — | |"
     cells = [row["recipe"], row["format"], clean(transformers_cell(row["transformers"])), yes_no(vllm.get("accepted"))]
     return "| " + " | ".join([*cells, generated, message]) + " |"
 
@@ -440,9 +440,9 @@ def main(argv: list[str] | None = None) -> None:
         "vllm": vllm_versions(vllm_python),
         "command": command,
     }
-    args.output.write_text(render(rows, meta))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)  # the measurements first: the page is made from them
     args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    args.output.write_text(render(rows, meta))
     print(f"{summary(rows)} -> {args.output}", file=sys.stderr)
 
 

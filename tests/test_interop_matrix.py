@@ -87,6 +87,7 @@ def test_rows_and_summary_with_and_without_vllm(tmp_path):
         {"recipe": "c", "skipped": "--deadline-minutes 1 ran out"},
     ]
     assert 'yes: "Paris\\|x"' in format_row(rows[0]) and format_row(rows[1]).endswith("| ValueError: no |")
+    assert format_row(rows[2]) == "| c | — | not run: --deadline-minutes 1 ran out | — | — | |"  # was a KeyError
     assert summary(rows) == "3 recipes: 2 load and run in transformers; in vLLM 1 accepted, 1 generate, 1 refused."
     assert summary([rows[0] | {"vllm": absent}]).endswith("vLLM not installed.")
 
