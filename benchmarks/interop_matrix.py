@@ -335,7 +335,7 @@ def render(rows: list[dict], meta: dict) -> str:
         f"(`compress.checkpoint.load_checkpoint`), logits on {len(PROMPTS)} prompts: max abs difference, relative",
         "‖Δ‖/‖ours‖, share of the same next token.",
         "vLLM: `LLM(..., gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=512)` (accepted: the engine was",
-        f'built or its weights loaded), then 8 greedy tokens of "{PROMPTS[0]}" (generated); a refusal\'s message is',
+        f'built or its weights loaded), then 4 greedy tokens of "{PROMPTS[0]}" (generated); a refusal\'s message is',
         "the root cause from the engine's log. A row measured by an earlier run of this command on the same checkpoint",
         "and vLLM is reused (its date is in `benchmarks/results/interop.json`; `--fresh` measures every row again).",
         "",
