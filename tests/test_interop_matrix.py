@@ -1,0 +1,97 @@
+"""``benchmarks/interop_matrix.py``'s pieces, in seconds: the transformers check on a tiny RTN checkpoint (same logits
+as our reader), the reading of the vLLM script's output (a refusal's root cause, a killed generation), and the rows
+and summary it writes, with and without vLLM."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from helpers import build_tiny_llama, build_tiny_tokenizer
+
+from benchmarks.interop_matrix import (
+    RESULT_MARK,
+    cheapest_first,
+    checkpoint_format,
+    fingerprint,
+    format_row,
+    recipes,
+    reusable,
+    summary,
+    transformers_check,
+    vllm_check,
+    vllm_outcome,
+)
+from compress import oneshot
+
+RTN = [{"type": "rtn", "bits": 4, "group_size": 64, "symmetric": True, "ignore": ["lm_head"]}]
+
+
+def test_transformers_reads_a_tiny_rtn_checkpoint_as_our_reader_does(tmp_path, artifacts):
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    ids = torch.randint(0, len(tokenizer), (2, 16), generator=torch.Generator().manual_seed(0))
+    folder = oneshot(str(tmp_path / "model"), RTN, data=ids, output_dir=tmp_path / "checkpoint")
+    assert checkpoint_format(folder) == "pack-quantized"
+    check = transformers_check(folder, ["def f(x):", "The module"])
+    assert check["loaded"] and check["ran"], check
+    assert check["relative"] < 1e-5 and check["max_abs"] < 1e-4 and check["same_top1"] == 1.0
+    # a later run reuses this row only for the same checkpoint and the same vLLM
+    row = {"recipe": "r", "fingerprint": fingerprint(folder), "vllm_python": None}
+    assert reusable({"r": row}, "r", folder, None) is row
+    assert reusable({"r": row}, "r", folder, "/venv/bin/python") is None
+    (folder / "extra.txt").write_text("changed")
+    assert reusable({"r": row}, "r", folder, None) is None
+
+
+def test_a_checkpoint_transformers_cannot_read_is_a_row_not_a_crash(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {}}))
+    check = transformers_check(tmp_path, ["x"])
+    assert not check["ran"] and check["error"].startswith("our reader: ")
+    assert "**fails to load**" in format_row({"recipe": "r", "format": "dense", "transformers": check, "vllm": {}})
+
+
+def test_a_refusal_reports_the_root_cause_not_the_wrapper():
+    wrapper = "RuntimeError: Engine core initialization failed"
+    stdout = RESULT_MARK + json.dumps({"accepted": False, "generated": False, "text": None, "error": wrapper})
+    stderr = (
+        "INFO loading\nValueError: Sparsity support has been removed from compressed-tensors.\n"
+        f"{wrapper}. See root cause above.\n"
+    )
+    result = vllm_outcome(stdout, stderr, 0, 60)
+    assert not result["accepted"]
+    assert result["error"] == "ValueError: Sparsity support has been removed from compressed-tensors."
+
+
+def test_a_generation_killed_at_the_timeout_was_still_accepted():
+    stdout = RESULT_MARK + json.dumps({"accepted": True, "generated": False, "error": "generation did not finish"})
+    result = vllm_outcome(stdout, "", None, 180)
+    assert result["accepted"] and not result["generated"]
+    assert result["error"] == "timed out after 180 s generating"
+    killed_early = vllm_outcome("", "INFO Loading weights took 0.75 seconds\n", None, 180)
+    assert killed_early["accepted"] and killed_early["error"] == "timed out after 180 s generating"
+
+
+def test_rows_and_summary_with_and_without_vllm(tmp_path):
+    ran = {"loaded": True, "ran": True, "dtype": "auto", "max_abs": 0.0, "relative": 0.0, "same_top1": 1.0}
+    absent = vllm_check(None, tmp_path, 60)
+    row = format_row({"recipe": "rtn_int4", "format": "pack-quantized", "transformers": ran, "vllm": absent})
+    assert row.count("not installed") == 2 and row.startswith("| rtn_int4 | pack-quantized | loads; max abs")
+    generated = {"accepted": True, "generated": True, "text": " Paris|x", "error": None}
+    refused = {"accepted": False, "generated": False, "text": None, "error": "ValueError: no"}
+    rows = [
+        {"recipe": "a", "format": "f", "transformers": ran, "vllm": generated},
+        {"recipe": "b", "format": "f", "transformers": ran, "vllm": refused},
+        {"recipe": "c", "skipped": "--deadline-minutes 1 ran out"},
+    ]
+    assert 'yes: "Paris\\|x"' in format_row(rows[0]) and format_row(rows[1]).endswith("| ValueError: no |")
+    assert format_row(rows[2]) == "| c | — | not run: --deadline-minutes 1 ran out | — | — | |"  # was a KeyError
+    assert summary(rows) == "3 recipes: 2 load and run in transformers; in vLLM 1 accepted, 1 generate, 1 refused."
+    assert summary([rows[0] | {"vllm": absent}]).endswith("vLLM not installed.")
+
+
+def test_every_shipped_recipe_is_in_the_matrix_once():
+    names = recipes()
+    assert len(names) >= 23 and "_base" not in names and sorted(cheapest_first(names)) == names
