@@ -124,7 +124,7 @@ def test_the_rotation_and_awq_recipes_calibrate_on_samples_until_the_user_names_
     corpus = tmp_path / "mine.jsonl"
     corpus.write_text(json.dumps({"text": "my own workload"}) + "\n")
     for recipe in ("rotate_gptq_int4", "rotate_gptq_int3", "awq_int4", "awq_int4_kv_int8"):
-        assert compose(recipe).data == DataSpec(source="pydoc", generated=1.0)
+        assert compose(recipe).data == DataSpec(source="pydoc", generated=1.0, num_samples=32)
         for named in (["data=pydoc"], resolve_shortcuts([f"data={corpus}"])):
             assert compose(recipe, named).data.generated == 0.0
     assert compose("gptq_int4").data.generated == 0.0  # the other recipes still cut pydoc windows
