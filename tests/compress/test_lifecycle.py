@@ -20,7 +20,9 @@ from cli_support import REPO, cli_env, run_statuses
 
 from compress.__main__ import main
 from compress.app.tracking import HOST_TAG, PID_TAG, RunLog, experiment_id
+from compress.base.locks import FileLock, lock_beside
 from compress.base.staging import STAGING_OWNER, sweep_stale_staging
+from compress.model.resume import progress_folder
 from tests.reliability.faults import injected
 
 SMALL = ["data.num_samples=4", "data.seq_len=64", "eval.seq_len=64", "eval.max_windows=3", "stages.0.group_size=32"]
@@ -42,9 +44,13 @@ def label_staging(folder: Path, pid: int, host: str | None = None) -> Path:
 
 
 def test_sigterm_removes_the_staging_folder_and_marks_the_run_killed(tiny_model_dir, tmp_path, empty_mlflow_db):
+    """Robust by design, not by timing: the test holds the run's progress lock, so the run is certainly at work
+    (its MLflow run open, its staging folder made, waiting in its compress phase) when the SIGTERM lands. It slept
+    1 s after the run started before: on an idle machine the tiny run had finished by then and published."""
     artifacts = tmp_path / "artifacts"
     artifacts.mkdir()
     shutil.copy(empty_mlflow_db, artifacts / "mlflow.db")
+    runs, stderr = artifacts / "runs", tmp_path / "stderr"
     command = [
         sys.executable,
         "-m",
@@ -56,20 +62,22 @@ def test_sigterm_removes_the_staging_folder_and_marks_the_run_killed(tiny_model_
         *PERPLEXITY_GATE,
         "gate.perplexity.max_windows=64",
     ]
-    process = subprocess.Popen(
-        command, cwd=REPO, env=cli_env(artifacts), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 180
-    while not (list(artifacts.glob(f"runs/.*/{STAGING_OWNER}")) and run_statuses(artifacts / "mlflow.db")):
-        assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline, "the run never started"
-        time.sleep(0.05)
-    time.sleep(1)  # well inside the run (the MLflow run is open), long before it can finish
-    process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=120)
-    assert process.returncode == -signal.SIGTERM, err[-3000:]
-    assert "Traceback" not in err
-    assert [p.name for p in (artifacts / "runs").iterdir()] in ([], [".progress"])  # progress: kept to resume from
+    with FileLock(lock_beside(progress_folder(runs, "rtn_int4", tiny_model_dir)), "the test"):
+        with stderr.open("w") as err:
+            process = subprocess.Popen(
+                command, cwd=REPO, env=cli_env(artifacts), stdout=subprocess.DEVNULL, stderr=err, text=True
+            )
+            while not (
+                "waiting for the layer walk's progress" in stderr.read_text() and run_statuses(artifacts / "mlflow.db")
+            ):
+                assert process.poll() is None, stderr.read_text()[-3000:]  # no deadline: a slow run is only slow
+                time.sleep(0.05)
+            assert list(runs.glob(f".*/{STAGING_OWNER}"))
+            process.send_signal(signal.SIGTERM)
+            process.wait()
+    assert process.returncode == -signal.SIGTERM, stderr.read_text()[-3000:]
+    assert "Traceback" not in stderr.read_text()
+    assert [p.name for p in runs.iterdir()] in ([], [".progress"])  # progress: kept to resume from
     assert run_statuses(artifacts / "mlflow.db") == ["KILLED"]
     detail = "dies of SIGTERM, no traceback, no staging left, MLflow `KILLED`"
     injected("SIGTERM from outside", "`run`, once its MLflow run is open", "nothing lost", detail)
