@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -23,6 +22,8 @@ import xml.etree.ElementTree as ElementTree
 from datetime import UTC, datetime
 from pathlib import Path
 
+from benchmarks.fresh_clone_run import cpu_name
+
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 MARKDOWN = RESULTS / "reliability-under-load.md"
@@ -31,13 +32,6 @@ BEGIN, END = "<!-- under-load:begin (tests/reliability/under_load.py) -->", "<!-
 # the tests that start processes, signal, lock and kill (test_faults_table.py beside them only reads files)
 TESTS = ["tests/reliability/test_faults.py", "tests/reliability/test_locks.py", "tests/reliability/test_signals.py"]
 PYTEST = ["-q", "-p", "no:cacheprovider", "-n", "auto", "--maxprocesses", "4"]  # as `make test` runs them
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def outcomes(junit: Path) -> list[dict]:
