@@ -363,6 +363,13 @@ def reusable(previous: dict, recipe: str, folder: Path, vllm_python: str | None)
     return row if row["fingerprint"] == fingerprint(folder) and row.get("vllm_python") == vllm_python else None
 
 
+def merged(measured: list[dict], previous: dict[str, dict]) -> list[dict]:
+    """This run's rows, plus --json's rows of shipped recipes it did not measure (``--recipes`` fills in some)."""
+    asked = {row["recipe"] for row in measured}
+    kept = [row for recipe, row in previous.items() if recipe not in asked and recipe in recipes()]
+    return sorted(measured + kept, key=lambda row: row["recipe"])
+
+
 def measure(recipe: str, workdir: Path, adapter: Path | None, vllm_python: str | None, timeout: float) -> dict:
     """One row: the checkpoint (made or reused), the transformers check, the vLLM check."""
     folder = workdir / recipe
@@ -425,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[interop] {recipe} ...", file=sys.stderr, flush=True)
         rows.append(measure(recipe, workdir, adapter, vllm_python, args.timeout))
         print(f"[interop] {format_row(rows[-1])}", file=sys.stderr, flush=True)
-    rows.sort(key=lambda row: row["recipe"])
+    rows = merged(rows, previous)
     command = "python -m benchmarks.interop_matrix" + (" --vllm-python " + args.vllm_python if args.vllm_python else "")
     if args.recipes:
         command += " --recipes " + " ".join(args.recipes)

@@ -15,6 +15,7 @@ from benchmarks.interop_matrix import (
     checkpoint_format,
     fingerprint,
     format_row,
+    merged,
     recipes,
     reusable,
     summary,
@@ -95,3 +96,13 @@ def test_rows_and_summary_with_and_without_vllm(tmp_path):
 def test_every_shipped_recipe_is_in_the_matrix_once():
     names = recipes()
     assert len(names) >= 23 and "_base" not in names and sorted(cheapest_first(names)) == names
+
+
+def test_rows_of_recipes_not_asked_for_are_kept_from_the_previous_json():
+    previous = {
+        "gptq_int4": {"recipe": "gptq_int4", "old": True},
+        "awq_int4": {"recipe": "awq_int4", "old": True},
+        "gone_recipe": {"recipe": "gone_recipe"},
+    }
+    rows = merged([{"recipe": "awq_int4", "old": False}], previous)
+    assert [(row["recipe"], row["old"]) for row in rows] == [("awq_int4", False), ("gptq_int4", True)]
