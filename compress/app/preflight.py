@@ -48,9 +48,6 @@ SAMPLE_EFFICIENCY = 0.2
 GPU_SAMPLING_BYTES_PER_SECOND = 1e12
 READ_BYTES_PER_SECOND = 200 * MB  # a layer read from its weight file and widened (lazy loading)
 HEAD_CHUNK = 128  # positions whose logits exist at once in a perplexity pass (evals/perplexity.py)
-# Decoder layers whose weight-file pages stay resident while the model is read lazily (memory-mapped safetensors:
-# pages read stay in the process's RSS until the kernel reclaims them); fit on the default model's runs.
-MAPPED_LAYERS = 30
 
 
 class UnreadableHeader(CompressError):
@@ -226,11 +223,15 @@ def estimate(
     layer32 = shape.layer_params * fp32
     hidden_act = shape.hidden * fp32
     logits = HEAD_CHUNK * shape.vocab * fp32 * 2  # evals/perplexity.py: logits and log-softmax of one chunk
-    mapped = min(shape.stored_bytes, shape.outside_params * shape.dtype_bytes + MAPPED_LAYERS * layer_stored)
+    # Model weights held on the host: a perplexity pass materialises every layer as stored; the layer walk keeps
+    # the embeddings and head as stored and each finished layer as compressed (a lazily read 3.6 B bf16 model
+    # stayed at 1.7-3.4 GB through compression, benchmarks/results/host-memory-4b.md, while its file is 6.9 GB).
+    stored_model = min(shape.stored_bytes, shape.outside_params * shape.dtype_bytes + shape.layers * layer_stored)
+    held = {"evaluate": stored_model, "compress": shape.outside_params * shape.dtype_bytes + shape.layers * layer_bytes}
     phases = {}
     if evaluation.perplexity:
         window_batch = evaluation.batch_size * evaluation.seq_len * hidden_act * 8  # a layer's activations
-        phases["evaluate"] = mapped + outside + layer32 + eval_tokens * hidden_act * 2 + window_batch + logits
+        phases["evaluate"] = held["evaluate"] + outside + layer32 + eval_tokens * hidden_act * 2 + window_batch + logits
     sampled = generated_windows(spec_for_chain(data, stages, config.recipe))  # sampled by the model: all its layers
     if sampled:
         cache = 2 * shape.layers * SAMPLING_BATCH * data.seq_len * shape.hidden * shape.dtype_bytes  # keys and values
@@ -239,14 +240,15 @@ def estimate(
     work = LayerWork(shape.layer_params, shape.hidden, shape.linears, calibration_tokens, data.seq_len, rate)
     streams = 2 + sum(s.extra_streams() for s in stages)
     working = max((s.working_bytes(work) for s in stages), default=0)
-    phases["compress"] = mapped + 2 * layer32 + calibration_tokens * hidden_act * streams + working
+    phases["compress"] = held["compress"] + 2 * layer32 + calibration_tokens * hidden_act * streams + working
     model_free = goes_model_free(config, stages)
     if model_free:  # one group of linears (or the embedding) read, widened and quantized
         embedding = shape.vocab * shape.hidden * (shape.dtype_bytes + fp32)
         phases["compress"] = max(2 * work.largest * (shape.dtype_bytes + fp32), embedding)
     host = current_rss_mb() + max(phases.values()) / MB
-    # on an accelerator each phase holds the same working set there, less the weight pages mapped on the host
-    accelerator = max(v - mapped for v in phases.values()) / MB if accelerated else None
+    # on an accelerator each phase holds the same working set there, less the weights the host keeps (sampling
+    # moves the whole model there)
+    accelerator = max(v - held.get(k, 0) for k, v in phases.items()) / MB if accelerated else None
 
     layer_flops = 2 * shape.layer_params + 2 * data.seq_len * shape.hidden  # per token: weights + attention
     token_flops = shape.layers * layer_flops + 2 * shape.hidden * shape.vocab
