@@ -175,8 +175,44 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def load_compressed(folder: Path, qconfig: dict, dtype: str) -> nn.Module:
-    """A compressed-tensors checkpoint with our quantized modules in place, in the dtype it was saved in."""
+def header_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors on the meta device, shaped and typed as their headers say, but for the few whose values
+    building a layer reads (``VALUES_READ``: a layer's dense shape, K/V scales), read for real. A file that cannot be
+    opened is named."""
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    view = handle.get_slice(key)
+                    if key.endswith(VALUES_READ):
+                        tensors[key] = handle.get_tensor(key)
+                    else:
+                        dtype = SAFETENSORS_DTYPES[view.get_dtype()]
+                        tensors[key] = torch.empty(tuple(view.get_shape()), dtype=dtype, device="meta")
+        except (SafetensorError, OSError, ValueError, KeyError) as error:
+            raise CompressError(f"checkpoint file {file} is corrupt or truncated ({error}); re-create it") from None
+    return tensors
+
+
+VALUES_READ = (".weight_shape", ".k_scale", ".v_scale")
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # fmt: skip
+
+
+def check_compressed(folder: Path, qconfig: dict) -> None:
+    """The checkpoint rebuilt on the meta device from its headers, as :func:`load_compressed` builds it: a header
+    that lies about a shape or dtype, or a tensor missing, fails here in one line in a fraction of a second, before a
+    command opens a run or reads a weight."""
+    load_compressed(folder, qconfig, "auto", header_tensors(folder))
+
+
+def load_compressed(
+    folder: Path, qconfig: dict, dtype: str, stored: dict[str, torch.Tensor] | None = None
+) -> nn.Module:
+    """A compressed-tensors checkpoint with our quantized modules in place, in the dtype it was saved in; ``stored``:
+    its tensors already read (:func:`check_compressed` passes meta ones), else they are read from the folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if qconfig.get("format") not in READABLE_FORMATS:
@@ -192,7 +228,8 @@ def load_compressed(folder: Path, qconfig: dict, dtype: str) -> nn.Module:
             f"{folder} is a quantized checkpoint saved in {saved}; it loads in that dtype only: use dtype=auto"
         )
     model_type = getattr(config, "model_type", None)
-    tensors = {model_name(model_type, key): value for key, value in _read_tensors(folder).items()}
+    stored = _read_tensors(folder) if stored is None else stored
+    tensors = {model_name(model_type, key): value for key, value in stored.items()}
     with parameters_on_meta():  # the quantized modules replace most of them: never allocate the dense weights
         model = AutoModelForCausalLM.from_config(config, dtype=saved)
     unfuse_experts(model)  # the checkpoint stores one linear per expert

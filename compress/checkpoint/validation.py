@@ -1,5 +1,7 @@
 """A model folder's own files checked before anything loads them, each problem one line naming the file and the fix:
-a truncated or corrupt safetensors file, a header whose shape or dtype does not fit the model config.json describes,
+a truncated or corrupt safetensors file, a header whose shape or dtype does not fit the model config.json describes
+(a compressed-tensors checkpoint rebuilt on the meta device as its loader builds it), weights lacking tensors the
+model needs (saved under other names: transformers would fill them with random values and only log it),
 a config.json missing the keys the weights' shapes depend on, and checkpoints of formats compress does not read
 (GPTQ-for-Llama's ``qweight``/``qzeros``/``scales``, AutoAWQ's ``quant_config.json``), which transformers would
 otherwise load with random weights in every linear, and say so only in a warning.
@@ -9,13 +11,14 @@ before a load of minutes. Imports only torch, safetensors and transformers (the 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from compress.base.errors import CompressError
-from compress.checkpoint.reader import read_config_json
+from compress.checkpoint.reader import SAFETENSORS_DTYPES, check_compressed, read_config_json
 
 PACKED_SUFFIXES = (".qweight", ".qzeros")  # GPTQ-for-Llama, AutoGPTQ and AutoAWQ store int4 linears as these
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size")  # what the plan and every loader read first
@@ -46,6 +49,8 @@ def check_model_files(folder: Path) -> None:
         check_config_keys(config_file, config)
     if headers and not quantized:
         check_weights_fit(folder, headers)
+    elif headers and config["quantization_config"].get("quant_method") == "compressed-tensors":
+        check_compressed(folder, config["quantization_config"])
 
 
 def read_headers(folder: Path) -> Headers:
@@ -95,9 +100,11 @@ def check_weights_fit(folder: Path, headers: Headers) -> None:
     try:
         config = AutoConfig.from_pretrained(folder)
         with torch.device("meta"):
-            expected = AutoModelForCausalLM.from_config(config).state_dict()
+            model = AutoModelForCausalLM.from_config(config)
+        expected = model.state_dict()
     except Exception:  # noqa: BLE001 - remote code or a family transformers lacks: the loader reports it
         return
+    check_none_missing(folder, model, headers)
     for name, (file, dtype, shape) in headers.items():
         want = expected.get(name)
         if want is None:
@@ -107,7 +114,7 @@ def check_weights_fit(folder: Path, headers: Headers) -> None:
                 f"{file}: {name} is stored as {shape} but {folder / 'config.json'} makes it {tuple(want.shape)}; "
                 f"the file or config.json is damaged: {RESTORE}"
             )
-        stored = _torch_dtype(dtype)
+        stored = SAFETENSORS_DTYPES.get(dtype)
         if stored is not None and stored.is_floating_point != want.dtype.is_floating_point:
             raise CompressError(
                 f"{file}: {name} is stored as {str(stored).removeprefix('torch.')} but the model needs a "
@@ -116,9 +123,59 @@ def check_weights_fit(folder: Path, headers: Headers) -> None:
             )
 
 
-def _torch_dtype(name: str) -> torch.dtype | None:
-    """torch's dtype for a safetensors dtype name (``F32``, ``BF16``, ``I32``, ``F8_E4M3``)."""
-    names = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-             "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
-             "F8_E5M2": "float8_e5m2"}  # fmt: skip
-    return getattr(torch, names[name], None) if name in names else None
+def check_none_missing(folder: Path, model: torch.nn.Module, headers: Headers) -> None:
+    """Every tensor the model needs is stored, under the name transformers reads it by (its renames of legacy names
+    and fused experts applied), or is tied to one stored: transformers fills a missing one with random values and says
+    so only in a log line. Tied heads and keys the model declares optional (``_keys_to_ignore_on_load_missing``) may
+    be absent; non-persistent buffers are not in the state dict at all."""
+    expected = model.state_dict()
+    targets = loaded_names(model, list(headers))
+    if targets is None:  # a transformers without the renaming API this reads: its loader is left to judge
+        return
+    present = set().union(*targets.values())
+    for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():  # {tied name: its source}
+        if tied in present or source in present:
+            present |= {tied, source}
+    optional = [re.compile(pattern) for pattern in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
+    missing = [name for name in expected if name not in present and not any(p.search(name) for p in optional)]
+    if missing:
+        files = ", ".join(sorted({file.name for file, _, _ in headers.values()}))
+        unused = sorted(name for name, loaded in targets.items() if not loaded & expected.keys())
+        seen = f"; it holds {len(unused)} tensors the model has no place for, such as {unused[0]}" if unused else ""
+        raise CompressError(
+            f"{folder}: {files} lacks {len(missing)} of the {len(expected)} tensors {folder / 'config.json'} "
+            f"describes ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}){seen}; transformers would fill "
+            f"them with random values: {RESTORE}"
+        )
+
+
+def loaded_names(model: torch.nn.Module, names: list[str]) -> dict[str, set[str]] | None:
+    """For each stored tensor name, the state-dict names transformers loads it into: its renames of legacy names,
+    per-expert tensors fused into one, a base-model prefix added or removed, as its own loader applies them. None
+    where this transformers lacks the functions its loader renames with (then nothing can be said)."""
+    try:
+        return _loaded_names(model, names)
+    except Exception:  # noqa: BLE001 - another transformers version: the check is skipped, never wrongly refuses
+        return None
+
+
+def _loaded_names(model: torch.nn.Module, names: list[str]) -> dict[str, set[str]]:
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    expected = model.state_dict()
+    mapping = get_model_conversion_mapping(model)
+    renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", None)
+    loaded = {}
+    for name in names:
+        renamed, pattern = rename_source_key(name, renamings, converters, prefix, expected)
+        if renamed not in expected and name in expected:
+            renamed, pattern = name, None
+        loaded[name] = {renamed}
+        for converter in converters if pattern is not None else []:  # one tensor split into several (qkv -> q, k, v)
+            if pattern in converter.source_patterns:
+                first = converter.target_patterns[0]
+                loaded[name].update(renamed.replace(first, target) for target in converter.target_patterns[1:])
+    return loaded

@@ -221,6 +221,13 @@ def check_model_source(spec: ModelSpec) -> None:
             PACKAGED[spec.path].find_packages()
         return
     folder = Path(resolve_model_path(spec))  # damaged or foreign files fail now, before a run folder exists
+    method = read_quantization_config(folder).get("quant_method") if folder.is_dir() else None
+    if method and method != "compressed-tensors":  # transformers would load it (given optimum/gptqmodel) as is
+        tool = {"gptq": "AutoGPTQ or GPTQModel", "awq": "AutoAWQ"}.get(method, "another tool")
+        raise CompressError(
+            f"{folder / 'config.json'}: a {method} checkpoint, already quantized by {tool}; compress compresses "
+            "full-precision models: give model= the unquantized model it was made from"
+        )
     if folder.is_dir() and not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise CompressError(
             f"model folder {folder} has no tokenizer (tokenizer.json, tokenizer_config.json): copy the tokenizer files "

@@ -20,11 +20,13 @@ Looking several times at a growing sample inflates the error rate, so each look'
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from compress.base.locks import file_lock, lock_beside
 from compress.base.paths import artifacts_dir
 from compress.evals.divergence import (
     DivergenceMeter,
@@ -163,10 +165,15 @@ def _measure_baseline(context: GateContext, subject: Subject) -> dict:
     ids = scoring_ids(context)
     if not _records_reference(context):
         return _score(subject, context, cap, None).to_dict()
-    recorder = ReferenceRecorder(cap, policy.seq_len - 1, top_k)
-    result = _score(subject, context, cap, recorder)
-    context.reference = recorder.tensors()
-    keep_reference(context.policy, subject.folder, ids, policy.seq_len, recorder)
+    path = reference_path(cache_dir(context.policy), subject.folder, ids, policy.seq_len, top_k)
+    # Two gates of one baseline at once: the second waits here, then reads the reference the first cached.
+    with file_lock(lock_beside(path), f"the baseline reference {path}") if path else nullcontext():
+        if cached_baseline(context, subject):
+            return context.scores["baseline"]
+        recorder = ReferenceRecorder(cap, policy.seq_len - 1, top_k)
+        result = _score(subject, context, cap, recorder)
+        context.reference = recorder.tensors()
+        keep_reference(context.policy, subject.folder, ids, policy.seq_len, recorder)
     return result.to_dict()
 
 

@@ -92,7 +92,7 @@ def table(records: list[dict], order: list[str] = ()) -> list[str]:
     faults = _unique(record["fault"] for record in records)
     for fault in sorted(faults, key=lambda f: list(order).index(f) if f in order else len(order) + faults.index(f)):
         mine = [record for record in records if record["fault"] == fault]
-        where = ", ".join(_unique(record["where"] for record in mine))
+        where = "; ".join(_unique(record["where"] for record in mine))  # a place may hold a comma itself
         outcomes = "; ".join(
             f"**{outcome}**: " + "; ".join(_unique(r["detail"] for r in mine if r["outcome"] == outcome))
             for outcome in _unique(record["outcome"] for record in mine)

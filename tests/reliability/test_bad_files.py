@@ -11,10 +11,12 @@ import shutil
 import struct
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
-from cli_support import REPO, cli_env
+from cli_support import REPO, cli_env, run_statuses
 from safetensors.torch import load_file, save_file
 
 from compress.base.paths import recipes_dir
@@ -85,6 +87,14 @@ def compressed_checkpoint(source: Path, target: Path) -> Path:
     return target
 
 
+def renamed_tensors(source: Path, target: Path, old: str, new: str) -> Path:
+    """A copy whose tensors under ``old`` are saved under ``new`` (a conversion script's naming, not transformers')."""
+    folder = copy_model(source, target)
+    tensors = load_file(folder / "model.safetensors")
+    save_file({name.replace(old, new): tensor for name, tensor in tensors.items()}, folder / "model.safetensors")
+    return folder
+
+
 def without_config_keys(source: Path, target: Path, *keys: str) -> Path:
     folder = copy_model(source, target)
     config = json.loads((folder / "config.json").read_text())
@@ -144,6 +154,7 @@ def assert_one_clean_line(name: str, stderr: str, needles: tuple[str, ...], arti
     assert leftovers == [], (name, leftovers)
     assert not (runs / ".progress").exists() or not any((runs / ".progress").iterdir()), name
     assert not list((artifacts / "gates").glob("*/gate.json")), name
+    assert run_statuses(artifacts / "mlflow.db") == [], name  # no MLflow run, so no verdict recorded there
 
 
 def bad_model_cases(tiny: Path, tmp: Path) -> dict[str, tuple[list[str], tuple[str, ...]]]:
@@ -169,11 +180,15 @@ def bad_model_cases(tiny: Path, tmp: Path) -> dict[str, tuple[list[str], tuple[s
     )
     awq = gptq_for_llama(tiny, tmp / "autoawq")
     (awq / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": 32, "w_bit": 4}))
+    awq_config = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    autoawq = gptq_for_llama(tiny, tmp / "autoawq-config", {"quantization_config": awq_config})
+    renamed = renamed_tensors(tiny, tmp / "renamed", "model.layers.1.", "transformer.h.1.")
+    lacks = (str(renamed), "lacks 9 of the 21 tensors", "model.layers.1.self_attn.q_proj.weight", "random", "re-save")
     checkpoint = compressed_checkpoint(tiny, tmp / "checkpoint")
     scale = "model.layers.1.self_attn.q_proj.weight_scale"
     scale_lie = lying_header(checkpoint, tmp / "checkpoint-scale-lie", scale, shape=[32, 4])
     embed_lie = lying_header(checkpoint, tmp / "checkpoint-dtype-lie", "model.embed_tokens.weight", dtype="I32")
-    gate = ["gate", f"baseline={tiny}", "gate.backend=transformers", f"out={tmp / 'gate-out'}"]
+    gate = ["gate", f"baseline={tiny}", "gate.backend=transformers"]  # the verdict would land in artifacts/gates
     return {
         "truncated safetensors": ([*RUN, f"model={truncated}"], (str(weights), "truncated")),
         "truncated safetensors, gate": ([*gate, f"checkpoint={truncated}"], (str(weights), "truncated")),
@@ -190,6 +205,24 @@ def bad_model_cases(tiny: Path, tmp: Path) -> dict[str, tuple[list[str], tuple[s
             ["generate", f"checkpoint={embed_lie}", "prompt=hi", "max_tokens=2"],
             ("model.embed_tokens.weight is stored as torch.int32", "re-create it"),
         ),
+        "checkpoint header lies about a scale's shape, gate": (
+            [*gate, f"checkpoint={scale_lie}"],
+            (str(scale_lie / "model.safetensors"), "config.json", "re-create it"),
+        ),
+        "checkpoint header lies about a dtype, gate": (
+            [*gate, f"checkpoint={embed_lie}"],
+            ("model.embed_tokens.weight is stored as torch.int32", "re-create it"),
+        ),
+        "tensors saved under other names": ([*RUN, f"model={renamed}"], lacks),
+        "tensors saved under other names, gate": ([*gate, f"checkpoint={renamed}"], lacks),
+        "tensors saved under other names, gate baseline": (
+            ["gate", f"checkpoint={tiny}", f"baseline={renamed}", "gate.backend=transformers"],
+            lacks,
+        ),
+        "tensors saved under other names, generate": (
+            ["generate", f"checkpoint={renamed}", "prompt=hi", "max_tokens=2"],
+            lacks,
+        ),
         "header lies about a dtype": ([*RUN, f"model={dtype_lie}"], ("model.safetensors", layer, "int32")),
         "header lies about a size": ([*RUN, f"model={size_lie}"], (str(size_lie / "model.safetensors"),)),
         "config.json without hidden_size": ([*RUN, f"model={no_hidden}"], ("config.json", "hidden_size")),
@@ -202,7 +235,11 @@ def bad_model_cases(tiny: Path, tmp: Path) -> dict[str, tuple[list[str], tuple[s
             ["generate", f"checkpoint={gptq}", "prompt=hi", "max_tokens=2"],
             ("qweight", "GPTQ"),
         ),
-        "AutoGPTQ": ([*RUN, f"model={autogptq}"], (str(autogptq / "config.json"), "gptq")),
+        "AutoGPTQ": ([*RUN, f"model={autogptq}"], (str(autogptq / "config.json"), "gptq", "unquantized model")),
+        "AutoAWQ through transformers": (
+            [*RUN, f"model={autoawq}"],
+            (str(autoawq / "config.json"), "awq", "full-precision", "unquantized model"),
+        ),
         "AutoAWQ": ([*RUN, f"model={awq}"], (str(awq / "quant_config.json"), "AWQ")),
         "AutoAWQ, gate": ([*gate, f"checkpoint={awq}"], (str(awq / "quant_config.json"), "AWQ")),
         "config.json without hidden_size, generate": (
@@ -273,3 +310,41 @@ def test_a_corrupt_calibration_cache_entry_is_named_in_one_line(tiny_model_dir, 
         _, stderr = again.communicate(timeout=300)
         assert again.returncode == 4, (damage, stderr[-3000:])
         assert_one_clean_line(damage, stderr, (str(entry), "delete it"), artifacts)
+
+
+def test_every_tiny_family_passes_the_tensor_check_and_one_without_a_layer_is_named(tmp_path):
+    """The missing-tensor check compares with what transformers loads: a tied head left out, legacy names it renames
+    and per-expert tensors it fuses on load are not missing. Every family the tests build passes as saved, and
+    refuses once a layer's tensors are saved under other names; an untied head left out is named."""
+    from helpers import (
+        FAMILIES,
+        MOE_FAMILIES,
+        build_tiny_deepseek_v3,
+        build_tiny_llama,
+        build_tiny_model,
+        build_tiny_moe,
+    )
+
+    from compress.base.errors import CompressError
+    from compress.checkpoint.validation import check_model_files
+
+    builders = {family: partial(build_tiny_model, family) for family in FAMILIES}
+    builders |= {family: partial(build_tiny_moe, family) for family in MOE_FAMILIES}
+    builders |= {
+        "deepseek_v3": build_tiny_deepseek_v3,
+        "llama, untied head": partial(build_tiny_llama, tie_word_embeddings=False),
+    }
+    for family, build in builders.items():
+        folder = tmp_path / family
+        build().save_pretrained(folder)
+        check_model_files(folder)
+        renamed = renamed_tensors(folder, tmp_path / f"{family} renamed", ".layers.1.", ".blocks.1.")
+        with pytest.raises(CompressError, match=r"lacks \d+ of the \d+ tensors .* \(model\.layers\.1\.") as refused:
+            check_model_files(renamed)
+        assert str(renamed) in str(refused.value), family
+    untied = tmp_path / "llama, untied head"
+    tensors = load_file(untied / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, untied / "model.safetensors")
+    with pytest.raises(CompressError, match=r"lacks 1 of the 21 tensors .* \(lm_head\.weight\)"):
+        check_model_files(untied)

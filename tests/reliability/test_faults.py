@@ -71,22 +71,35 @@ def test_sigkill_at_seeded_points_leaves_nothing_that_looks_finished(tiny_model_
 
 
 def test_sigterm_during_the_gate_ends_its_mlflow_run_killed_and_writes_no_verdict(tiny_model_dir, tmp_path):
-    artifacts = tmp_path / "artifacts"
-    out = tmp_path / "gate"
-    out.mkdir()
+    """Robust by design, not by timing: this test holds the lock of the baseline's reference cache entry, so the gate
+    is certainly at work (its MLflow run open, both sides described, waiting to measure the baseline) when the
+    SIGTERM lands, however loaded the machine. A first gate finds the entry's name (a hash of model, text and
+    protocol); the entry is then removed, so the second gate must measure the baseline, under the lock."""
+    cache, out, stderr = tmp_path / "cache", tmp_path / "gate", tmp_path / "stderr"
+    args = ["gate", f"checkpoint={tiny_model_dir}", f"baseline={tiny_model_dir}", "gate=quick", f"out={out}",
+            "gate.backend=transformers", "gate.layers=[perplexity,kl]", f"gate.cache_dir={cache}"]  # fmt: skip
+    first = compress_process(tmp_path / "first", *args)
+    _, err = first.communicate()
+    assert first.returncode == 0, err[-3000:]
+    (entry,) = cache.glob("*.safetensors")
+    entry.unlink()
     (out / "gate.json").write_text(json.dumps({"passed": True}))  # a previous verdict in the reused folder
-    process = compress_process(
-        artifacts, "gate", f"checkpoint={tiny_model_dir}", f"baseline={tiny_model_dir}", "gate=quick", f"out={out}",
-        "gate.backend=transformers", "gate.layers=[perplexity,needle]", "gate.perplexity.max_windows=64",
-    )  # fmt: skip
-    wait_for(lambda: run_statuses(artifacts / "mlflow.db") == ["RUNNING"], process, "the gate's MLflow run")
-    process.send_signal(signal.SIGTERM)
-    _, err = process.communicate()
-    assert process.returncode == -signal.SIGTERM, err[-3000:]
+    artifacts = tmp_path / "artifacts"
+    with FileLock(lock_beside(entry), "the test") as held:
+        with stderr.open("w") as err:
+            process = compress_process(artifacts, *args, stderr=err)
+            wait_for(lambda: "waiting for the baseline reference" in stderr.read_text(), process, "the lock wait")
+            assert run_statuses(artifacts / "mlflow.db") == ["RUNNING"]
+            process.send_signal(signal.SIGTERM)
+            process.communicate()
+        assert process.returncode == -signal.SIGTERM, stderr.read_text()[-3000:]
+        assert held.descriptor is not None  # the gate never had the lock
+    assert "Traceback" not in stderr.read_text()
     assert run_statuses(artifacts / "mlflow.db") == ["KILLED"]
     assert not (out / "gate.json").exists()  # CI cannot read the old PASS as this gate's verdict
+    assert not entry.exists()  # nor a reference half measured
     detail = "dies of SIGTERM, MLflow `KILLED`, the old verdict removed and no new one"
-    injected("SIGTERM from outside", "`gate`, once its MLflow run is open", "nothing lost", detail)
+    injected("SIGTERM from outside", "`gate`, waiting at its baseline reference's lock", "nothing lost", detail)
 
 
 def test_damaged_and_mistaken_inputs_fail_in_one_line_and_write_nothing(tiny_model_dir, tmp_path):

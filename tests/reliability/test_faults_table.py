@@ -56,9 +56,19 @@ def test_the_table_sums_injections_per_fault_and_keeps_places_and_outcomes_apart
     ]
     header, rule, first, second = faults_table.table(records, order=["A", "B"])
     assert first == "| A | walk | 3 | **resumed**: same tensors | `u.py` |"
-    assert second == "| B | save, data | 4 | **nothing lost**: 130; **refused**: one line | `t.py`, `v.py` |"
+    assert second == "| B | save; data | 4 | **nothing lost**: 130; **refused**: one line | `t.py`, `v.py` |"
     text = faults_table.section(records, "cmd", ["A", "B"])
     assert faults_table.documented_faults(text) == ["A", "B"]
+
+
+def test_places_that_hold_commas_stay_apart():
+    """``gptq, after layer 1 is kept`` and ``awq, after layer 1 is kept`` must not read as four places."""
+    records = [
+        {"fault": "A", "where": where, "outcome": "resumed", "detail": "x", "times": 1, "test": "t.py::a"}
+        for where in ("awq, after layer 1 is kept", "gptq, after layer 1 is kept")
+    ]
+    row = faults_table.table(records)[2]
+    assert row == "| A | awq, after layer 1 is kept; gptq, after layer 1 is kept | 2 | **resumed**: x | `t.py` |"
 
 
 def test_a_fault_name_must_be_literal_for_the_check_to_read_it():

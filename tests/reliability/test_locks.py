@@ -4,9 +4,11 @@ holders."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -159,3 +161,41 @@ def test_a_lock_this_process_left_held_is_taken_over_not_waited_for(tmp_path):
     assert not path.exists()
     detail = "taken over, not waited for"
     injected("a lock left held by failed work in this process", "`FileLock`", "nothing lost", detail)
+
+
+def gate_process(tiny_model_dir: Path, tmp_path: Path, name: str, cache: Path, **popen) -> subprocess.Popen:
+    """A quick gate of the tiny model against itself, judging perplexity and KL (its baseline reference cached in
+    ``cache``), into ``tmp_path/name``."""
+    policy = ["gate=quick", "gate.backend=transformers", "gate.layers=[perplexity,kl]", f"gate.cache_dir={cache}"]
+    args = ["gate", f"checkpoint={tiny_model_dir}", f"baseline={tiny_model_dir}", f"out={tmp_path / name}", *policy]
+    env = cli_env(tmp_path / f"artifacts-{name}")
+    return subprocess.Popen([sys.executable, "-m", "compress", *args], cwd=REPO, env=env, text=True, **popen)
+
+
+def cached_from(verdict: Path) -> str | None:
+    """The reference cache file a gate's KL layer read its baseline from (None: measured)."""
+    layers = json.loads(verdict.read_text())["layers"]
+    return next(layer["metrics"]["candidate"]["reference_cached"] for layer in layers if layer["name"] == "kl")
+
+
+def test_two_gates_of_one_baseline_measure_its_reference_once(tiny_model_dir, tmp_path):
+    """A gate that finds no cached reference waits at the entry's lock while another gate measures it, then reads what
+    that one cached instead of measuring again. This test plays the other gate: it holds the lock and puts the entry
+    (measured by a first gate, then moved aside) in place once the second gate waits."""
+    cache = tmp_path / "cache"
+    first = gate_process(tiny_model_dir, tmp_path, "first", cache, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, err = first.communicate()
+    assert first.returncode == 0, err[-3000:]
+    (entry,) = cache.glob("*.safetensors")
+    assert cached_from(tmp_path / "first" / "gate.json") is None
+    aside = entry.rename(tmp_path / "measured.safetensors")
+    with FileLock(lock_beside(entry), "the test"), (tmp_path / "second.err").open("w") as log:
+        second = gate_process(tiny_model_dir, tmp_path, "second", cache, stdout=subprocess.DEVNULL, stderr=log)
+        while "waiting for the baseline reference" not in (tmp_path / "second.err").read_text():
+            assert second.poll() is None, (tmp_path / "second.err").read_text()[-3000:]  # no deadline: only slow
+            time.sleep(0.05)
+        aside.rename(entry)
+    assert second.wait() == 0, (tmp_path / "second.err").read_text()[-3000:]
+    assert cached_from(tmp_path / "second" / "gate.json") == str(entry)
+    detail = "the second waits, then reads the first's reference: measured once"
+    injected("two gates of one baseline", "the baseline reference's cache entry", "waited", detail)
