@@ -48,6 +48,7 @@ EVALS_ALLOWED = RUNTIME_ALLOWED | {
     "compress.base.paths",
     "compress.base.data",
     "compress.base.typed",
+    "compress.base.locks",  # an OS file lock per baseline reference cache entry (evals/gate/windows.py)
     "lm_eval",
     "matplotlib",
     "jsonschema",
