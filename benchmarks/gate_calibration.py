@@ -14,7 +14,10 @@ them). Those per-window scores are cut into disjoint slices of as many windows a
 (consecutive windows: a short text, or a run's own pass) and *spread* (every n-th window: what the gate now scores of a
 long text). Each slice is judged exactly as the gate judges its windows (``compress.evals.gate.checks``: the interval
 over blocks of neighbours, BLOCK at the gate's familywise level), and each slice's interval is checked for covering
-the whole text's value. P(pass) and P(block) carry 95% Clopper-Pearson bounds.
+the whole text's value. P(pass) and P(block) carry 95% Clopper-Pearson bounds. Disjoint slices are few (20-40 per
+gate), so the verdict rates are also read over 200 resampled slices per cell, and the accuracy layer over 200 draws of
+the ARC-Easy items whose per-item outcomes ``benchmarks/accuracy_task.py`` stored, both judged by the gate's own
+checks and combined into the verdict a user gets (``benchmarks/gate_verdicts.py`` says how they are drawn).
 Scores: ``benchmarks/results/gate-calibration.json``; table: ``gate-calibration.md``.
 """
 
@@ -185,6 +188,17 @@ def _slices(count: int, size: int, kind: str) -> list[list[int]]:
     return [list(range(offset, offset + stride * size, stride)) for offset in range(stride)]
 
 
+def gate_policy(gate: str):
+    """``(policy, familywise level, windows per slice)`` of a preset, as ``compress gate`` resolves them."""
+    from compress.commands.gate import load_policy
+    from compress.evals.gate import stats
+    from compress.evals.gate.runner import blocking_checks
+
+    policy = resolve_policy(load_policy(gate, []))
+    family = stats.familywise_confidence(policy.confidence, blocking_checks(policy, policy.layers))
+    return policy, family, policy.perplexity.max_windows or DEFAULT_DATA_WINDOWS
+
+
 def analyze(scores: dict, accuracy: dict | None = None) -> dict:
     """Per gate, slice kind, checkpoint and layer: the verdict rates over disjoint slices (BLOCK read at the
     familywise level of that gate's blocking checks, as the gate reads it) with Clopper-Pearson bounds, the
@@ -192,17 +206,11 @@ def analyze(scores: dict, accuracy: dict | None = None) -> dict:
     gate's interval, and the independent-windows t-interval it replaced); then the verdict rates over resampled
     slices, with the accuracy layer and the combined verdict where ``accuracy`` outcomes are given
     (``benchmarks/gate_verdicts.py``)."""
-    from compress.commands.gate import load_policy
-    from compress.evals.gate import stats
-    from compress.evals.gate.runner import blocking_checks
-
     base = scores["models"]["baseline"]["window_nll"]
     count = len(base)
     table = {}
     for gate in ("quick", "default"):
-        policy = resolve_policy(load_policy(gate, []))
-        size = policy.perplexity.max_windows or DEFAULT_DATA_WINDOWS
-        family = stats.familywise_confidence(policy.confidence, blocking_checks(policy, policy.layers))
+        policy, family, size = gate_policy(gate)
         kinds = {}
         for kind in ("contiguous", "spread"):
             slices = _slices(count, size, kind)
@@ -327,17 +335,20 @@ def _text_section(key: str, scores: dict, table: dict) -> list[str]:
     return lines
 
 
-def write_markdown(texts: dict, tables: dict, path: Path, truncated: dict | None) -> None:
+def write_markdown(texts: dict, tables: dict, path: Path, truncated: dict | None, needed: dict) -> None:
     lines = [
-        "# Gate calibration: verdict rates and interval coverage on disjoint slices",
+        "# Gate calibration: verdict rates and interval coverage on disjoint and resampled slices",
         "",
         f"Tabulated {time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()}, CPU, fp32, by "
         "`python benchmarks/gate_calibration.py --analyze-only` from the scores each command below saved.",
         "",
         __doc__.split("Protocol. ", 1)[1].split("Scores:", 1)[0].strip().replace("\n", " "),
+        "",
+        *gate_verdicts.__doc__.split("\n\n", 1)[1].strip().splitlines(),  # how the resampled slices are drawn
     ]
     for key, scores in texts.items():
         lines += _text_section(key, scores, tables[key])
+    lines += gate_verdicts.windows_markdown(needed, gate_verdicts.SECONDS_PER_EXTRA_WINDOW)
     if truncated:
         lines += [
             "",
@@ -411,8 +422,13 @@ def main() -> None:
     texts = {f"shakespeare/{scores['windows']}": {**scores, "command": command}, **extra.get("texts", {})}
     accuracy = gate_verdicts.load_accuracy(RESULTS)  # ARC-Easy outcomes: judged beside the headline text's windows
     tables = {key: analyze(text, accuracy if key.startswith("shakespeare/") else None) for key, text in texts.items()}
-    raw.write_text(json.dumps({"command": command, "scores": scores, "verdicts": tables, **extra}, indent=1))
-    write_markdown(texts, tables, RESULTS / "gate-calibration.md", extra.get("truncation"))
+    needed = gate_verdicts.windows_needed(texts, accuracy, *gate_policy("default")[:2])
+    raw.write_text(
+        json.dumps(
+            {"command": command, "scores": scores, "verdicts": tables, "windows_needed": needed, **extra}, indent=1
+        )
+    )
+    write_markdown(texts, tables, RESULTS / "gate-calibration.md", extra.get("truncation"), needed)
     print((RESULTS / "gate-calibration.md").read_text())
 
 

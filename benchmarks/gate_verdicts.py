@@ -277,6 +277,10 @@ def markdown(gate: str, size: int, family: float, found: dict) -> list[str]:
 
 
 WINDOW_COUNTS = (24, 32, 40, 48, 64)
+# gate seconds per window added to the preset: three texts (the evaluation text and two panel domains), both sides,
+# at 81 s for 24 windows of both sides on the idle 2-core machine (docs/gate.md, "Cost on a CPU"; an upper bound, as
+# it holds each pass's fixed cost too)
+SECONDS_PER_EXTRA_WINDOW = 3 * 81 / 24
 
 
 def windows_needed(texts: dict, accuracy: dict, policy, family: float, seed: int = 0) -> dict:
@@ -310,10 +314,15 @@ def windows_needed(texts: dict, accuracy: dict, policy, family: float, seed: int
                     row["pass"][name] = tally(found["perplexity+kl"])
                     if name in arc:
                         row["pass"][f"{name} + accuracy"] = tally(combine(found["perplexity+kl"], arc[name]))
+                    runs = contiguous_draws(len(base), size, DRAWS, seed)
+                    row["pass"][f"{name}, contiguous"] = tally(
+                        window_verdicts(model, base, runs, policy, family)["perplexity+kl"]
+                    )
                 elif name != "baseline" and ratio >= limit + 0.05:
                     found = window_verdicts(model, base, slices, policy, family)
                     row["block"][f"{name} ×{ratio:.3f} ({key.split('/')[0]})"] = tally(found["perplexity"])
-        rows.append(row)
+        if row["pass"] or row["block"]:  # a count no text holds twice over: no row
+            rows.append(row)
     return {"gate_windows": policy.perplexity.max_windows, "rows": rows}
 
 

@@ -98,3 +98,23 @@ def test_verdict_rates_pair_each_window_slice_with_an_accuracy_slice(tmp_path):
     assert found["accuracy"]["rtn_int8"]["block"] == 1.0 and found["accuracy"]["rtn_int8"]["slices"] == gv.DRAWS
     assert found["combined"]["rtn_int8"]["block"] == 1.0  # the accuracy layer's BLOCK is the gate's
     assert found["accuracy_draw"] == {"items": 200, "of": 300, "how": "without replacement", "max_drop_points": 5.0}
+
+
+def test_windows_needed_reads_lossless_passes_and_far_rungs_blocks_per_window_count():
+    policy = resolve_policy(load_policy("default", []))
+    base = [3.0 + 0.01 * (index % 5) for index in range(96)]
+    lossless = {"window_nll": base, "window_kl": [0.001] * 96}
+    far = {"window_nll": [value + 0.1 for value in base], "window_kl": [0.001] * 96}  # ×1.105: 5.5 points past
+    texts = {
+        "shakespeare/96": {"models": {"baseline": {"window_nll": base}, "rtn_int8": lossless}},
+        "python_code/96": {"models": {"baseline": {"window_nll": base}, "ladder+5": far}},
+    }
+    found = gv.windows_needed(texts, {}, policy, 0.99)
+    assert found["gate_windows"] == policy.perplexity.max_windows
+    sizes = [row["windows"] for row in found["rows"]]
+    assert sizes == [size for size in gv.WINDOW_COUNTS if size <= 48]  # more than half the text: not drawn
+    for row in found["rows"]:
+        assert row["pass"]["rtn_int8"]["pass"] == 1.0 and row["pass"]["rtn_int8, contiguous"]["pass"] == 1.0
+        assert row["block"]["ladder+5 ×1.105 (python_code)"]["block"] == 1.0
+    lines = gv.windows_markdown(found, 10.0)
+    assert lines[-1].endswith(f"| {(48 - policy.perplexity.max_windows) * 10:+.0f} s |")
