@@ -131,6 +131,7 @@ def measure(
         "batch_size": batch_size,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
         "outcomes": result["outcomes"],
+        "command": "python benchmarks/accuracy_task.py " + " ".join(sys.argv[1:]),
     }
     name = f"accuracy-task-{report['candidate']}.json" if candidate else "accuracy-task.json"
     if limit is not None:  # a probe on the first ``limit`` items: kept apart from the results
@@ -173,6 +174,18 @@ def paired_rows(baseline: dict, candidates: list[dict]) -> list[str]:
     return rows
 
 
+def _command(report: dict) -> str:
+    """The command that measured a candidate (stored since the ladder rungs; rebuilt for the files before them)."""
+    if "command" in report:
+        return report["command"]
+    name, fraction, command = report["candidate"], report.get("ladder_fraction"), "python benchmarks/accuracy_task.py"
+    if fraction is not None:
+        return f"{command} measure --threads 1 --candidate {name.split('-f')[0]} --fraction {fraction:g}"
+    if name in CANDIDATES:
+        return f"{command} measure --threads 1 --candidate {name}"
+    return f"{command} measure --threads 1 --checkpoint {name}=<its checkpoint folder>"
+
+
 def markdown(report: dict, candidates: list[dict] = ()) -> str:
     """The results page: what was measured, the numbers with their intervals, and the command."""
     lines = [
@@ -209,15 +222,16 @@ def markdown(report: dict, candidates: list[dict] = ()) -> str:
             "## Against the baseline, item by item (the gate's check, limit −10 points)",
             "",
             "Decoder linear weights rounded to nearest in place: `rtn_int8` per output channel (lossless reference),",
-            "`rtn_int4_g64` in groups of 64 (a real regression); embeddings and the tied head unchanged.",
+            "`rtn_int4_g64` in groups of 64 (a real regression); embeddings and the tied head unchanged. `-f<x>`: the",
+            "weights moved only that fraction of the way (ladder rungs at chosen distances from the accuracy limit);",
+            "`fp8_dynamic`: the checkpoint of that recipe, loaded as the gate loads a candidate.",
             "",
             "| candidate | metric | accuracy | change (points) | 95% CI (Agresti–Min) | gained / lost | verdict |",
             "|---|---|---|---|---|---|---|",
             *rows,
             "",
             "```bash",
-            "python benchmarks/accuracy_task.py measure --threads 1 --candidate rtn_int8",
-            "python benchmarks/accuracy_task.py measure --threads 1 --candidate rtn_int4_g64",
+            *(_command(candidate) for candidate in candidates),
             "```",
         ]
     return "\n".join(lines) + "\n"
