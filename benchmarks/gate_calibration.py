@@ -349,6 +349,7 @@ def write_markdown(texts: dict, tables: dict, path: Path, truncated: dict | None
     for key, scores in texts.items():
         lines += _text_section(key, scores, tables[key])
     lines += gate_verdicts.windows_markdown(needed, gate_verdicts.SECONDS_PER_EXTRA_WINDOW)
+    lines += gate_verdicts.accuracy_markdown(needed["accuracy"], needed["family_confidence"])
     if truncated:
         lines += [
             "",
@@ -422,7 +423,10 @@ def main() -> None:
     texts = {f"shakespeare/{scores['windows']}": {**scores, "command": command}, **extra.get("texts", {})}
     accuracy = gate_verdicts.load_accuracy(RESULTS)  # ARC-Easy outcomes: judged beside the headline text's windows
     tables = {key: analyze(text, accuracy if key.startswith("shakespeare/") else None) for key, text in texts.items()}
-    needed = gate_verdicts.windows_needed(texts, accuracy, *gate_policy("default")[:2])
+    policy, family, _ = gate_policy("default")
+    needed = gate_verdicts.windows_needed(texts, accuracy, policy, family)
+    needed["accuracy"] = gate_verdicts.accuracy_needed(accuracy, policy, family)
+    needed["family_confidence"] = family
     raw.write_text(
         json.dumps(
             {"command": command, "scores": scores, "verdicts": tables, "windows_needed": needed, **extra}, indent=1

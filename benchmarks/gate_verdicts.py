@@ -349,3 +349,47 @@ def windows_markdown(found: dict, seconds_per_window: float | None) -> list[str]
             cells.append(f"{extra:+.0f} s")
         lines.append(f"| {row['windows']} | " + " | ".join(cells) + " |")
     return lines
+
+
+ACCURACY_SETTINGS = ((3.0, 570), (3.0, 1140), (3.0, 1710), (4.0, 570), (5.0, 570))  # (limit in points, items)
+
+
+def accuracy_needed(accuracy: dict, policy, family: float, seed: int = 0) -> list[dict]:
+    """What the accuracy layer would need for FP8 to pass: per (limit, items), each stored candidate's verdict rates
+    over bootstrap draws of that many items (beyond the stored items: the same flips at a larger count)."""
+    if not accuracy:
+        return []
+    rows = []
+    for max_drop, items in ACCURACY_SETTINGS:
+        rng = random.Random(seed + 1)
+        count = len(accuracy["baseline"])
+        slices = [[rng.randrange(count) for _ in range(items)] for _ in range(DRAWS)]
+        row: dict = {"max_drop_points": max_drop, "items": items, "candidates": {}}
+        for name, candidate in accuracy.items():
+            if name != "baseline":
+                verdicts = accuracy_verdicts(
+                    candidate["outcomes"], accuracy["baseline"], slices, max_drop, policy, family
+                )
+                row["candidates"][name] = {"change": candidate["change"], **tally(verdicts)}
+        rows.append(row)
+    return rows
+
+
+def accuracy_markdown(rows: list[dict], family: float) -> list[str]:
+    """The accuracy-layer table: P(pass) / P(block) of every stored candidate per limit and item count."""
+    if not rows:
+        return []
+    names = list(rows[0]["candidates"])
+    changes = {name: rows[0]["candidates"][name]["change"] for name in names}
+    lines = [
+        "",
+        f"### gate=default, accuracy layer by limit and item count: P(pass) / P(block) ({DRAWS} bootstrap draws; "
+        f"BLOCK at {family:.2%})",
+        "",
+        "| limit | items |" + "".join(f" {name} ({changes[name]:+.1f}) |" for name in names),
+        "|---|---|" + "---|" * len(names),
+    ]
+    for row in rows:
+        cells = [f"{c['pass']:.0%} / {c['block']:.0%}" for c in row["candidates"].values()]
+        lines.append(f"| −{row['max_drop_points']:g} points | {row['items']} | " + " | ".join(cells) + " |")
+    return lines
