@@ -118,3 +118,20 @@ def test_windows_needed_reads_lossless_passes_and_far_rungs_blocks_per_window_co
         assert row["block"]["ladder+5 ×1.105 (python_code)"]["block"] == 1.0
     lines = gv.windows_markdown(found, 10.0)
     assert lines[-1].endswith(f"| {(48 - policy.perplexity.max_windows) * 10:+.0f} s |")
+
+
+def test_accuracy_needed_passes_more_often_with_more_items_or_a_looser_limit():
+    policy = resolve_policy(load_policy("default", []))
+    baseline = [1.0, 0.0] * 285  # 570 items
+    near = list(baseline)
+    for index in range(0, 80, 2):  # 40 right answers lost, 30 wrong ones gained: −1.8 points, 12% churn
+        near[index] = 0.0
+    for index in range(1, 61, 2):
+        near[index] = 1.0
+    accuracy = {"baseline": baseline, "near": {"outcomes": near, "ladder_fraction": None, "change": -1.75}}
+    rows = {(row["max_drop_points"], row["items"]): row["candidates"]["near"] for row in
+            gv.accuracy_needed(accuracy, policy, 0.99)}  # fmt: skip
+    assert set(rows) == set(gv.ACCURACY_SETTINGS)
+    assert rows[(3.0, 570)]["pass"] < rows[(3.0, 1710)]["pass"] and rows[(3.0, 570)]["pass"] < rows[(5.0, 570)]["pass"]
+    assert all(row["slices"] == gv.DRAWS for row in rows.values())
+    assert gv.accuracy_markdown([], 0.99) == []
