@@ -258,6 +258,9 @@ def markdown(gate: str, size: int, family: float, found: dict) -> list[str]:
             f"### gate={gate}, accuracy layer: {DRAWS} slices of {draw['items']} of the {draw['of']} ARC-Easy items, "
             f"{draw['how']}; limit −{draw['max_drop_points']:g} points, BLOCK at {family:.2%}",
             "",
+            "Per-item outcomes: `benchmarks/results/accuracy-task*.json`, each with the command that scored it "
+            "(listed in accuracy-task.md).",
+            "",
             f"| candidate | ladder fraction | change, all items (points) | class {head}",
             "|---|---|---|---|---|---|---|",
         ]
