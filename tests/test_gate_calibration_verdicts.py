@@ -135,3 +135,21 @@ def test_accuracy_needed_passes_more_often_with_more_items_or_a_looser_limit():
     assert rows[(3.0, 570)]["pass"] < rows[(3.0, 1710)]["pass"] and rows[(3.0, 570)]["pass"] < rows[(5.0, 570)]["pass"]
     assert all(row["slices"] == gv.DRAWS for row in rows.values())
     assert gv.accuracy_markdown([], 0.99) == []
+
+
+def test_a_ladder_rung_moves_each_decoder_weight_that_fraction_of_the_way_to_its_rtn_grid():
+    import torch
+    from helpers import build_tiny_llama
+
+    from benchmarks.accuracy_task import round_to_nearest
+    from compress.grids.int_grid import WeightScheme, fake_quantize
+
+    original = build_tiny_llama()
+    weight = original.model.layers[0].mlp.down_proj.weight.detach().clone()
+    target = fake_quantize(weight, WeightScheme(bits=3, group_size=64, symmetric=True))
+    for fraction in (0.0, 0.5, 1.0):
+        model = build_tiny_llama()
+        round_to_nearest(model, "rtn_int3_g64", fraction)
+        moved = model.model.layers[0].mlp.down_proj.weight
+        torch.testing.assert_close(moved, weight + fraction * (target - weight))
+        torch.testing.assert_close(model.model.embed_tokens.weight, original.model.embed_tokens.weight)  # kept
