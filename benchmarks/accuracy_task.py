@@ -71,17 +71,10 @@ def vendor(wheel: Path) -> Path:
 def round_to_nearest(model, candidate: str, fraction: float = 1.0) -> None:
     """Fake-quantize every linear weight of the decoder layers in place (embeddings and the tied head stay), or move
     it ``fraction`` of the way there (a ladder rung: a real model at a chosen distance from the accuracy limit)."""
-    import torch
-
-    from compress.grids.int_grid import WeightScheme, fake_quantize
+    from benchmarks.ladder import move_towards_rtn
 
     bits, group = CANDIDATES[candidate]
-    scheme = WeightScheme(bits=bits, group_size=group, symmetric=True)
-    with torch.no_grad():
-        for module in model.model.layers.modules():
-            if isinstance(module, torch.nn.Linear):
-                weight = module.weight
-                weight.add_(fraction * (fake_quantize(weight, scheme) - weight.float()).to(weight.dtype))
+    move_towards_rtn(model.model.layers, fraction, bits, group)
 
 
 def measure(

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks import gate_verdicts  # noqa: E402
+from benchmarks.ladder import RUNG_KEYS, move_towards_rtn, parse_rung  # noqa: E402
 from compress.base.data import tokenize  # noqa: E402
 from compress.base.paths import artifacts_dir  # noqa: E402
 from compress.checkpoint import load_checkpoint  # noqa: E402
@@ -81,20 +82,12 @@ def evaluation_text(name: str) -> str:
     return "\n\n".join(documents)
 
 
-def ladder_transform(fraction: float):
-    """A per-layer transform moving the default model ``fraction`` of the way from its own weights to their int4 g64
-    symmetric round-to-nearest: a real model whose loss grows smoothly with ``fraction``, to place checkpoints at
-    chosen distances from a limit (a rung of the ladder). Applied as the scoring pass reads each layer."""
-    from compress.grids.int_grid import WeightScheme, fake_quantize
+def ladder_transform(fraction: float, bits: int = 4):
+    """A per-layer transform making a ladder rung (``benchmarks/ladder.py``), applied as the scoring pass reads each
+    layer."""
 
-    scheme = WeightScheme(bits=4, group_size=64, symmetric=True)
-
-    @torch.no_grad()
     def transform(index: int, layer: torch.nn.Module) -> torch.nn.Module:
-        for module in layer.modules():
-            if isinstance(module, torch.nn.Linear):
-                weight = module.weight
-                weight.add_(fraction * (fake_quantize(weight, scheme) - weight.float()).to(weight.dtype))
+        move_towards_rtn(layer, fraction, bits)
         return layer
 
     return transform
@@ -128,8 +121,8 @@ def score(windows: int, checkpoints: dict[str, Path], text: str = "shakespeare",
     models["baseline"]["reference_tail_mass"] = float((1 - reference["logprobs"].exp().sum(-1)).mean())
     rungs = rungs or {}
     sources = {name: (lambda path=path: (load_checkpoint(path)[0], None)) for name, path in checkpoints.items()}
-    for name, fraction in rungs.items():
-        sources[name] = lambda fraction=fraction: (load(ModelSpec())[0], ladder_transform(fraction))
+    for name, (fraction, bits) in rungs.items():
+        sources[name] = lambda fraction=fraction, bits=bits: (load(ModelSpec())[0], ladder_transform(fraction, bits))
     for name, source in sources.items():
         start = time.perf_counter()
         model, transform = source()
@@ -138,7 +131,8 @@ def score(windows: int, checkpoints: dict[str, Path], text: str = "shakespeare",
             model, ids, *protocol, label=name, device=device, observer=meter, transform=transform
         )
         divergence = result.divergence
-        origin = {"checkpoint": str(checkpoints[name])} if name in checkpoints else {"ladder_fraction": rungs[name]}
+        rung = dict(zip(RUNG_KEYS, rungs.get(name, ()), strict=False))
+        origin = {"checkpoint": str(checkpoints[name])} if name in checkpoints else rung
         models[name] = {
             **origin, "perplexity": result.perplexity, "window_nll": result.window_nll,
             "window_kl": divergence["window_kl"], "window_same_top": divergence["window_same_top"],
@@ -305,7 +299,11 @@ def _text_section(key: str, scores: dict, table: dict) -> list[str]:
     ]
     for name, model in models.items():
         if name != "baseline":
-            origin = f"ladder {model['ladder_fraction']:g}" if "ladder_fraction" in model else "recipe"
+            origin = (
+                f"ladder {model['ladder_fraction']:g} int{model.get('ladder_bits', 4)}"
+                if "ladder_fraction" in model
+                else "recipe"
+            )
             lines.append(
                 f"| {name} | {origin} | {model['perplexity']:.3f} | {model['perplexity'] / base_ppl:.4f} "
                 f"| {model['kl_mean']:.4f} | {model['kl_p99']:.3f} | {model['same_top']:.3f} |"
@@ -394,7 +392,7 @@ def main() -> None:
         "--rung",
         action="append",
         default=[],
-        help="name=fraction: a ladder rung, the model moved this far towards its int4 RTN weights",
+        help="name=fraction[:bits]: a ladder rung, the model moved this far towards its int4 (or bits) RTN weights",
     )
     args = parser.parse_args()  # fmt: skip
     raw = RESULTS / "gate-calibration.json"
@@ -408,7 +406,7 @@ def main() -> None:
         names = [name for name in RECIPES if args.only is None or name in args.only.split(",")]
         out = artifacts_dir() / "benchmarks" / "gate-calibration"
         checkpoints = {name: Path(given[name]) if name in given else make_checkpoint(name, out) for name in names}
-        rungs = {name: float(fraction) for name, fraction in (item.split("=", 1) for item in args.rung)}
+        rungs = dict(parse_rung(item) for item in args.rung)
         scored = score(args.windows, checkpoints, args.text, rungs)
         if args.text == "shakespeare" and args.windows == saved.get("scores", {}).get("windows") and not rungs:
             scores = scored

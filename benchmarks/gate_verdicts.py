@@ -208,7 +208,7 @@ def verdict_rates(scores: dict, accuracy: dict, policy, family: float, size: int
                 "change": candidate["change"], "ladder_fraction": candidate["ladder_fraction"],
                 "class": accuracy_class(candidate["change"], max_drop), **tally(verdicts[name]),
             }  # fmt: skip
-    for name, arc in ACCURACY_OF.items():
+    for name, arc in ({name: name for name in verdicts} | ACCURACY_OF).items():  # a rung pairs with its ARC namesake
         if name in windows["spread"] and arc in verdicts:
             rows = windows["spread"][name]
             found["combined"][name] = {

@@ -153,3 +153,10 @@ def test_a_ladder_rung_moves_each_decoder_weight_that_fraction_of_the_way_to_its
         moved = model.model.layers[0].mlp.down_proj.weight
         torch.testing.assert_close(moved, weight + fraction * (target - weight))
         torch.testing.assert_close(model.model.embed_tokens.weight, original.model.embed_tokens.weight)  # kept
+
+
+def test_a_rung_names_its_fraction_and_bits_and_pairs_with_its_arc_namesake():
+    from benchmarks.ladder import parse_rung
+
+    assert parse_rung("rtn_int3_g64-f0.72=0.72:3") == ("rtn_int3_g64-f0.72", (0.72, 3))
+    assert parse_rung("ladder+5=0.9") == ("ladder+5", (0.9, 4))
