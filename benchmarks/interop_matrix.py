@@ -347,7 +347,7 @@ def render(rows: list[dict], meta: dict) -> str:
         f"(`compress.checkpoint.load_checkpoint`), logits on {len(PROMPTS)} prompts: max abs difference, relative",
         "‖Δ‖/‖ours‖, share of the same next token. FP4 checkpoints run in bf16 on both sides: compressed-tensors",
         "decompresses FP4 weights to bf16 only, and W4A4's activation rounding turns fp32-against-bf16 rounding into",
-        "whole FP4 steps (0.24 / 0.56 relative for nvfp4 / mxfp4 when ours ran in fp32; docs/formats.md).",
+        "whole FP4 steps (0.24 / 0.56 relative for nvfp4 / mxfp4 when ours ran in fp32; docs/quantization.md).",
         "vLLM: `LLM(..., gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=512)` (accepted: the engine was",
         f'built or its weights loaded), then 4 greedy tokens of "{PROMPTS[0]}" (generated); a refusal\'s message is',
         "the root cause from the engine's log. A row measured by an earlier run of this command on the same checkpoint",
