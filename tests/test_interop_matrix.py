@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from helpers import build_tiny_llama, build_tiny_tokenizer
 
@@ -45,6 +46,24 @@ def test_transformers_reads_a_tiny_rtn_checkpoint_as_our_reader_does(tmp_path, a
     assert reusable({"r": row}, "r", folder, "/venv/bin/python") is None
     (folder / "extra.txt").write_text("changed")
     assert reusable({"r": row}, "r", folder, None) is None
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_an_fp32_w4a4_checkpoint_is_compared_in_the_bf16_transformers_runs_it_in(tmp_path, artifacts, fmt):
+    """compressed-tensors runs FP4 in bf16 only; W4A4's activation rounding makes fp32 against bf16 differ by whole
+    FP4 steps (0.16-0.19 relative here, 0.24-0.56 on the default model), so the check runs our reader in bf16 too."""
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    ids = torch.randint(0, len(tokenizer), (2, 16), generator=torch.Generator().manual_seed(0))
+    stage = {"type": "rtn", "bits": 4, "symmetric": True, "format": fmt, "activations": "fp4", "ignore": ["lm_head"]}
+    stage["group_size"] = 16 if fmt == "nvfp4" else 32
+    folder = oneshot(str(tmp_path / "model"), [stage], data=ids, output_dir=tmp_path / "checkpoint")
+    check = transformers_check(folder, ["def f(x):", "The module", "Once upon a time, in a small village,"])
+    assert check["ran"] and check["dtype"] == "bfloat16", check
+    assert check["relative"] < 1e-2 and check["same_top1"] == 1.0, check
+    assert "ours run in bf16 too" in format_row({"recipe": fmt, "format": "f", "transformers": check, "vllm": {}})
 
 
 def test_a_checkpoint_transformers_cannot_read_is_a_row_not_a_crash(tmp_path):
