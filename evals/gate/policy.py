@@ -22,7 +22,7 @@ class PerplexityPolicy:
     enabled: bool = True  # run this layer (a layer left out of gate.layers is off too)
     blocking: bool = True  # its failed checks block the release (false: reported, never deciding)
     seq_len: int = 512  # tokens per scored window
-    max_windows: int | None = 24  # windows of seq_len tokens scored (null: every window of the evaluation text)
+    max_windows: int | None = 32  # windows of seq_len tokens scored (null: every window of the evaluation text)
     batch_size: int = 4  # windows per forward pass
     max_ratio: float | None = 1.05  # candidate ppl ≤ max_ratio × baseline ppl (judged on the interval)
     max_value: float | None = None  # hard ceiling on candidate ppl
@@ -44,7 +44,7 @@ class KLPolicy:
 @dataclass
 class LmEvalPolicy:
     enabled: bool = True  # run this layer (a layer left out of gate.layers is off too)
-    blocking: bool = True  # its failed checks block the release (false: reported, never deciding)
+    blocking: bool = False  # failed checks block the release; off: 570 items cannot decide 3 points (gate.md)
     benchmark: str | None = "arc_easy"  # a public benchmark shipped with the package (evals/data/<name>); null: none
     local_task: bool = False  # the continuation task cut from the evaluation text (a smoke test, not a benchmark)
     tasks: list[str] = field(default_factory=list)  # any lm-eval task names the machine has data for
