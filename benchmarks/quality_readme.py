@@ -72,6 +72,7 @@ def readme_section(stored: dict) -> str:
         )
     dates = sorted(date for row in rows for _, date in row["sources"])
     tokens = sorted({n for row in rows for n in row["scored_tokens"]})
+    machines = sorted({machine for row in rows for machine in row["machines"]})
     pick = (
         f"First row by rule ({PICK_RULE}): `{chosen['recipe']}`; against `{chosen['runner_up']}`: {chosen['verdict']}. "
         if chosen
@@ -84,7 +85,8 @@ def readme_section(stored: dict) -> str:
             others.append(f"{MODEL_NAMES.get(model, model)}: {'; '.join(found)}")
     pending = " ".join(f"`{recipe}` is {why}." for recipe, why in PENDING.items())
     prose = (
-        f"{MODEL_NAMES[MODEL]}, fp32, checkpoints reloaded from disk, 2-core CPU, measured {dates[0]} to {dates[-1]}. "
+        f"{MODEL_NAMES[MODEL]}, fp32, checkpoints reloaded from disk and scored on {'; '.join(machines)}, measured "
+        f"{dates[0]} to {dates[-1]}. "
         "Ratio: perplexity over the fp32 baseline of the same file; out of domain: "
         f"{', '.join(f'{n:,}' for n in tokens)} scored tokens of Shakespeare, text the model was not calibrated on; in "
         "domain: pydoc's held-out split, the calibration source, which flatters every recipe. A row is the recipe as "

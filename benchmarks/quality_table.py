@@ -155,7 +155,7 @@ def file_draws(stem: str, results: Path) -> list[dict]:
                 run = as_measured(" ".join([HEADLINE_RECIPE, *overrides]), date)
                 for seed, ratio in zip(row["seeds"], row["ratios"], strict=True):
                     ratios = {"out_of_domain": ratio}
-                    draws.append(draw(model, run, seed, threads, stem, date, ratios, {}, report["baseline"]))
+                    draws.append(draw(model, run, seed, threads, stem, date, ratios, {}, report))
             continue
         base = report["baseline"]
         texts = [text for text, value in base.items() if isinstance(value, dict) and "perplexity" in value]
@@ -167,14 +167,16 @@ def file_draws(stem: str, results: Path) -> list[dict]:
             run = " ".join(w for w in words if not w.startswith("seed="))
             run = run if run.startswith(PEER) else as_measured(run, date)
             ratios = {text: row[text]["perplexity"] / base[text]["perplexity"] for text in texts if text in row}
-            draws.append(draw(model, run, seed, threads, stem, date, ratios, row, base.get("out_of_domain", base)))
+            draws.append(draw(model, run, seed, threads, stem, date, ratios, row, report))
     return draws
 
 
-def draw(model, run, seed, threads, source, date, ratios, row, headline) -> dict:  # noqa: ANN001
+def draw(model, run, seed, threads, source, date, ratios, row, report) -> dict:  # noqa: ANN001
     costs = {key: row.get(key) for key in ("seconds", "peak_rss_mb", "size_mb")}
+    headline = report["baseline"].get("out_of_domain", report["baseline"])  # headline_tradeoff: one text, no key
     return {"model": model, "run": run, "seed": seed, "threads": threads, "source": source, "date": date,
-            "ratios": ratios, **costs, "scored_tokens": headline.get("tokens")}  # fmt: skip
+            "ratios": ratios, **costs, "scored_tokens": headline.get("tokens"),
+            "machine": report.get("machine")}  # fmt: skip
 
 
 def interval(values: list[float]) -> dict:
@@ -221,6 +223,7 @@ def build(sources: list[str], results: Path) -> dict:
             "peak_rss_mb": _mean([found["peak_rss_mb"] for found in draws]),
             "sources": sorted({(found["source"], found["date"]) for found in draws}, key=lambda s: s[1]),
             "scored_tokens": sorted({found["scored_tokens"] for found in draws if found["scored_tokens"]}),
+            "machines": sorted({found["machine"] for found in draws if found["machine"]}),
             "per_draw": [{k: found[k] for k in ("seed", "source", "date", "ratios", "seconds")} for found in draws],
         }  # fmt: skip
         models.setdefault(model, {"runs": [], "pairs": []})["runs"].append(entry)
