@@ -67,6 +67,7 @@ def scored_baseline(
         "model": model_dir.name,
         "tokens": {name: int(tokens.numel()) for name, tokens in ids.items()},
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}",
+        "threads": torch.get_num_threads(),  # scoring's, and the compressing subprocesses' (same environment)
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": " ".join([command, *(shlex.quote(a) for a in sys.argv[1:])]),
         "baseline": score(model, ids, max_windows),

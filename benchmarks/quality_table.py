@@ -1,27 +1,34 @@
-"""One table of every recipe's quality and cost, per model, assembled from the measured result files.
+"""One table of every recipe's quality and cost, per model, assembled from the measured result files; and the
+README's results section, rendered from the same rows.
 
-    python -m benchmarks.quality_table            # the files in SOURCES → benchmarks/results/quality.{md,json}
-    python -m benchmarks.quality_table --sources int3 quality-formats --name quality-int3
+    python -m benchmarks.quality_table     # SOURCES → benchmarks/results/quality.{md,json}, README.md's section
+    python -m benchmarks.quality_table --sources int3 quality-formats --name quality-int3   # (README untouched)
 
-No recipe runs here. The measurements come from ``benchmarks/quality.py`` and ``benchmarks/variants.py``, each of
-which scores its fp32 baseline and its checkpoints in one invocation; a row's ratios are to the baseline of its own
-file, so rows from different invocations (or different ``--max-windows``) are never divided by each other's baseline.
-Where a run was measured in several files, the latest measurement is kept. Each row names its file and date, so the
-command that produced it is one click away; wall time and peak RSS are only comparable within one file (one CPU
-state), which is why peers are measured beside ours in the same invocation.
+No recipe runs here. The measurements come from ``benchmarks/quality.py``, ``benchmarks/variants.py`` and
+``benchmarks/headline_tradeoff.py``, each of which scores its fp32 baseline and its checkpoints in one invocation; a
+draw's ratios are to the baseline of its own file, so rows from different invocations are never divided by each
+other's baseline. A row is one run (recipe and overrides, ``seed=`` aside) at one recorded torch thread count; its
+draws are its calibration seeds (the latest measurement of a seed is kept), summarised as a mean and a 95%
+t-interval over the draws. Threads come from the file (its ``threads`` or an ``OMP_NUM_THREADS=`` in its command),
+else "not recorded": never guessed. Peer pairs (ours against llm-compressor's preset on the same calibration ids)
+are computed here from the per-draw ratios. Wall time and peak RSS compare only within one file (one CPU state).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import shlex
 import sys
 from pathlib import Path
 
+from benchmarks.quality_readme import README, readme_section, replace_section
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-SOURCES = [  # oldest first; a later file's row replaces an earlier one of the same model and run
+SOURCES = [  # oldest first; a later file's draw replaces an earlier one of the same model, run, seed and threads
     "quality-recipes",
     "signround-int4",
     "self-calibration",
@@ -42,6 +49,7 @@ SOURCES = [  # oldest first; a later file's row replaces an earlier one of the s
     "gemma3-270m-awq-gptq-peer",
     "gemma3-270m-awq-peer-seeds",
     "quality-nvfp4-awq-sampled",
+    "headline-tradeoff",
 ]
 PEER = "llm-compressor:"
 # llm-compressor's presets beside the recipe they compete with (benchmarks/peer_comparison.SCHEMES, reversed)
@@ -61,7 +69,8 @@ ORDER = [
     ("nvfp4", "nvfp4"),
     ("mxfp4", "mxfp4"),
 ]
-TEXTS = ("out_of_domain", "in_domain")
+FAMILY = {"smollm2-135m-instruct": "llama", "gemma-3-270m": "gemma3_text"}
+TEXT_NAMES = {"out_of_domain": "Shakespeare"}  # the headline text; other out-of-domain keys are named by their key
 # A recipe whose shipped settings changed: its date, the overrides that give back what it ran with before, and the
 # settings it ships with now. A row measured before the change is shown with the first (those the row does not set
 # itself: `data.generated=...` keeps its own data); overrides that spell what ships now are dropped from any row.
@@ -71,28 +80,15 @@ CHANGED = {
     "awq_int4": ("2026-11-26 22:30", ["stages.0.rounding=rtn", "data=pydoc"], ["stages.0.rounding=gptq", *SAMPLED]),
     "rotate_gptq_int3": ("2026-11-26 22:30", ["data=pydoc"], SAMPLED),
 }
+# The sampled data group's size before it changed (8700e76): a run on it measured before then gets this override.
+SAMPLED_CHANGED = ("2026-11-27 10:18", "data.num_samples=64")
+SAMPLED_NOW = {"num_samples": 32, "seq_len": 512}  # recipes/data/sampled.yaml (checked by tests/test_quality_table.py)
+PYDOC_NUM_SAMPLES = 64  # recipes/data/pydoc.yaml and compress.base.data.DataSpec
+SHIPS_SAMPLED = {"awq_int4", "awq_int4_kv_int8", "rotate_gptq_int4", "rotate_gptq_int3"}  # `override data: sampled`
 # A run spelled as overrides of one recipe that another recipe ships (after CHANGED): shown under the shipped name.
 SHIPPED_AS = {"rotate_gptq_int4 data=pydoc stages.1.bits=3": "rotate_gptq_int3 data=pydoc"}
-
-
-def measured_rows(sources: list[str], results: Path) -> dict[str, dict[str, dict]]:
-    """``{model: {run: row}}``, each row with its two ratios, costs, and the file and date it comes from."""
-    models: dict[str, dict[str, dict]] = {}
-    for stem in sources:
-        path = results / f"{stem}.json"
-        if not path.is_file():
-            continue
-        stored = json.loads(path.read_text())
-        for report in stored.get("invocations", [stored]):  # a file may join several invocations
-            base = report["baseline"]
-            for run, row in (report.get("rows") or report.get("recipes") or {}).items():
-                if "error" in row:
-                    continue
-                entry = {f"{text}_ratio": row[text]["perplexity"] / base[text]["perplexity"] for text in TEXTS}
-                entry.update({key: row.get(key) for key in ("seconds", "peak_rss_mb", "size_mb")})
-                entry.update(source=stem, date=report["date"], scored_tokens=base["out_of_domain"]["tokens"])
-                models.setdefault(report["model"], {})[as_measured(run, report["date"])] = entry
-    return models
+HEADLINE_RECIPE = "awq_int4"  # benchmarks/headline_tradeoff.py compresses with this recipe only
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]  # t, 95% two-sided, 1..10 df
 
 
 def as_measured(run: str, date: str) -> str:
@@ -108,7 +104,138 @@ def as_measured(run: str, date: str) -> str:
     if date < changed_at:
         overrides = [override for override in then if not overridden(override.split("=")[0])] + overrides
     spelled = " ".join([recipe, *(override for override in overrides if override not in now)])
-    return SHIPPED_AS.get(spelled, spelled)
+    spelled = SHIPPED_AS.get(spelled, spelled)
+    recipe, *overrides = spelled.split()
+    if date < SAMPLED_CHANGED[0] and data_group(recipe, overrides) == "sampled":
+        if not any(override.startswith("data.num_samples=") for override in overrides):
+            spelled += f" {SAMPLED_CHANGED[1]}"
+    return spelled
+
+
+def calibration(recipe: str, overrides: list[str], seed: int) -> tuple[str, float, int, int]:
+    """What decides a run's calibration ids: ``(data group, generated share, windows, seed)``; a peer preset reads
+    the pydoc group unless its overrides say otherwise (benchmarks/variants.peer_options)."""
+    options = dict(override.split("=", 1) for override in overrides if "=" in override)
+    group = data_group(recipe, overrides)
+    sampled = group == "sampled"
+    generated = float(options.get("data.generated", 1.0 if sampled else 0.0))
+    windows = int(options.get("data.num_samples", SAMPLED_NOW["num_samples"] if sampled else PYDOC_NUM_SAMPLES))
+    if generated == 1.0 and group == "pydoc":
+        group = "sampled"  # pydoc's group with every window generated is the sampled group
+    return group, generated, windows, seed
+
+
+def data_group(recipe: str, overrides: list[str]) -> str:
+    """The data config group a run reads: its ``data=`` override, else what its recipe ships (a peer: pydoc)."""
+    chosen = [override.split("=", 1)[1] for override in overrides if override.startswith("data=")]
+    return chosen[-1] if chosen else "sampled" if recipe in SHIPS_SAMPLED else "pydoc"
+
+
+def file_threads(report: dict) -> int | None:
+    """Torch threads as the file records them: its ``threads``, or ``OMP_NUM_THREADS=N`` in its command."""
+    if isinstance(report.get("threads"), int):
+        return report["threads"]
+    found = re.search(r"OMP_NUM_THREADS=(\d+)", report.get("command", ""))
+    return int(found.group(1)) if found else None
+
+
+def file_draws(stem: str, results: Path) -> list[dict]:
+    """Every measured draw of one result file, in the shape the table uses."""
+    stored = json.loads((results / f"{stem}.json").read_text())
+    draws = []
+    for report in stored.get("invocations", [stored]):  # a file may join several invocations
+        date, threads, model = report["date"].removesuffix(" UTC"), file_threads(report), report["model"]
+        rows = report.get("rows") or report.get("recipes") or {}
+        if isinstance(rows, list):  # benchmarks/headline_tradeoff.py: out-of-domain ratios per seed, one recipe
+            for row in rows:
+                windows, _, length = row["setting"].partition("x")
+                length, _, label = length.partition("-")
+                overrides = [f"data.num_samples={windows}", f"data.seq_len={length}"] + ([label] if label else [])
+                overrides = [o for o in overrides if o not in [f"data.{k}={v}" for k, v in SAMPLED_NOW.items()]]
+                run = as_measured(" ".join([HEADLINE_RECIPE, *overrides]), date)
+                for seed, ratio in zip(row["seeds"], row["ratios"], strict=True):
+                    ratios = {"out_of_domain": ratio}
+                    draws.append(draw(model, run, seed, threads, stem, date, ratios, {}, report))
+            continue
+        base = report["baseline"]
+        texts = [text for text, value in base.items() if isinstance(value, dict) and "perplexity" in value]
+        for name, row in rows.items():
+            if "error" in row:
+                continue
+            words = name.split()
+            seed = int(next((w.split("=")[1] for w in words if w.startswith("seed=")), 0))
+            run = " ".join(w for w in words if not w.startswith("seed="))
+            run = run if run.startswith(PEER) else as_measured(run, date)
+            ratios = {text: row[text]["perplexity"] / base[text]["perplexity"] for text in texts if text in row}
+            draws.append(draw(model, run, seed, threads, stem, date, ratios, row, report))
+    return draws
+
+
+def draw(model, run, seed, threads, source, date, ratios, row, report) -> dict:  # noqa: ANN001
+    costs = {key: row.get(key) for key in ("seconds", "peak_rss_mb", "size_mb")}
+    headline = report["baseline"].get("out_of_domain", report["baseline"])  # headline_tradeoff: one text, no key
+    return {"model": model, "run": run, "seed": seed, "threads": threads, "source": source, "date": date,
+            "ratios": ratios, **costs, "scored_tokens": headline.get("tokens"),
+            "machine": report.get("machine")}  # fmt: skip
+
+
+def interval(values: list[float]) -> dict:
+    """Mean and, from two draws on, a 95% t-interval over them."""
+    n, mean = len(values), sum(values) / len(values)
+    if n < 2:
+        return {"n": n, "mean": mean, "low": None, "high": None, "values": values}
+    half = T975[min(n - 2, len(T975) - 1)] * math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half, "values": values}
+
+
+def data_only(overrides: list[str]) -> bool:
+    return all(override.startswith("data.") for override in overrides)
+
+
+def build(sources: list[str], results: Path) -> dict:
+    """``{model: {"runs": [...], "pairs": [...]}}`` from the files in ``sources`` (oldest first)."""
+    latest: dict[tuple, dict] = {}
+    sizes: dict[tuple, tuple[float, str]] = {}  # (model, recipe, non-data overrides) → checkpoint MB, its file
+    for stem in sources:
+        if not (results / stem).with_suffix(".json").is_file():
+            continue
+        for found in file_draws(stem, results):
+            latest[(found["model"], found["run"], found["seed"], found["threads"])] = found
+            recipe, *overrides = found["run"].split()
+            if found["size_mb"] is not None:  # the layout does not depend on the calibration data or seed
+                sizes[(found["model"], recipe, tuple(o for o in overrides if not o.startswith("data")))] = (
+                    found["size_mb"], found["source"])  # fmt: skip
+    groups: dict[tuple, list[dict]] = {}
+    for (model, run, _, threads), found in latest.items():
+        groups.setdefault((model, run, threads), []).append(found)
+    models: dict[str, dict] = {}
+    for (model, run, threads), draws in sorted(groups.items(), key=lambda item: (item[0][0], _rank(item[0][1]))):
+        draws.sort(key=lambda found: found["seed"])
+        recipe, *overrides = run.split()
+        size = sizes.get((model, recipe, tuple(o for o in overrides if not o.startswith("data"))))
+        texts = sorted({text for found in draws for text in found["ratios"]}, key=lambda t: (t == "in_domain", t))
+        entry = {
+            "run": run, "recipe": recipe, "overrides": overrides, "model": model, "family": FAMILY.get(model, "-"),
+            "threads": threads, "draws": len(draws), "seeds": [found["seed"] for found in draws],
+            "ratios": {t: interval([f["ratios"][t] for f in draws if t in f["ratios"]]) for t in texts},
+            "size_mb": size[0] if size else None, "size_from": size[1] if size else None,
+            "seconds": _mean([found["seconds"] for found in draws]),
+            "peak_rss_mb": _mean([found["peak_rss_mb"] for found in draws]),
+            "sources": sorted({(found["source"], found["date"]) for found in draws}, key=lambda s: s[1]),
+            "scored_tokens": sorted({found["scored_tokens"] for found in draws if found["scored_tokens"]}),
+            "machines": sorted({found["machine"] for found in draws if found["machine"]}),
+            "per_draw": [{k: found[k] for k in ("seed", "source", "date", "ratios", "seconds")} for found in draws],
+        }  # fmt: skip
+        models.setdefault(model, {"runs": [], "pairs": []})["runs"].append(entry)
+    for tables in models.values():
+        tables["pairs"] = pairs(tables["runs"])
+        tables["pick"] = pick(tables["runs"])
+    return models
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [value for value in values if value is not None]
+    return sum(known) / len(known) if known else None
 
 
 def _rank(run: str) -> tuple[int, int, str]:
@@ -120,55 +247,175 @@ def _rank(run: str) -> tuple[int, int, str]:
     return len(ORDER), int(is_peer), run
 
 
-def _cell(value: float | None, digits: int = 0) -> str:
+def pairs(runs: list[dict]) -> list[dict]:
+    """Ours against the peer preset it competes with (ORDER), draw by draw on the same calibration ids and threads:
+    the difference ours − peer of each ratio (negative: ours lower), its mean and 95% t-interval over the draws."""
+    found = []
+    for ours in (run for run in runs if not run["run"].startswith(PEER)):
+        rivals = {peer for recipe, peer in ORDER if recipe == ours["recipe"] and peer}
+        for peer in runs:
+            if peer["recipe"].removeprefix(PEER) not in rivals or not peer["recipe"].startswith(PEER):
+                continue
+            if peer["threads"] != ours["threads"]:
+                continue
+            mine = {calibration(ours["recipe"], ours["overrides"], d["seed"]): d for d in ours["per_draw"]}
+            theirs = {calibration(peer["recipe"], peer["overrides"], d["seed"]): d for d in peer["per_draw"]}
+            shared = sorted(set(mine) & set(theirs), key=lambda key: key[3])
+            if not shared:
+                continue
+            texts = [t for t in ours["ratios"] if all(t in d[k]["ratios"] for d in (mine, theirs) for k in shared)]
+            found.append({
+                "ours": ours["run"], "peer": peer["run"], "threads": ours["threads"], "seeds": [k[3] for k in shared],
+                "difference": {
+                    t: interval([mine[k]["ratios"][t] - theirs[k]["ratios"][t] for k in shared]) for t in texts
+                },
+                "sources": sorted({d[k]["source"] for d in (mine, theirs) for k in shared}),
+            })  # fmt: skip
+    return found
+
+
+INT4_G64 = ("rtn_int4", "awq_int4", "gptq_int4", "autoround_int4", "rotate_gptq_int4")
+PENDING = {"autoround_int4": "being rewritten as published AutoRound (docs/quantization.md); its rows: the old stage"}
+PICK_RULE = (
+    "the lowest out-of-domain mean among the int4 g64 recipes as shipped whose checkpoint is no larger than "
+    "`gptq_int4`'s; a tie where its 95% interval overlaps the runner-up's"
+)
+
+
+def shipped(runs: list[dict], recipe: str) -> dict | None:
+    """The row a README quotes for ``recipe``: as shipped (no overrides), else a run differing only in calibration
+    size; the most draws first, then recorded threads."""
+    candidates = [run for run in runs if run["recipe"] == recipe and data_only(run["overrides"])]
+    candidates = [run for run in candidates if not run["overrides"]] or candidates
+    candidates = [run for run in candidates if "out_of_domain" in run["ratios"]]
+    return max(candidates, key=lambda run: (run["draws"], run["threads"] is not None), default=None)
+
+
+def pick(runs: list[dict]) -> dict | None:
+    """The int4 recipe a user should pick by the measured numbers (PICK_RULE), with the runner-up and the verdict."""
+    reference = shipped(runs, "gptq_int4")
+    if reference is None or reference["size_mb"] is None:
+        return None
+    rows = [shipped(runs, recipe) for recipe in INT4_G64 if recipe not in PENDING]
+    rows = [row for row in rows if row and not row["overrides"] and row["size_mb"] is not None]
+    rows = sorted((row for row in rows if row["size_mb"] <= reference["size_mb"] * 1.001), key=_headline)
+    if not rows:
+        return None
+    best, runner = rows[0], (rows[1] if len(rows) > 1 else None)
+    verdict = "no other candidate"
+    if runner:
+        a, b = best["ratios"]["out_of_domain"], runner["ratios"]["out_of_domain"]
+        if a["low"] is None or b["low"] is None:
+            verdict = "not established (one of them has 1 draw)"
+        else:
+            verdict = "a tie (95% intervals overlap)" if a["high"] >= b["low"] else "ahead (95% intervals apart)"
+        if best["threads"] != runner["threads"]:
+            verdict += f", torch threads {threads_cell(best['threads'])} against {threads_cell(runner['threads'])}"
+    return {"recipe": best["recipe"], "runner_up": runner["recipe"] if runner else None, "verdict": verdict}
+
+
+def _headline(run: dict) -> float:
+    return run["ratios"]["out_of_domain"]["mean"]
+
+
+def cell(stats: dict | None, digits: int = 3) -> str:
+    """``1.161 (1.125–1.197)`` over several draws, ``1.358 (1 draw: no interval)`` over one."""
+    if stats is None:
+        return "not measured"
+    if stats["low"] is None:
+        return f"{stats['mean']:.{digits}f} (1 draw: no interval)"
+    return f"{stats['mean']:.{digits}f} ({stats['low']:.{digits}f} to {stats['high']:.{digits}f})"
+
+
+def _number(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def markdown(models: dict[str, dict[str, dict]], command: str) -> str:
+def threads_cell(threads: int | None) -> str:
+    return "not recorded" if threads is None else str(threads)
+
+
+def markdown(models: dict, command: str) -> str:
     lines = [
         "# Quality and cost of every recipe, per model",
         "",
-        "Assembled from the measured files named in each row (no run happens in this step): perplexity ratio to the "
-        "fp32 baseline of the same file, out-of-domain (Shakespeare, the headline) and in-domain (pydoc's held-out "
-        "split, the calibration source: it flatters every recipe). `llm-compressor:` rows are llm-compressor 0.14's "
-        "preset on the same calibration ids, measured in the same invocation as our row above it. Wall time and peak "
-        "RSS (the compressing process: load, calibrate, quantize, save) compare only within one file; a dash is a "
-        "figure that file did not record.",
+        "Assembled from the measured files named in each row (no run happens in this step). Ratio: perplexity over "
+        "the fp32 baseline of the same file; out of domain: Shakespeare (the headline; more texts get a column "
+        "each), in domain: pydoc's held-out split, the calibration source, which flatters every recipe. A row is one "
+        'run at one torch thread count (from the file; "not recorded" where it lacks it); its draws are calibration '
+        "seeds: mean, then the 95% t-interval over the draws. `llm-compressor:` rows are llm-compressor 0.14's "
+        "preset on the calibration ids of our run with the same seed and data overrides. Size: the checkpoint of "
+        "the run, or of the same recipe with other calibration data (named). Wall time and peak RSS (load, "
+        "calibrate, quantize, save) are means over the draws and compare only within one file; a dash is a figure "
+        "the file did not record.",
         "",
         f"Command: `{command}`",
+        "",
+        f"Pick rule (the README's first row): {PICK_RULE}.",
     ]
-    for model, rows in models.items():
+    for model, tables in models.items():
+        texts = sorted({t for run in tables["runs"] for t in run["ratios"]}, key=lambda t: (t == "in_domain", t))
+        names = [TEXT_NAMES.get(t, t.replace("_", "-")) for t in texts]
+        chosen = tables["pick"]
+        tokens = sorted({n for run in tables["runs"] for n in run["scored_tokens"]})
+        lines += ["", f"## {model} (`{FAMILY.get(model, '-')}`)", ""]
+        if chosen:
+            rival = f"against `{chosen['runner_up']}`" if chosen["runner_up"] else "the only int4 g64 recipe measured"
+            lines += [f"Pick: `{chosen['recipe']}`; {rival}: {chosen['verdict']}.", ""]
         lines += [
+            f"Scored out-of-domain tokens per draw: {', '.join(map(str, tokens))} (a `--max-windows` run scores "
+            "fewer than the whole text).",
             "",
-            f"## {model}",
-            "",
-            f"Scored tokens per text: {', '.join(sorted({str(row['scored_tokens']) for row in rows.values()}))} "
-            "(out-of-domain; a figure below the full text's comes from a `--max-windows` run).",
-            "",
-            "| run | out-of-domain | in-domain | compress s | peak RSS MB | size MB | measured in |",
-            "|---|---|---|---|---|---|---|",
+            f"| run | draws (seeds) | threads | {' | '.join(names)} | size MB | compress s | peak RSS MB | files |",
+            "|---|---|---|" + "---|" * len(texts) + "---|---|---|---|",
         ]
-        for run in sorted(rows, key=_rank):
-            row = rows[run]
+        for run in tables["runs"]:
+            size = _number(run["size_mb"], 1) + ("" if run["size_from"] in (None, *dict(run["sources"])) else
+                                                 f" ({run['size_from']})")  # fmt: skip
+            files = ", ".join(f"[{stem}]({stem}.md) {date}" for stem, date in run["sources"])
+            ratios = " | ".join(cell(run["ratios"].get(t)) for t in texts)
             lines.append(
-                f"| `{run}` | {row['out_of_domain_ratio']:.3f}x | {row['in_domain_ratio']:.3f}x | "
-                f"{_cell(row['seconds'])} | {_cell(row['peak_rss_mb'])} | {_cell(row['size_mb'], 1)} | "
-                f"[{row['source']}]({row['source']}.md), {row['date']} |"
+                f"| `{run['run']}` | {run['draws']} ({', '.join(map(str, run['seeds']))}) | "
+                f"{threads_cell(run['threads'])} | {ratios} | {size} | {_number(run['seconds'])} | "
+                f"{_number(run['peak_rss_mb'])} | {files} |"
             )
+        if tables["pairs"]:
+            lines += [
+                "",
+                "Paired with llm-compressor on the same calibration ids, ours − peer per draw (negative: ours lower):",
+                "",
+                f"| ours | peer | draws (seeds) | threads | {' | '.join(names)} | files |",
+                "|---|---|---|---|" + "---|" * len(texts) + "---|",
+            ]
+            for pair in tables["pairs"]:
+                diffs = " | ".join(cell(pair["difference"].get(t)) for t in texts)
+                lines.append(
+                    f"| `{pair['ours']}` | `{pair['peer']}` | {len(pair['seeds'])} "
+                    f"({', '.join(map(str, pair['seeds']))}) | {threads_cell(pair['threads'])} | {diffs} | "
+                    f"{', '.join(pair['sources'])} |"
+                )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sources", nargs="+", default=SOURCES, help="result file stems, oldest first")
-    parser.add_argument("--name", default="quality", help="output file stem")
+    parser.add_argument("--name", default="quality", help="output file stem (README.md is rewritten for 'quality')")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
-    models = measured_rows(args.sources, args.results)
+    missing = [stem for stem in args.sources if not (args.results / f"{stem}.json").is_file()]
+    if missing:
+        raise SystemExit(f"no result file {', '.join(missing)} in {args.results}: check --sources / --results")
+    models = build(args.sources, args.results)
     command = " ".join(["python -m benchmarks.quality_table", *(shlex.quote(a) for a in sys.argv[1:])])
-    (args.results / f"{args.name}.json").write_text(json.dumps(models, indent=2))
+    stored = {"command": command, "pick_rule": PICK_RULE, "models": models}
+    (args.results / f"{args.name}.json").write_text(json.dumps(stored, indent=2) + "\n")
     (args.results / f"{args.name}.md").write_text(markdown(models, command))
-    print(markdown(models, command))
+    if args.name == "quality" and args.results == RESULTS and args.sources == SOURCES:
+        README.write_text(replace_section(README.read_text(encoding="utf-8"), readme_section(stored)))
+        print(f"wrote {args.results / args.name}.{{md,json}} and README.md's results section")
+    else:
+        print(f"wrote {args.results / args.name}.{{md,json}}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,101 @@
+"""The quality table and README's results section come from the result files through one script: a hand edit, a stale
+table or a figure no file holds fails here. Reads JSON only (no model, no torch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchmarks.quality_readme import README, current_section, readme_section, replace_section
+from benchmarks.quality_table import (
+    PYDOC_NUM_SAMPLES,
+    RESULTS,
+    SAMPLED_NOW,
+    SHIPS_SAMPLED,
+    SOURCES,
+    build,
+    markdown,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def stored_now() -> dict:
+    return {"command": "python -m benchmarks.quality_table", "models": build(SOURCES, RESULTS)}
+
+
+def test_readme_results_section_is_what_the_files_give():
+    rendered = readme_section(json.loads(json.dumps(stored_now())))  # as written to disk: tuples become lists
+    assert current_section(README.read_text(encoding="utf-8")) == rendered, (
+        "README.md's results section differs from the result files: run `python -m benchmarks.quality_table`"
+    )
+
+
+def test_quality_files_are_what_the_files_give():
+    stored = json.loads((RESULTS / "quality.json").read_text())
+    fresh = json.loads(json.dumps(build(SOURCES, RESULTS)))
+    assert stored["models"] == fresh, "quality.json is stale: run `python -m benchmarks.quality_table`"
+    assert (RESULTS / "quality.md").read_text() == markdown(fresh, stored["command"]), "quality.md is stale"
+
+
+def test_a_hand_edit_is_caught():
+    readme = README.read_text(encoding="utf-8")
+    edited = readme.replace("| `awq_int4` | 3 |", "| `awq_int4` | 4 |", 1)
+    assert edited != readme
+    assert current_section(edited) != readme_section(json.loads(json.dumps(stored_now())))
+    assert replace_section(edited, current_section(readme)) == readme
+
+
+def test_missing_markers_are_one_clear_error():
+    with pytest.raises(SystemExit, match="lacks the markers"):
+        current_section("# a README without the results markers\n")
+
+
+def test_calibration_constants_match_the_recipe_files():
+    sampled = yaml.safe_load((ROOT / "recipes" / "data" / "sampled.yaml").read_text())
+    pydoc = yaml.safe_load((ROOT / "recipes" / "data" / "pydoc.yaml").read_text())
+    assert {key: sampled[key] for key in SAMPLED_NOW} == SAMPLED_NOW
+    assert pydoc["num_samples"] == PYDOC_NUM_SAMPLES
+    ships = {path.stem for path in (ROOT / "recipes").glob("*.yaml") if "override data: sampled" in path.read_text()}
+    assert ships == SHIPS_SAMPLED
+
+
+def _file(path: Path, command: str, rows: dict, threads: int | None = None) -> None:
+    base = {"out_of_domain": {"perplexity": 10.0, "tokens": 100}, "in_domain": {"perplexity": 5.0, "tokens": 90}}
+    report = {"model": "m", "date": "2030-01-01 00:00", "command": command, "baseline": base, "rows": rows}
+    if threads is not None:
+        report["threads"] = threads
+    path.write_text(json.dumps(report))
+
+
+def _row(out: float, inside: float) -> dict:
+    return {"out_of_domain": {"perplexity": out}, "in_domain": {"perplexity": inside}, "seconds": 1.0}
+
+
+def test_draws_threads_intervals_and_peer_pairs_are_computed(tmp_path: Path):
+    rows = {"gptq_int4": _row(12.0, 6.0), "llm-compressor:gptq_w4a16": _row(15.0, 6.5)}
+    _file(tmp_path / "a.json", "python -m benchmarks.variants ...", rows)
+    seeds = {
+        "gptq_int4 seed=1": _row(13.0, 6.0),
+        "llm-compressor:gptq_w4a16 seed=1": _row(15.0, 6.5),
+        "gptq_int4 seed=2": _row(11.0, 6.0),
+        "llm-compressor:gptq_w4a16 seed=2": _row(14.0, 6.5),
+    }
+    _file(tmp_path / "b.json", "python -m benchmarks.variants ...", seeds)
+    _file(tmp_path / "c.json", "OMP_NUM_THREADS=1 python -m benchmarks.variants ...", {"rtn_int4": _row(14.0, 7.0)})
+    tables = build(["a", "b", "c"], tmp_path)["m"]
+    runs = {run["run"]: run for run in tables["runs"]}
+    gptq = runs["gptq_int4"]
+    assert (gptq["draws"], gptq["seeds"], gptq["threads"]) == (3, [0, 1, 2], None)
+    out = gptq["ratios"]["out_of_domain"]
+    assert out["mean"] == pytest.approx(1.2) and out["values"] == pytest.approx([1.2, 1.3, 1.1])
+    assert out["high"] - out["mean"] == pytest.approx(4.303 * 0.1 / 3**0.5)  # t(2) * sd / sqrt(n)
+    rtn = runs["rtn_int4"]
+    assert (rtn["threads"], rtn["ratios"]["out_of_domain"]["low"]) == (1, None)  # one draw: no interval
+    (pair,) = tables["pairs"]
+    assert (pair["ours"], pair["peer"], pair["seeds"]) == ("gptq_int4", "llm-compressor:gptq_w4a16", [0, 1, 2])
+    assert pair["difference"]["out_of_domain"]["values"] == pytest.approx([-0.3, -0.2, -0.3])
+    assert "1 draw: no interval" in markdown({"m": tables}, "cmd")
