@@ -411,8 +411,11 @@ def main() -> None:
         if args.text == "shakespeare" and args.windows == saved.get("scores", {}).get("windows") and not rungs:
             scores = scored
         else:  # another text, or a ladder: kept beside the headline scores
-            scored["command"] = command
-            extra.setdefault("texts", {})[f"{args.text}/{args.windows}"] = scored
+            before = extra.setdefault("texts", {}).get(f"{args.text}/{args.windows}")
+            if before:  # more models on the same windows: the baseline scores the same, the models join
+                scored["models"] = {**before["models"], **scored["models"]}
+                command = f"{before['command']} && {command}"
+            extra["texts"][f"{args.text}/{args.windows}"] = {**scored, "command": command}
             scores, command = saved["scores"], saved["command"]
         raw.write_text(json.dumps({**saved, "command": command, "scores": scores, **extra}, indent=1))  # kept first
     if args.truncation:
