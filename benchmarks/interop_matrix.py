@@ -433,11 +433,11 @@ def main(argv: list[str] | None = None) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     adapter = small_adapter(default_model_dir(), workdir / "_adapter")
     vllm_python = usable_vllm(args.vllm_python)
-    previous = {} if args.fresh or not args.json.is_file() else json.loads(args.json.read_text())
-    previous = {row["recipe"]: row for row in previous.get("rows", [])}
+    saved = json.loads(args.json.read_text()) if args.json.is_file() else {}
+    previous = {row["recipe"]: row for row in saved.get("rows", [])}  # --fresh measures again, still keeps the rest
     rows, start = [], time.monotonic()
     for recipe in cheapest_first(names):
-        if (row := reusable(previous, recipe, workdir / recipe, vllm_python)) is not None:
+        if not args.fresh and (row := reusable(previous, recipe, workdir / recipe, vllm_python)) is not None:
             rows.append(row)
             continue
         if args.deadline_minutes is not None and time.monotonic() - start > 60 * args.deadline_minutes:
