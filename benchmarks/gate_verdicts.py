@@ -211,10 +211,9 @@ def verdict_rates(scores: dict, accuracy: dict, policy, family: float, size: int
     for name, arc in ({name: name for name in verdicts} | ACCURACY_OF).items():  # a rung pairs with its ARC namesake
         if name in windows["spread"] and arc in verdicts:
             rows = windows["spread"][name]
-            found["combined"][name] = {
-                "accuracy_of": arc,
-                **tally(combine(rows["perplexity"], rows["kl"], verdicts[arc])),
-            }
+            deciding = [rows["perplexity"], rows["kl"]] + ([verdicts[arc]] if policy.lm_eval.blocking else [])
+            found["combined"][name] = {"accuracy_of": arc, "accuracy_blocking": policy.lm_eval.blocking,
+                                       **tally(combine(*deciding))}  # fmt: skip
     return found
 
 
@@ -268,9 +267,11 @@ def markdown(gate: str, size: int, family: float, found: dict) -> list[str]:
             fraction = "–" if row["ladder_fraction"] is None else f"{row['ladder_fraction']:g}"
             lines.append(f"| {name} | {fraction} | {row['change']:+.1f} | {row['class']} | {_rates(row)} |")
     if found["combined"]:
+        deciding = all(row["accuracy_blocking"] for row in found["combined"].values())
+        layers = "+ accuracy (item slice i)" if deciding else "(the accuracy layer is advisory here: reported above)"
         lines += [
             "",
-            f"### gate={gate}, the verdict a user gets: perplexity + KL (spread slice i) + accuracy (item slice i)",
+            f"### gate={gate}, the verdict a user gets: perplexity + KL (spread slice i) {layers}",
             "",
             f"| checkpoint | its ARC outcomes {head}",
             "|---|---|---|---|---|",

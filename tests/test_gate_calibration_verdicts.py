@@ -96,7 +96,11 @@ def test_verdict_rates_pair_each_window_slice_with_an_accuracy_slice(tmp_path):
     found = gv.verdict_rates(scores, accuracy, _quick(), 0.99, 12)
     assert found["windows"]["spread"]["rtn_int8"]["perplexity+kl"]["pass"] == 1.0
     assert found["accuracy"]["rtn_int8"]["block"] == 1.0 and found["accuracy"]["rtn_int8"]["slices"] == gv.DRAWS
-    assert found["combined"]["rtn_int8"]["block"] == 1.0  # the accuracy layer's BLOCK is the gate's
+    assert found["combined"]["rtn_int8"]["pass"] == 1.0  # quick's accuracy layer is advisory: reported, not deciding
+    deciding = _quick()
+    deciding.lm_eval.blocking = True
+    blocked = gv.verdict_rates(scores, accuracy, deciding, 0.99, 12)["combined"]["rtn_int8"]
+    assert blocked["block"] == 1.0  # a blocking accuracy layer's BLOCK is the gate's
     assert found["accuracy_draw"] == {"items": 200, "of": 300, "how": "without replacement", "max_drop_points": 5.0}
 
 
