@@ -252,6 +252,52 @@ def markdown(report: dict, candidates: list[dict] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def power(gate: str, benchmarks: list[str]) -> dict:
+    """The accuracy layer of preset ``gate`` on each benchmark alone and on all of them pooled (its limit, BLOCK at
+    its familywise level): every stored candidate's P(pass) / P(block) over stratified bootstrap draws of the items.
+    Writes ``benchmarks/results/accuracy-pooled.{json,md}``."""
+    from benchmarks import gate_verdicts
+    from benchmarks.gate_calibration import gate_policy
+
+    policy, family, _ = gate_policy(gate)
+    parts = {name: gate_verdicts.load_accuracy(RESULTS, prefix(name)) for name in benchmarks}
+    sets = [[name] for name in benchmarks] + ([benchmarks] if len(benchmarks) > 1 else [])
+    rows = {}
+    for names in sets:
+        pooled = gate_verdicts.pooled_accuracy({name: parts[name] for name in names})
+        rows["+".join(names)] = {"items": len(pooled["baseline"]), "candidates": gate_verdicts.pooled_rates(
+            pooled, policy, family)}  # fmt: skip
+    report = {
+        "gate": gate, "max_drop_points": policy.lm_eval.max_drop_points, "family_confidence": family,
+        "draws": gate_verdicts.DRAWS, "sets": rows,
+        "command": "python benchmarks/accuracy_task.py " + " ".join(sys.argv[1:]),
+    }  # fmt: skip
+    (RESULTS / "accuracy-pooled.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    lines = [
+        f"# The accuracy layer of gate={gate}: each benchmark alone and pooled",
+        "",
+        f"Limit −{report['max_drop_points']:g} points on the paired change over the item set, BLOCK read at the "
+        f"preset's familywise {family:.2%}; {report['draws']} stratified bootstrap draws of the stored per-item "
+        "outcomes (each benchmark's items resampled within it; the draws overlap, so the Clopper-Pearson bounds "
+        "treat them as more independent than they are). Outcomes: `accuracy-task*.json` (ARC-Easy), "
+        "`accuracy-<benchmark>*.json`, each with its command.",
+        "",
+        "| items judged | items | candidate | change, all items (per benchmark) | P(pass) (95% CP) | P(block) (95% CP) "
+        "| P(inconclusive) (95% CP) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        for candidate, rates in row["candidates"].items():
+            each = ", ".join(f"{bench} {change:+.1f}" for bench, change in rates["changes"].items())
+            lines.append(
+                f"| {name} | {row['items']} | {candidate} | {rates['change']:+.1f} ({each}) | "
+                f"{gate_verdicts._rates(rates)} |"
+            )
+    lines += ["", "```bash", report["command"], "```"]
+    (RESULTS / "accuracy-pooled.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -268,9 +314,15 @@ def main() -> None:
     measure_parser.add_argument("--benchmark", choices=sorted(SOURCES), default="arc_easy")
     render_parser = commands.add_parser("render", help="rewrite <prefix>.md from <prefix>*.json")
     render_parser.add_argument("--benchmark", choices=sorted(SOURCES), default="arc_easy")
+    power_parser = commands.add_parser("power", help="P(pass)/P(block) of the stored candidates, alone and pooled")
+    power_parser.add_argument("--gate", default="full")
+    power_parser.add_argument("--benchmarks", nargs="+", choices=sorted(SOURCES), default=["arc_easy", "piqa"])
     arguments = parser.parse_args()
     if arguments.command == "vendor":
         vendor(arguments.wheel, arguments.benchmark)
+    elif arguments.command == "power":
+        power(arguments.gate, arguments.benchmarks)
+        print((RESULTS / "accuracy-pooled.md").read_text(encoding="utf-8"))
     elif arguments.command == "render":
         render(arguments.benchmark)
     else:
