@@ -156,17 +156,18 @@ def accuracy_change(candidate: list[float], baseline: list[float]) -> float:
 ACCURACY_OF = {"rtn_int8": "rtn_int8", "fp8_dynamic": "fp8_dynamic", "rtn_int4": "rtn_int4_g64"}
 
 
-def load_accuracy(results) -> dict:
-    """The stored per-item ARC-Easy outcomes: ``baseline`` → its 0/1 list; each candidate scored on the same items →
-    ``{"outcomes", "ladder_fraction", "change"}`` (``benchmarks/results/accuracy-task*.json``)."""
+def load_accuracy(results, stem: str = "accuracy-task") -> dict:
+    """The stored per-item outcomes of one benchmark (ARC-Easy: ``accuracy-task``; others ``accuracy-<name>``):
+    ``baseline`` → its 0/1 list; each candidate scored on the same items → ``{"outcomes", "ladder_fraction",
+    "change"}`` (``benchmarks/results/<stem>*.json``)."""
     import json
 
-    path = results / "accuracy-task.json"
+    path = results / f"{stem}.json"
     if not path.is_file():
         return {}
     baseline = json.loads(path.read_text(encoding="utf-8"))["outcomes"]["acc"]
     found: dict = {"baseline": baseline}
-    for each in sorted(results.glob("accuracy-task-*.json")):
+    for each in sorted(results.glob(f"{stem}-*.json")):
         report = json.loads(each.read_text(encoding="utf-8"))
         outcomes = report["outcomes"]["acc"]
         if len(outcomes) == len(baseline):
@@ -397,3 +398,51 @@ def accuracy_markdown(rows: list[dict], family: float) -> list[str]:
         cells = [f"{c['pass']:.0%} / {c['block']:.0%}" for c in row["candidates"].values()]
         lines.append(f"| −{row['max_drop_points']:g} points | {row['items']} | " + " | ".join(cells) + " |")
     return lines
+
+
+def pooled_accuracy(parts: dict[str, dict]) -> dict:
+    """Several benchmarks' :func:`load_accuracy` as one item set, as ``gate.lm_eval.benchmark: [a, b]`` judges them:
+    the outcomes concatenated in ``parts`` order, for the candidates stored on every benchmark; ``sizes`` keeps each
+    benchmark's item count (its stratum)."""
+    names = [name for name in next(iter(parts.values())) if all(name in part for part in parts.values())]
+    pooled: dict = {"sizes": {bench: len(part["baseline"]) for bench, part in parts.items()}}
+    pooled["baseline"] = [value for part in parts.values() for value in part["baseline"]]
+    for name in names:
+        if name != "baseline":
+            outcomes = [value for part in parts.values() for value in part[name]["outcomes"]]
+            pooled[name] = {
+                "outcomes": outcomes, "change": accuracy_change(outcomes, pooled["baseline"]),
+                "ladder_fraction": parts[next(iter(parts))][name]["ladder_fraction"],
+                "changes": {bench: part[name]["change"] for bench, part in parts.items()},
+            }  # fmt: skip
+    return pooled
+
+
+def stratified_draws(sizes: list[int], draws: int, seed: int) -> list[list[int]]:
+    """``draws`` bootstrap draws of a pooled item set: each benchmark's items resampled with replacement within its
+    own block of indices (the gate scores every item of each, so the mix is fixed)."""
+    rng = random.Random(seed)
+    starts = [sum(sizes[:index]) for index in range(len(sizes))]
+    return [
+        [start + rng.randrange(size) for start, size in zip(starts, sizes, strict=True) for _ in range(size)]
+        for _ in range(draws)
+    ]
+
+
+def pooled_rates(pooled: dict, policy, family: float, seed: int = 0) -> dict:
+    """Each stored candidate's verdict rates under the pooled accuracy check (``policy.lm_eval.max_drop_points``,
+    BLOCK at ``family``) over stratified bootstrap draws of the pooled items, with Clopper-Pearson bounds."""
+    slices = stratified_draws(list(pooled["sizes"].values()), DRAWS, seed + 1)
+    return {
+        name: {
+            "change": candidate["change"],
+            "changes": candidate["changes"],
+            **tally(
+                accuracy_verdicts(
+                    candidate["outcomes"], pooled["baseline"], slices, policy.lm_eval.max_drop_points, policy, family
+                )
+            ),
+        }  # fmt: skip
+        for name, candidate in pooled.items()
+        if name not in ("sizes", "baseline")
+    }

