@@ -35,11 +35,11 @@ class _FakeQuantize(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, position, offset, units, scale, zero, qmin: int, qmax: int):  # noqa: ANN001, ANN205
-        codes = torch.addcmul(offset, position, units).round_()
+        rounded = torch.addcmul(offset, position, units).round_()
         if zero is not None:
-            codes += zero
-        mask = (codes >= qmin) & (codes <= qmax)
-        codes.clamp_(qmin, qmax)
+            rounded += zero
+        codes = rounded.clamp(qmin, qmax)
+        mask = codes == rounded  # inside the code range: the gradient passes
         if zero is not None:
             codes -= zero
         ctx.save_for_backward(position, units, scale, codes, mask)
@@ -49,13 +49,14 @@ class _FakeQuantize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         position, units, scale, codes, mask = ctx.saved_tensors
-        inside = grad * mask * scale  # d weight / d (position · units + V), zero where the code was clamped
         need = ctx.needs_input_grad
-        grad_units = (inside * position).sum(-1, keepdim=True) if need[2] else None
         grad_scale = (grad * codes).sum(-1, keepdim=True) if need[3] else None
-        grad_zero = None
-        if ctx.has_zero and need[4]:  # + z inside the clamp, − z outside it
-            grad_zero = inside.sum(-1, keepdim=True) - scale * grad.sum(-1, keepdim=True)
+        grad_sum = grad.sum(-1, keepdim=True) if ctx.has_zero and need[4] else None
+        inside = (grad * scale).mul_(mask)  # d weight / d (position · units + V), zero where the code was clamped
+        grad_units = (inside * position).sum(-1, keepdim=True) if need[2] else None
+        grad_zero = None  # + z inside the clamp, − z outside it
+        if grad_sum is not None:
+            grad_zero = inside.sum(-1, keepdim=True) - scale * grad_sum
         return None, inside if need[1] else None, grad_units, grad_scale, grad_zero, None, None
 
 

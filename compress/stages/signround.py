@@ -214,13 +214,15 @@ class SignRoundStage(WeightQuantizerStage):
                 loss = self._minibatch_loss(ctx, targets, generator)
                 losses.append(float(distributed.all_reduce_sum(loss.detach().clone())) / distributed.world())
                 if losses[-1] < losses[best_step]:
-                    best, best_step = [p.detach().clone() for p in params], step
+                    best_step = step
+                    for p, kept in zip(params, best, strict=True):
+                        kept.copy_(p.detach())
                 for p in params:
                     p.grad = None
                 loss.backward()
                 with torch.no_grad():
                     for p in params:
-                        p.sub_(step_size * distributed.all_reduce_sum(p.grad).sign())
+                        p.add_(distributed.all_reduce_sum(p.grad).sign_(), alpha=-step_size)
                     for m in modules.values():
                         m.project(c.min_clip)
         with torch.no_grad():
