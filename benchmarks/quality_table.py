@@ -70,6 +70,12 @@ CHANGED = {
     "rotate_gptq_int4": ("2026-11-26 19:00", ["data=pydoc"], SAMPLED),
     "awq_int4": ("2026-11-26 22:30", ["stages.0.rounding=rtn", "data=pydoc"], ["stages.0.rounding=gptq", *SAMPLED]),
     "rotate_gptq_int3": ("2026-11-26 22:30", ["data=pydoc"], SAMPLED),
+    "autoround_int4": (  # SignRound refining GPTQ, before AutoRound as published (min/max scales, from RTN)
+        "2026-11-27 13:00",
+        ["stages.0.init=gptq", "stages.0.iterations=40", "stages.0.batch_size=4", "stages.0.lr=0.005"]
+        + ["stages.0.tune_clip=false", "data.num_samples=64", "data.seq_len=512"],
+        ["stages.0.init=rtn"],
+    ),
 }
 # A run spelled as overrides of one recipe that another recipe ships (after CHANGED): shown under the shipped name.
 SHIPPED_AS = {"rotate_gptq_int4 data=pydoc stages.1.bits=3": "rotate_gptq_int3 data=pydoc"}
