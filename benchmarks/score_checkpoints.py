@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from benchmarks.peer_comparison import checkpoint_size_mb
 from benchmarks.quality import score, scored_baseline
 
@@ -41,6 +43,11 @@ def main() -> None:
         report["rows"][label] = {**score(model, ids, args.max_windows), "size_mb": checkpoint_size_mb(Path(folder))}
         del model
         print(f"{label}: {json.dumps(report['rows'][label])}", flush=True)
+        write(args, report)  # after every checkpoint: a stopped invocation keeps what it scored
+    print((args.results / f"{args.name}.md").read_text())
+
+
+def write(args: argparse.Namespace, report: dict) -> None:
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
     base = report["baseline"]
@@ -49,7 +56,7 @@ def main() -> None:
         "",
         f"Model `{report['model']}` (fp32). Perplexity by `evals/perplexity.py`, 512-token windows: out-of-domain = "
         f"{base['out_of_domain']['tokens']} scored tokens of Shakespeare, in-domain = {base['in_domain']['tokens']} "
-        f"held-out pydoc tokens. {report['machine']}; {report['date']}.",
+        f"held-out pydoc tokens. {report['machine']}, {torch.get_num_threads()} torch threads; {report['date']}.",
         "",
         f"Command: `{report['command']}`",
         "",
@@ -65,7 +72,6 @@ def main() -> None:
             f"{row['in_domain']['perplexity']:.3f} | {ratio['in_domain']:.3f}x | {row['size_mb']:.1f} |"
         )
     (args.results / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":
