@@ -75,7 +75,7 @@ def test_multirun_sweep_composes_each_job_once(tiny_model_dir, artifacts, monkey
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["recipe=awq_int5"], "unknown recipe 'awq_int5'; available: autoround_int4, awq_int4, awq_int4_kv_int8"),
+        (["recipe=awq_int5"], "unknown recipe 'awq_int5'; available: autoround_int3, autoround_int4, awq_int4"),
         (["recipe=awq_int4", "stages.0.gruop_size=64"], "unknown key 'gruop_size' (did you mean 'group_size'?)"),
         (["recipe=awq_int4", "eval.seqlen=64"], "eval: unknown key 'seqlen' (did you mean 'seq_len'?)"),
         (["recipe=awq_int4", "gate=strictest"], "gate=strictest is not a known option"),

@@ -53,6 +53,7 @@ W4A4 = 0.25  # and rounds activations to e2m1 from bf16 values and scales (a tie
 # 0.12–0.14 on the model, per linear within 0.01 in tests/compress/stages/test_formats.py)
 PRUNED = 0.8 * ZEROED
 BOUNDS = {
+    "autoround_int3": (0.6, EXACT),
     "autoround_int4": (0.35, EXACT),
     "awq_int4": (0.35, EXACT),
     "awq_int4_kv_int8": (0.35, KV_INT8),

@@ -14,7 +14,7 @@ from compress.model.layer_walk import decoder_layers
 from compress.stages import build_chain
 from compress.stages.fp4_weights import Fp4Grid, Fp4Layers, rtn_fp4
 from compress.stages.gptq import gptq_quantize
-from compress.stages.signround import LearnedFp4Rounding, LearnedRounding
+from compress.stages.learned_rounding import LearnedFp4Rounding, LearnedRounding
 
 SAMPLES = torch.randint(0, 320, (8, 48), generator=torch.Generator().manual_seed(0))
 TOKENS = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -38,7 +38,8 @@ def test_untrained_parameters_export_exactly_round_to_nearest(symmetric, dtype):
     assert torch.equal(exported.dequantized_weight(), reference.dequantized_weight())
     with torch.no_grad():
         module.offset.uniform_(-0.5, 0.5)
-        module.clip.uniform_(0.6, 1.0)
+        module.max_scale.uniform_(0.6, 1.0)
+        module.min_scale.uniform_(0.6, 1.0)
     trained = module.quantized_weight().detach().to(dtype)  # the export multiplies codes by scales in its dtype
     assert torch.equal(trained, module.export().dequantized_weight())
 
@@ -63,7 +64,9 @@ def test_learned_rounding_beats_round_to_nearest_on_the_model_output():
 def test_same_seed_same_codes_and_other_seed_other_codes():
     def codes(seed: int) -> torch.Tensor:
         model = build_tiny_llama()
-        compress_model(model, [{"type": "signround", "group_size": 32, "iterations": 6, "seed": seed}], SAMPLES)
+        compress_model(
+            model, [{"type": "signround", "group_size": 32, "iterations": 6, "batch_size": 4, "seed": seed}], SAMPLES
+        )
         return decoder_layers(model)[1].mlp.down_proj.weight_packed
 
     first = codes(0)
@@ -107,7 +110,8 @@ def test_fp4_untrained_parameters_export_exactly_round_to_nearest(fmt, group, dt
     assert torch.equal(exported.weight_packed, pack_fp4(codes)) and torch.equal(exported.weight_scale, scale)
     with torch.no_grad():
         module.offset.uniform_(-0.5, 0.5)
-        module.clip.uniform_(0.6, 1.0)
+        module.max_scale.uniform_(0.6, 1.0)
+        module.min_scale.uniform_(0.6, 1.0)
     exported = module.export()
     assert not torch.equal(exported.weight_packed, pack_fp4(codes))  # the offsets and clipping changed codes
     assert torch.equal(module.quantized_weight().detach(), exported.dequantized_weight().float())
@@ -215,3 +219,105 @@ def test_the_next_layer_is_fed_by_the_refined_layer_not_by_gptq():
     if ctx.outputs is not None:
         expected = run_layer(layer, inputs, "model.layers.0").hidden
         assert all(torch.equal(a, b) for a, b in zip(ctx.outputs.hidden, expected, strict=True))
+
+
+def _first_layer(config: dict, samples: torch.Tensor = SAMPLES):
+    """A stage prepared on a tiny model, the context of its layer 0 (one calibration batch of every sample) and the
+    full-precision layer's outputs, the stage's targets."""
+    from compress.model.layer_walk import capture_first_layer_inputs, run_layer
+    from compress.stages.base import LayerContext
+
+    model = build_tiny_llama()
+    inputs = capture_first_layer_inputs(model, samples, len(samples), torch.device("cpu"))
+    [stage] = build_chain([{"group_size": 32, **config}])
+    stage.prepare(model)
+    layer = decoder_layers(model)[0]
+    targets = run_layer(layer, inputs, "reference")
+    return stage, LayerContext(0, "model.layers.0", layer, model.config, inputs, torch.device("cpu")), targets
+
+
+def _output_error(ctx, targets) -> float:
+    from compress.model.layer_walk import run_layer
+
+    out = run_layer(ctx.layer, ctx.inputs, "quantized").hidden
+    return sum(float((o - t).pow(2).sum()) for o, t in zip(out, targets.hidden, strict=True))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_min_and_max_scales_at_one_and_zero_offsets_export_round_to_nearest_bit_for_bit(symmetric):
+    """AutoRound's parameters at their start (V = 0, α = β = 1) are round-to-nearest, zero points included; each of α
+    and β then moves its own end of the range: shrinking the maximum alone keeps the weights at the minimum's end."""
+    linear = torch.nn.Linear(64, 24, bias=True)
+    scheme = WeightScheme(4, 32, symmetric)
+    module = LearnedRounding.nearest(linear, scheme, torch.float32)
+    assert torch.equal(module.max_scale, torch.ones(24, 2, 1)) and torch.equal(module.min_scale, torch.ones(24, 2, 1))
+    exported = module.export()
+    codes, scale, zero = quantize(linear.weight.data, scheme, scale_dtype=torch.float32)
+    assert torch.equal(exported.weight_packed, QuantizedLinear.from_codes(codes, scale, zero, 4, 32).weight_packed)
+    assert torch.equal(exported.weight_scale, scale)
+    assert (exported.weight_zero_point is None) == symmetric
+    if not symmetric:
+        assert torch.equal(exported.weight_zero_point, zero)
+        with torch.no_grad():
+            module.max_scale.fill_(0.5)
+        clipped = module.export()
+        assert not torch.equal(clipped.weight_scale, scale)
+        lowest = linear.weight.data.argmin(1)  # the most negative weight of each row stays where it was, about
+        before = exported.dequantized_weight().gather(1, lowest[:, None])
+        after = clipped.dequantized_weight().gather(1, lowest[:, None])
+        assert torch.allclose(before, after, atol=float(clipped.weight_scale.max()))
+
+
+def test_offsets_and_min_max_scales_stay_in_the_published_box():
+    """A target no rounding can reach (the block's linears silenced: output = its input) pulls every weight to zero:
+    offsets run into ±½ and the min/max scales into ½, where they must stop, with the best (last) iterate kept."""
+    stage, ctx, _ = _first_layer({"type": "signround", "iterations": 12, "lr": 0.2, "batch_size": 8})
+    from compress.model.layer_walk import LayerInputs
+    from compress.stages.signround import _frozen, _swap
+    from compress.stages.weights import target_linears
+
+    unreachable = LayerInputs(hidden=[h.clone() for h in ctx.inputs.hidden], kwargs=ctx.inputs.kwargs)
+    modules = stage._starting_points(ctx, target_linears(ctx.layer, ctx.name, []))
+    with _frozen(ctx.layer):
+        for name, module in modules.items():
+            _swap(ctx.layer, name, module)
+        losses = stage._train(ctx, modules, unreachable)
+    assert losses["best_step"] > 0
+    offsets = torch.cat([m.offset.detach().flatten() for m in modules.values()])
+    scales = torch.cat([torch.cat([m.max_scale.flatten(), m.min_scale.flatten()]).detach() for m in modules.values()])
+    assert float(offsets.abs().max()) == 0.5 and float(scales.min()) == 0.5 and float(scales.max()) <= 1.0
+
+
+def test_step_size_starts_at_one_over_iterations_and_decays_linearly_to_zero():
+    [stage] = build_chain([{"type": "signround"}])
+    steps = stage.schedule()
+    assert stage.config.iterations == 200 and stage.config.batch_size == 8 and stage.config.lr is None
+    assert len(steps) == 200 and steps[0] == 1 / 200
+    assert steps == pytest.approx([(1 / 200) * (1 - k / 200) for k in range(200)], rel=1e-12)
+    decrements = [a - b for a, b in zip(steps, steps[1:], strict=False)]
+    assert max(decrements) - min(decrements) < 1e-12 and 0 < steps[-1] < steps[0] / 100
+    [fixed] = build_chain([{"type": "signround", "iterations": 4, "lr": 0.1}])
+    assert fixed.schedule() == pytest.approx([0.1, 0.075, 0.05, 0.025])
+
+
+def test_the_best_iterate_is_kept_not_the_last():
+    """A schedule planted to overshoot (steps of 0.45 throw every offset to the edge of its box): the last iterates
+    score worse than an earlier one, and the layer exported is the best one: its error on the calibration tokens (every
+    sample in each step's batch, so a step's loss is that error) is the lowest step loss, not the last."""
+    stage, ctx, targets = _first_layer({"type": "signround", "iterations": 6, "lr": 0.45, "batch_size": 8})
+    stage.process_layer(ctx)
+    losses = stage.step_losses["model.layers.0"]
+    kept = stage.layer_losses["model.layers.0"]
+    assert losses[-1] > min(losses) and kept["best_loss"] == min(losses)
+    tokens = sum(h.numel() for h in targets.hidden)
+    assert _output_error(ctx, targets) / tokens == pytest.approx(min(losses), rel=1e-4)
+
+
+def test_published_defaults_learn_a_layer_closer_to_full_precision_than_round_to_nearest():
+    """AutoRound's defaults (200 steps of 8 sequences from round-to-nearest, α and β learned) on one tiny block."""
+    errors = {}
+    for name, config in {"rtn": {"type": "rtn"}, "autoround": {"type": "signround"}}.items():
+        stage, ctx, targets = _first_layer(config)
+        stage.process_layer(ctx)
+        errors[name] = _output_error(ctx, targets)
+    assert errors["autoround"] < 0.7 * errors["rtn"], errors
