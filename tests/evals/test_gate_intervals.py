@@ -82,13 +82,13 @@ def test_familywise_never_touches_a_pass():
 
 def test_the_family_counts_the_blocking_limits_the_policy_sets():
     default = resolve_policy(None)
-    # perplexity and kl on 3 texts (the evaluation text, code, technical): 6; lm_eval 1 (the local task); latency 1
-    # (auto counts: stricter is safe); json, needle, long_context advisory by default
-    assert blocking_checks(default, default.layers) == 8
+    # perplexity and kl on 3 texts (the evaluation text, code, technical): 6; latency 1 (auto counts: stricter is
+    # safe); lm_eval, json, needle, long_context advisory by default
+    assert blocking_checks(default, default.layers) == 7
     fewer = resolve_policy({"domains": [], "latency": {"enabled": False}})
-    assert blocking_checks(fewer, fewer.layers) == 3
-    powered = resolve_policy({"domains": [], "json": {"blocking": True}, "needle": {"blocking": True},
-                              "long_context": {"blocking": True}})  # fmt: skip
+    assert blocking_checks(fewer, fewer.layers) == 2
+    powered = resolve_policy({"domains": [], "lm_eval": {"blocking": True}, "json": {"blocking": True},
+                              "needle": {"blocking": True}, "long_context": {"blocking": True}})  # fmt: skip
     # perplexity 1, kl 1, lm_eval 1, json 2, needle 1, long_context 3 (one per task), latency 1
     assert blocking_checks(powered, powered.layers) == 10
     assert blocking_checks(default, ["perplexity", "kl"]) == 6
