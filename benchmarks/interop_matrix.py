@@ -348,10 +348,14 @@ def render(rows: list[dict], meta: dict) -> str:
         "‖Δ‖/‖ours‖, share of the same next token. FP4 checkpoints run in bf16 on both sides: compressed-tensors",
         "decompresses FP4 weights to bf16 only, and W4A4's activation rounding turns fp32-against-bf16 rounding into",
         "whole FP4 steps (0.24 / 0.56 relative for nvfp4 / mxfp4 when ours ran in fp32; docs/quantization.md).",
+        "W8A8 and FP8 rows differ by the activation quantization each side runs, compounded over 30 layers:",
+        "compressed-tensors divides int8 activations' absmax by 127.5 where we and vLLM divide by 127, and keeps FP8",
+        "activation scales in bf16 where we and vLLM keep fp32 (docs/quantization.md); vLLM generates from them.",
+        "`--fresh` measures the rows asked for again (`--recipes`, else all); the other rows stay as measured before.",
         "vLLM: `LLM(..., gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=512)` (accepted: the engine was",
         f'built or its weights loaded), then 4 greedy tokens of "{PROMPTS[0]}" (generated); a refusal\'s message is',
         "the root cause from the engine's log. A row measured by an earlier run of this command on the same checkpoint",
-        "and vLLM is reused (its date is in `benchmarks/results/interop.json`; `--fresh` measures every row again).",
+        "and vLLM is reused (its date is in `benchmarks/results/interop.json`).",
         "",
         "| recipe | format | transformers (vs our reader) | vLLM accepts | vLLM generates | vLLM message |",
         "|---|---|---|---|---|---|",
@@ -450,6 +454,8 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m benchmarks.interop_matrix" + (" --vllm-python " + args.vllm_python if args.vllm_python else "")
     if args.recipes:
         command += " --recipes " + " ".join(args.recipes)
+    if args.fresh:
+        command += " --fresh"
     if args.timeout != 300:
         command += f" --timeout {args.timeout:g}"
     if args.deadline_minutes is not None:
