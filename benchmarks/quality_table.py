@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shlex
 import sys
@@ -93,6 +94,7 @@ SHIPS_SAMPLED = {"awq_int4", "awq_int4_kv_int8", "rotate_gptq_int4", "rotate_gpt
 # A run spelled as overrides of one recipe that another recipe ships (after CHANGED): shown under the shipped name.
 SHIPPED_AS = {"rotate_gptq_int4 data=pydoc stages.1.bits=3": "rotate_gptq_int3 data=pydoc"}
 HEADLINE_RECIPE = "awq_int4"  # benchmarks/headline_tradeoff.py compresses with this recipe only
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]  # t, 95% two-sided, 1..10 df
 
 
 def as_measured(run: str, date: str) -> str:
@@ -184,13 +186,12 @@ def draw(model, run, seed, threads, source, date, ratios, row, report) -> dict: 
 
 
 def interval(values: list[float]) -> dict:
-    """Mean and, from two draws on, a 95% t-interval over them (the gate's own ``mean_interval``)."""
-    from compress.evals.gate.stats import mean_interval
-
-    found = mean_interval(values)
-    if found.items < 2:
-        return {"n": found.items, "mean": found.estimate, "low": None, "high": None, "values": values}
-    return {"n": found.items, "mean": found.estimate, "low": found.low, "high": found.high, "values": values}
+    """Mean and, from two draws on, a 95% t-interval over them."""
+    n, mean = len(values), sum(values) / len(values)
+    if n < 2:
+        return {"n": n, "mean": mean, "low": None, "high": None, "values": values}
+    half = T975[min(n - 2, len(T975) - 1)] * math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half, "values": values}
 
 
 def data_only(overrides: list[str]) -> bool:
