@@ -104,7 +104,7 @@ def check_weights_fit(folder: Path, headers: Headers) -> None:
         expected = model.state_dict()
     except Exception:  # noqa: BLE001 - remote code or a family transformers lacks: the loader reports it
         return
-    check_none_missing(folder, model, headers)
+    check_none_missing(folder, model, expected, headers)
     for name, (file, dtype, shape) in headers.items():
         want = expected.get(name)
         if want is None:
@@ -123,13 +123,14 @@ def check_weights_fit(folder: Path, headers: Headers) -> None:
             )
 
 
-def check_none_missing(folder: Path, model: torch.nn.Module, headers: Headers) -> None:
+def check_none_missing(
+    folder: Path, model: torch.nn.Module, expected: dict[str, torch.Tensor], headers: Headers
+) -> None:
     """Every tensor the model needs is stored, under the name transformers reads it by (its renames of legacy names
     and fused experts applied), or is tied to one stored: transformers fills a missing one with random values and says
     so only in a log line. Tied heads and keys the model declares optional (``_keys_to_ignore_on_load_missing``) may
     be absent; non-persistent buffers are not in the state dict at all."""
-    expected = model.state_dict()
-    targets = loaded_names(model, list(headers))
+    targets = loaded_names(model, expected, list(headers))
     if targets is None:  # a transformers without the renaming API this reads: its loader is left to judge
         return
     present = set().union(*targets.values())
@@ -149,21 +150,22 @@ def check_none_missing(folder: Path, model: torch.nn.Module, headers: Headers) -
         )
 
 
-def loaded_names(model: torch.nn.Module, names: list[str]) -> dict[str, set[str]] | None:
+def loaded_names(
+    model: torch.nn.Module, expected: dict[str, torch.Tensor], names: list[str]
+) -> dict[str, set[str]] | None:
     """For each stored tensor name, the state-dict names transformers loads it into: its renames of legacy names,
     per-expert tensors fused into one, a base-model prefix added or removed, as its own loader applies them. None
     where this transformers lacks the functions its loader renames with (then nothing can be said)."""
     try:
-        return _loaded_names(model, names)
+        return _loaded_names(model, expected, names)
     except Exception:  # noqa: BLE001 - another transformers version: the check is skipped, never wrongly refuses
         return None
 
 
-def _loaded_names(model: torch.nn.Module, names: list[str]) -> dict[str, set[str]]:
+def _loaded_names(model: torch.nn.Module, expected: dict[str, torch.Tensor], names: list[str]) -> dict[str, set[str]]:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    expected = model.state_dict()
     mapping = get_model_conversion_mapping(model)
     renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
     converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
