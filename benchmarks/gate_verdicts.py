@@ -56,7 +56,7 @@ def item_draws(count: int, size: int | None, draws: int, seed: int) -> tuple[lis
     rng = random.Random(seed)
     if size is not None and size < count:
         return [rng.sample(range(count), size) for _ in range(draws)], "without replacement"
-    return [[rng.randrange(count) for _ in range(count)] for _ in range(draws)], "bootstrap (with replacement)"
+    return stratified_draws([count], draws, seed), "bootstrap (with replacement)"
 
 
 def judge_windows(model: dict, base: list[float], indices: list[int], policy, family: float):
