@@ -299,7 +299,7 @@ def power(gate: str, benchmarks: list[str]) -> dict:
             each = ", ".join(f"{bench} {change:+.1f}" for bench, change in rates["changes"].items())
             lines.append(
                 f"| {name} | {row['items']} | {candidate} | {rates['change']:+.1f} ({each}) | "
-                f"{gate_verdicts._rates(rates)} |"
+                f"{gate_verdicts.rate_cells(rates)} |"
             )
     lines += ["", "```bash", report["command"], "```"]
     (RESULTS / "accuracy-pooled.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks import gate_verdicts  # noqa: E402
+from benchmarks import gate_panel, gate_verdicts  # noqa: E402
 from benchmarks.ladder import RUNG_KEYS, move_towards_rtn, parse_rung  # noqa: E402
 from compress.base.data import tokenize  # noqa: E402
 from compress.base.paths import artifacts_dir  # noqa: E402
@@ -333,7 +333,8 @@ def _text_section(key: str, scores: dict, table: dict) -> list[str]:
     return lines
 
 
-def write_markdown(texts: dict, tables: dict, path: Path, truncated: dict | None, needed: dict) -> None:
+def write_markdown(texts: dict, found: dict, path: Path, truncated: dict | None) -> None:
+    tables, needed = found["verdicts"], found["windows_needed"]
     lines = [
         "# Gate calibration: verdict rates and interval coverage on disjoint and resampled slices",
         "",
@@ -344,6 +345,8 @@ def write_markdown(texts: dict, tables: dict, path: Path, truncated: dict | None
         "",
         *gate_verdicts.__doc__.split("\n\n", 1)[1].strip().splitlines(),  # how the resampled slices are drawn
     ]
+    lines += gate_panel.coverage_markdown(found["coverage"])
+    lines += gate_panel.panel_markdown("default", needed["family_confidence"], found["panel"])
     for key, scores in texts.items():
         lines += _text_section(key, scores, tables[key])
     lines += gate_verdicts.windows_markdown(needed, gate_verdicts.SECONDS_PER_EXTRA_WINDOW)
@@ -428,12 +431,10 @@ def main() -> None:
     needed = gate_verdicts.windows_needed(texts, accuracy, policy, family)
     needed["accuracy"] = gate_verdicts.accuracy_needed(accuracy, policy, family)
     needed["family_confidence"] = family
-    raw.write_text(
-        json.dumps(
-            {"command": command, "scores": scores, "verdicts": tables, "windows_needed": needed, **extra}, indent=1
-        )
-    )
-    write_markdown(texts, tables, RESULTS / "gate-calibration.md", extra.get("truncation"), needed)
+    panel = gate_panel.panel_rates(texts, policy, family, ["dialogue", *policy.domains])
+    found = {"verdicts": tables, "windows_needed": needed, "panel": panel, "coverage": gate_panel.coverage_rows(tables)}
+    raw.write_text(json.dumps({"command": command, "scores": scores, **found, **extra}, indent=1))
+    write_markdown(texts, found, RESULTS / "gate-calibration.md", extra.get("truncation"))
     print((RESULTS / "gate-calibration.md").read_text())
 
 

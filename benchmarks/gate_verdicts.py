@@ -232,7 +232,7 @@ def _rate(row: dict, verdict: str) -> str:
     return f"{row[verdict]:.0%} ({low:.0%}–{high:.0%})"
 
 
-def _rates(row: dict) -> str:
+def rate_cells(row: dict) -> str:
     return " | ".join(_rate(row, verdict) for verdict in VERDICTS)
 
 
@@ -249,7 +249,9 @@ def markdown(gate: str, size: int, family: float, found: dict) -> list[str]:
             "|---|---|---|---|---|",
         ]
         lines += [
-            f"| {name} | {layer} | {_rates(row)} |" for name, layers in rows.items() for layer, row in layers.items()
+            f"| {name} | {layer} | {rate_cells(row)} |"
+            for name, layers in rows.items()
+            for layer, row in layers.items()
         ]
     if found["accuracy"]:
         draw = found["accuracy_draw"]
@@ -266,7 +268,7 @@ def markdown(gate: str, size: int, family: float, found: dict) -> list[str]:
         ]
         for name, row in found["accuracy"].items():
             fraction = "–" if row["ladder_fraction"] is None else f"{row['ladder_fraction']:g}"
-            lines.append(f"| {name} | {fraction} | {row['change']:+.1f} | {row['class']} | {_rates(row)} |")
+            lines.append(f"| {name} | {fraction} | {row['change']:+.1f} | {row['class']} | {rate_cells(row)} |")
     if found["combined"]:
         deciding = all(row["accuracy_blocking"] for row in found["combined"].values())
         layers = "+ accuracy (item slice i)" if deciding else "(the accuracy layer is advisory here: reported above)"
@@ -277,7 +279,7 @@ def markdown(gate: str, size: int, family: float, found: dict) -> list[str]:
             f"| checkpoint | its ARC outcomes {head}",
             "|---|---|---|---|---|",
         ]
-        lines += [f"| {name} | {row['accuracy_of']} | {_rates(row)} |" for name, row in found["combined"].items()]
+        lines += [f"| {name} | {row['accuracy_of']} | {rate_cells(row)} |" for name, row in found["combined"].items()]
     return lines
 
 

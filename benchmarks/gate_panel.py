@@ -1,0 +1,146 @@
+"""The domain panel's verdict, calibrated, and the coverage of the gate's interval per text, in one table.
+
+The default gate judges perplexity and KL on three kinds of text (``compress.base.data.domain_panel``): dialogue in
+verse (Shakespeare, the evaluation text), code (the running Python's standard library) and technical prose (its
+docstrings); each domain's two checks join the familywise family, and the verdict line names the worst domain. Here
+the verdict a user gets is drawn from the per-window scores ``benchmarks/gate_calibration.py`` stored for each text:
+per draw, one spread slice of the preset's window count from each domain's text (drawn independently), each judged
+by the gate's checks at the preset's familywise level, then combined (any BLOCK blocks, all PASS passes) with the
+worst domain recorded as the gate records it (the highest perplexity ratio). Only checkpoints scored on every
+panel text take part. The stored texts are whole corpora, not the gate's evaluation splits of them: the same kinds
+of text, more windows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from benchmarks import gate_verdicts
+
+# the panel's kinds of text → the gate-calibration text that stands for each (gate_calibration.evaluation_text)
+PANEL = {"dialogue": "shakespeare", "code": "python_code", "technical": "python_docstrings"}
+COVERAGE_GOAL, SLICES_GOAL = 0.93, 100
+
+
+def panel_texts(texts: dict) -> dict[str, str]:
+    """Each panel domain's stored text entry (``<text>/<windows>``): the one with the most windows."""
+    found = {}
+    for domain, text in PANEL.items():
+        keys = [key for key in texts if key.split("/")[0] == text]
+        if keys:
+            found[domain] = max(keys, key=lambda key: texts[key]["windows"])
+    return found
+
+
+def panel_rates(texts: dict, policy, family: float, domains: list[str], seed: int = 0) -> dict:
+    """Per checkpoint scored on every one of ``domains`` (the evaluation text ``dialogue`` first), the combined
+    verdict's rates over resampled panel draws and how often each domain was the worst."""
+    keys = panel_texts(texts)
+    missing = [domain for domain in domains if domain not in keys]
+    if missing:
+        return {"missing": missing}
+    size = policy.perplexity.max_windows
+    scored = [texts[keys[domain]]["models"] for domain in domains]
+    names = [name for name in scored[0] if name != "baseline" and all(name in models for models in scored)]
+    draws = {
+        domain: gate_verdicts.spread_draws(len(models["baseline"]["window_nll"]), size, gate_verdicts.DRAWS, seed + i)
+        for i, (domain, models) in enumerate(zip(domains, scored, strict=True))
+    }
+    found: dict = {"texts": {domain: keys[domain] for domain in domains}, "windows": size, "checkpoints": {}}
+    for name in names:
+        verdicts, worst = [], Counter()
+        for draw in range(gate_verdicts.DRAWS):
+            row, ratios = [], {}
+            for domain, models in zip(domains, scored, strict=True):
+                base = models["baseline"]["window_nll"]
+                ratio, divergence = gate_verdicts.judge_windows(models[name], base, draws[domain][draw], policy, family)
+                row += [ratio.verdict, divergence.verdict]
+                ratios[domain] = ratio.estimate
+            verdicts.append(gate_verdicts.combine(*[[verdict] for verdict in row])[0])
+            worst[max(ratios, key=ratios.get)] += 1
+        full = {
+            domain: _full_ratio(models[name], models["baseline"])
+            for domain, models in zip(domains, scored, strict=True)
+        }
+        found["checkpoints"][name] = {
+            "full_ratio": full, "worst": dict(worst), **gate_verdicts.tally(verdicts),
+        }  # fmt: skip
+    return found
+
+
+def _full_ratio(model: dict, baseline: dict) -> float:
+    nll, base = model["window_nll"], baseline["window_nll"]
+    return math.exp((sum(nll) - sum(base)) / len(base))
+
+
+def panel_markdown(gate: str, family: float, found: dict) -> list[str]:
+    if "missing" in found:
+        return ["", f"### gate={gate}, the domain panel: not calibrated (no scores for {found['missing']})"]
+    domains = list(found["texts"])
+    lines = [
+        "",
+        f"### gate={gate}, the verdict a user gets over the domain panel: perplexity + KL on {len(domains)} kinds "
+        f"of text, {gate_verdicts.DRAWS} draws of {found['windows']} spread windows each (BLOCK at {family:.2%})",
+        "",
+        "Texts: " + ", ".join(f"{domain} = `{key}`" for domain, key in found["texts"].items()) + ".",
+        "",
+        "| checkpoint |" + "".join(f" ratio, {domain} |" for domain in domains)
+        + " P(pass) (95% CP) | P(block) (95% CP) | P(inconclusive) (95% CP) | worst domain (share of draws) |",
+        "|---|" + "---|" * (len(domains) + 4),
+    ]  # fmt: skip
+    for name, row in found["checkpoints"].items():
+        ratios = "".join(f" {row['full_ratio'][domain]:.4f} |" for domain in domains)
+        worst = ", ".join(
+            f"{domain} {count / row['slices']:.0%}" for domain, count in Counter(row["worst"]).most_common()
+        )
+        lines.append(f"| {name} |{ratios} {gate_verdicts.rate_cells(row)} | {worst} |")
+    return lines
+
+
+def coverage_rows(tables: dict) -> list[dict]:
+    """Per text, gate and checkpoint: the coverage of the gate's 95% interval over disjoint contiguous slices (the
+    hard case: neighbouring windows of one text are correlated), with the number of slices."""
+    rows = []
+    for key, table in tables.items():
+        for gate, result in table.items():
+            contiguous = result["kinds"]["contiguous"]
+            for name, layers in contiguous["checkpoints"].items():
+                rows.append({
+                    "text": key, "gate": gate, "windows": result["windows_per_slice"], "slices": contiguous["slices"],
+                    "checkpoint": name, "perplexity": layers["perplexity"]["coverage"],
+                    "kl": layers["kl"]["coverage"],
+                })  # fmt: skip
+    return rows
+
+
+def coverage_markdown(rows: list[dict]) -> list[str]:
+    """The coverage summary: every text's disjoint contiguous slices, the goal marked where the slices suffice."""
+    lines = [
+        "",
+        f"## Coverage of the gate's 95% interval: disjoint contiguous slices (goal ≥ {COVERAGE_GOAL:.0%} over ≥ "
+        f"{SLICES_GOAL} slices)",
+        "",
+        "Each slice's interval (blocks of neighbouring windows, `evals/gate/stats.py`) is checked for holding the "
+        "value over the whole text; the 95% Clopper-Pearson bounds say how far the share of covering slices can be "
+        "trusted.",
+        "",
+        "| text | gate | windows per slice | slices | checkpoint | perplexity coverage (95% CP) | KL coverage (95% CP) "
+        "| goal |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cells = []
+        for layer in ("perplexity", "kl"):
+            hits = round(row[layer] * row["slices"])
+            low, high = gate_verdicts.clopper_pearson(hits, row["slices"])
+            cells.append(f"{row[layer]:.0%} ({low:.0%}–{high:.0%})")
+        if row["slices"] < SLICES_GOAL:
+            goal = f"– (< {SLICES_GOAL} slices)"
+        else:
+            goal = "met" if min(row["perplexity"], row["kl"]) >= COVERAGE_GOAL else "**missed**"
+        lines.append(
+            f"| {row['text']} | {row['gate']} | {row['windows']} | {row['slices']} | {row['checkpoint']} "
+            f"| {cells[0]} | {cells[1]} | {goal} |"
+        )
+    return lines
