@@ -72,3 +72,14 @@ def test_coverage_goal_is_judged_only_over_enough_slices():
     lines = gate_panel.coverage_markdown(rows)
     assert lines[-3].endswith("| met |") and lines[-2].endswith("| **missed** |") and "< 100 slices" in lines[-1]
     assert "95% (89%–98%)" in lines[-3]  # 95 of 100 with its Clopper-Pearson bounds
+
+
+def test_gate_power_sizes_follow_the_preset_and_its_pooled_benchmarks():
+    from benchmarks import gate_power
+
+    full = resolve_policy(load_policy("full", []))
+    assert gate_power.accuracy_items(full, "lm_eval") == 570 + 1838  # ARC-Easy and PIQA, pooled
+    assert gate_power.accuracy_items(resolve_policy(load_policy("quick", [])), "lm_eval") == 200  # its limit
+    assert sum(gate_power.benchmark_outcomes(full)) / 2408 > 0.6  # PIQA's 64% lifts ARC's 52%
+    assert gate_power.stated_regression("perplexity", 1.05) == 1.1 and gate_power.stated_regression("kl", 0.05) == 0.1
+    assert gate_power.stated_regression("long_context", 10.0) == 20.0
