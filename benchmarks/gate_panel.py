@@ -23,38 +23,39 @@ PANEL = {"dialogue": "shakespeare", "code": "python_code", "technical": "python_
 COVERAGE_GOAL, SLICES_GOAL = 0.93, 100
 
 
-def panel_texts(texts: dict) -> dict[str, str]:
-    """Each panel domain's stored text entry (``<text>/<windows>``): the one with the most windows."""
+def panel_texts(texts: dict, name: str) -> dict[str, str]:
+    """Each panel domain's stored text entry (``<text>/<windows>``) that scored checkpoint ``name``: the one with the
+    most windows."""
     found = {}
     for domain, text in PANEL.items():
-        keys = [key for key in texts if key.split("/")[0] == text]
+        keys = [key for key in texts if key.split("/")[0] == text and name in texts[key]["models"]]
         if keys:
             found[domain] = max(keys, key=lambda key: texts[key]["windows"])
     return found
 
 
 def panel_rates(texts: dict, policy, family: float, domains: list[str], seed: int = 0) -> dict:
-    """Per checkpoint scored on every one of ``domains`` (the evaluation text ``dialogue`` first), the combined
-    verdict's rates over resampled panel draws and how often each domain was the worst."""
-    keys = panel_texts(texts)
-    missing = [domain for domain in domains if domain not in keys]
-    if missing:
-        return {"missing": missing}
+    """Per checkpoint scored on the texts of all ``domains`` (the evaluation text ``dialogue`` first), the combined
+    verdict's rates over resampled panel draws, how often each domain was the worst, and the texts it was read on."""
     size = policy.perplexity.max_windows
-    scored = [texts[keys[domain]]["models"] for domain in domains]
-    names = [name for name in scored[0] if name != "baseline" and all(name in models for models in scored)]
-    draws = {
-        domain: gate_verdicts.spread_draws(len(models["baseline"]["window_nll"]), size, gate_verdicts.DRAWS, seed + i)
-        for i, (domain, models) in enumerate(zip(domains, scored, strict=True))
-    }
-    found: dict = {"texts": {domain: keys[domain] for domain in domains}, "windows": size, "checkpoints": {}}
+    names = dict.fromkeys(name for scores in texts.values() for name in scores["models"] if name != "baseline")
+    found: dict = {"windows": size, "domains": domains, "checkpoints": {}}
+    found["missing"] = [domain for domain in domains if domain not in panel_texts(texts, "baseline")]
     for name in names:
+        keys = panel_texts(texts, name)
+        if any(domain not in keys for domain in domains):
+            continue
+        scored = [texts[keys[domain]]["models"] for domain in domains]
+        draws = [
+            gate_verdicts.spread_draws(len(models["baseline"]["window_nll"]), size, gate_verdicts.DRAWS, seed + i)
+            for i, models in enumerate(scored)
+        ]
         verdicts, worst = [], Counter()
         for draw in range(gate_verdicts.DRAWS):
             row, ratios = [], {}
-            for domain, models in zip(domains, scored, strict=True):
+            for domain, models, slices in zip(domains, scored, draws, strict=True):
                 base = models["baseline"]["window_nll"]
-                ratio, divergence = gate_verdicts.judge_windows(models[name], base, draws[domain][draw], policy, family)
+                ratio, divergence = gate_verdicts.judge_windows(models[name], base, slices[draw], policy, family)
                 row += [ratio.verdict, divergence.verdict]
                 ratios[domain] = ratio.estimate
             verdicts.append(gate_verdicts.combine(*[[verdict] for verdict in row])[0])
@@ -64,7 +65,8 @@ def panel_rates(texts: dict, policy, family: float, domains: list[str], seed: in
             for domain, models in zip(domains, scored, strict=True)
         }
         found["checkpoints"][name] = {
-            "full_ratio": full, "worst": dict(worst), **gate_verdicts.tally(verdicts),
+            "texts": {domain: keys[domain] for domain in domains}, "full_ratio": full, "worst": dict(worst),
+            **gate_verdicts.tally(verdicts),
         }  # fmt: skip
     return found
 
@@ -75,26 +77,26 @@ def _full_ratio(model: dict, baseline: dict) -> float:
 
 
 def panel_markdown(gate: str, family: float, found: dict) -> list[str]:
-    if "missing" in found:
-        return ["", f"### gate={gate}, the domain panel: not calibrated (no scores for {found['missing']})"]
-    domains = list(found["texts"])
+    if found["missing"] or not found["checkpoints"]:
+        missing = found["missing"] or "a checkpoint on every text"
+        return ["", f"### gate={gate}, the domain panel: not calibrated (no scores for {missing})"]
+    domains = found["domains"]
     lines = [
         "",
         f"### gate={gate}, the verdict a user gets over the domain panel: perplexity + KL on {len(domains)} kinds "
         f"of text, {gate_verdicts.DRAWS} draws of {found['windows']} spread windows each (BLOCK at {family:.2%})",
         "",
-        "Texts: " + ", ".join(f"{domain} = `{key}`" for domain, key in found["texts"].items()) + ".",
-        "",
         "| checkpoint |" + "".join(f" ratio, {domain} |" for domain in domains)
-        + " P(pass) (95% CP) | P(block) (95% CP) | P(inconclusive) (95% CP) | worst domain (share of draws) |",
-        "|---|" + "---|" * (len(domains) + 4),
+        + " P(pass) (95% CP) | P(block) (95% CP) | P(inconclusive) (95% CP) | worst domain (share of draws) | texts |",
+        "|---|" + "---|" * (len(domains) + 5),
     ]  # fmt: skip
     for name, row in found["checkpoints"].items():
         ratios = "".join(f" {row['full_ratio'][domain]:.4f} |" for domain in domains)
         worst = ", ".join(
             f"{domain} {count / row['slices']:.0%}" for domain, count in Counter(row["worst"]).most_common()
         )
-        lines.append(f"| {name} |{ratios} {gate_verdicts.rate_cells(row)} | {worst} |")
+        texts = ", ".join(f"`{key}`" for key in row["texts"].values())
+        lines.append(f"| {name} |{ratios} {gate_verdicts.rate_cells(row)} | {worst} | {texts} |")
     return lines
 
 

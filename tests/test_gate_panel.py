@@ -35,19 +35,20 @@ def test_one_bad_domain_blocks_the_panel_and_is_named_worst():
     code_regression = math.log(1.12)  # lossless on prose, 12% worse on code only
     texts = {
         "shakespeare/96": _text("shakespeare", 96, {"lossless": 0.0, "code_only": 0.0}, 1),
-        "shakespeare/48": _text("shakespeare", 48, {"lossless": 0.0}, 9),  # fewer windows: not the panel's pick
+        "shakespeare/48": _text("shakespeare", 48, {"lossless": 0.0, "only_here": 0.0}, 9),  # fewer windows
         "python_code/64": _text("python_code", 64, {"lossless": 0.0, "code_only": code_regression}, 2),
         "python_docstrings/64": _text("python_docstrings", 64, {"lossless": 0.0, "code_only": 0.0}, 3),
     }
     policy, family = _default()
     found = gate_panel.panel_rates(texts, policy, family, ["dialogue", *policy.domains])
-    assert found["texts"] == {
+    lossless, bad = found["checkpoints"]["lossless"], found["checkpoints"]["code_only"]
+    assert lossless["texts"] == {
         "dialogue": "shakespeare/96", "code": "python_code/64", "technical": "python_docstrings/64",
     }  # fmt: skip
-    lossless, bad = found["checkpoints"]["lossless"], found["checkpoints"]["code_only"]
     assert lossless["pass"] == 1.0 and lossless["slices"] == 200
     assert bad["block"] == 1.0 and bad["worst"] == {"code": 200}
     assert bad["full_ratio"]["code"] > 1.1 > bad["full_ratio"]["dialogue"]
+    assert "only_here" not in found["checkpoints"]  # scored on one text: not a panel verdict
     lines = "\n".join(gate_panel.panel_markdown("default", family, found))
     assert "| code_only |" in lines and "code 100%" in lines
 
@@ -56,7 +57,7 @@ def test_a_panel_text_never_scored_is_reported_not_guessed():
     texts = {"shakespeare/96": _text("shakespeare", 96, {"lossless": 0.0}, 1)}
     policy, family = _default()
     found = gate_panel.panel_rates(texts, policy, family, ["dialogue", "code"])
-    assert found == {"missing": ["code"]}
+    assert found["missing"] == ["code"] and found["checkpoints"] == {}
     assert "not calibrated" in gate_panel.panel_markdown("default", family, found)[1]
 
 
