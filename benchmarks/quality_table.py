@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.quality_readme import README, readme_section, replace_section
+from benchmarks.quality_rows import PENDING, PICK_RULE, shipped, threads_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -194,10 +195,6 @@ def interval(values: list[float]) -> dict:
     return {"n": n, "mean": mean, "low": mean - half, "high": mean + half, "values": values}
 
 
-def data_only(overrides: list[str]) -> bool:
-    return all(override.startswith("data.") for override in overrides)
-
-
 def build(sources: list[str], results: Path) -> dict:
     """``{model: {"runs": [...], "pairs": [...]}}`` from the files in ``sources`` (oldest first)."""
     latest: dict[tuple, dict] = {}
@@ -281,23 +278,6 @@ def pairs(runs: list[dict]) -> list[dict]:
 
 
 INT4_G64 = ("rtn_int4", "awq_int4", "gptq_int4", "autoround_int4", "rotate_gptq_int4")
-PENDING = {  # shipped recipes kept out of the README's rows until >= 3 draws of them as shipped exist
-    "autoround_int4": "AutoRound as published now; one draw of its CPU preset, behind gptq_int4 "
-    "(benchmarks/results/autoround-int4-vs-gptq.md); quality.md's autoround rows are of the old stage",
-}
-PICK_RULE = (
-    "the lowest out-of-domain mean among the int4 g64 recipes as shipped whose checkpoint is no larger than "
-    "`gptq_int4`'s; a tie where its 95% interval overlaps the runner-up's"
-)
-
-
-def shipped(runs: list[dict], recipe: str) -> dict | None:
-    """The row a README quotes for ``recipe``: as shipped (no overrides), else a run differing only in calibration
-    size; the most draws first, then recorded threads."""
-    candidates = [run for run in runs if run["recipe"] == recipe and data_only(run["overrides"])]
-    candidates = [run for run in candidates if not run["overrides"]] or candidates
-    candidates = [run for run in candidates if "out_of_domain" in run["ratios"]]
-    return max(candidates, key=lambda run: (run["draws"], run["threads"] is not None), default=None)
 
 
 def pick(runs: list[dict]) -> dict | None:
@@ -338,10 +318,6 @@ def cell(stats: dict | None, digits: int = 3) -> str:
 
 def _number(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
-
-
-def threads_cell(threads: int | None) -> str:
-    return "not recorded" if threads is None else str(threads)
 
 
 def markdown(models: dict, command: str) -> str:

@@ -1,0 +1,30 @@
+"""What the quality table and README's results section share: which stored run stands for a shipped recipe, the
+pick rule, and how a row's cells read (kept apart so that neither module imports the other)."""
+
+from __future__ import annotations
+
+PENDING = {  # shipped recipes kept out of the README's rows until >= 3 draws of them as shipped exist
+    "autoround_int4": "AutoRound as published now; one draw of its CPU preset, behind gptq_int4 "
+    "(benchmarks/results/autoround-int4-vs-gptq.md); quality.md's autoround rows are of the old stage",
+}
+PICK_RULE = (
+    "the lowest out-of-domain mean among the int4 g64 recipes as shipped whose checkpoint is no larger than "
+    "`gptq_int4`'s; a tie where its 95% interval overlaps the runner-up's"
+)
+
+
+def shipped(runs: list[dict], recipe: str) -> dict | None:
+    """The row a README quotes for ``recipe``: as shipped (no overrides), else a run differing only in calibration
+    size; the most draws first, then recorded threads."""
+    candidates = [run for run in runs if run["recipe"] == recipe and data_only(run["overrides"])]
+    candidates = [run for run in candidates if not run["overrides"]] or candidates
+    candidates = [run for run in candidates if "out_of_domain" in run["ratios"]]
+    return max(candidates, key=lambda run: (run["draws"], run["threads"] is not None), default=None)
+
+
+def data_only(overrides: list[str]) -> bool:
+    return all(override.startswith("data.") for override in overrides)
+
+
+def threads_cell(threads: int | None) -> str:
+    return "not recorded" if threads is None else str(threads)
