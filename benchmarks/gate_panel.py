@@ -113,7 +113,7 @@ def coverage_rows(tables: dict) -> list[dict]:
                     "checkpoint": name, "perplexity": layers["perplexity"]["coverage"],
                     "kl": layers["kl"]["coverage"],
                 })  # fmt: skip
-    return rows
+    return sorted(rows, key=lambda row: row["slices"] < SLICES_GOAL)  # the texts long enough for the goal first
 
 
 def coverage_markdown(rows: list[dict]) -> list[str]:

@@ -66,8 +66,8 @@ def test_coverage_goal_is_judged_only_over_enough_slices():
         layers = {"perplexity": {"coverage": perplexity}, "kl": {"coverage": kl}}
         return {"windows_per_slice": 12, "kinds": {"contiguous": {"slices": slices, "checkpoints": {"c": layers}}}}
 
-    tables = {"a/1200": {"quick": table(100, 0.95, 0.94)}, "b/1200": {"quick": table(100, 0.95, 0.90)},
-              "c/480": {"quick": table(40, 1.0, 1.0)}}  # fmt: skip
+    tables = {"c/480": {"quick": table(40, 1.0, 1.0)}, "a/1200": {"quick": table(100, 0.95, 0.94)},
+              "b/1200": {"quick": table(100, 0.95, 0.90)}}  # fmt: skip
     rows = gate_panel.coverage_rows(tables)
     assert [row["slices"] for row in rows] == [100, 100, 40]
     lines = gate_panel.coverage_markdown(rows)

@@ -27,7 +27,7 @@ class PerplexityPolicy:
     max_ratio: float | None = 1.05  # candidate ppl ≤ max_ratio × baseline ppl (judged on the interval)
     max_value: float | None = None  # hard ceiling on candidate ppl
     decide_max_windows: int | None = None  # gate.decide=true adds windows up to this (null: the whole text)
-    block_windows: int = 4  # windows side by side in the text are read in blocks of this many (stats.blocks_of)
+    block_windows: int = 8  # windows side by side in the text are read in blocks of this many (stats.blocks_of)
 
 
 @dataclass

@@ -275,7 +275,7 @@ def test_the_gate_scores_windows_spread_over_the_text_not_its_first_ones(pair, t
     protocol = result.to_dict()["layers"][0]["metrics"]["protocol"]
     positions = protocol["window_positions"]
     assert len(positions) == 4 and positions[0] == 0 and max(positions) > 4 * 4  # spread, not 0-3
-    assert protocol["block_windows"] == 4
+    assert protocol["block_windows"] == 8
 
 
 def test_the_domain_panel_judges_each_kind_of_text_and_names_the_worst(pair, texts, tmp_path):
