@@ -41,6 +41,7 @@ def panel_rates(texts: dict, policy, family: float, domains: list[str], seed: in
     names = dict.fromkeys(name for scores in texts.values() for name in scores["models"] if name != "baseline")
     found: dict = {"windows": size, "domains": domains, "checkpoints": {}}
     found["missing"] = [domain for domain in domains if domain not in panel_texts(texts, "baseline")]
+    domains = found["domains"] = [domain for domain in domains if domain not in found["missing"]]
     for name in names:
         keys = panel_texts(texts, name)
         if any(domain not in keys for domain in domains):
@@ -77,14 +78,16 @@ def _full_ratio(model: dict, baseline: dict) -> float:
 
 
 def panel_markdown(gate: str, family: float, found: dict) -> list[str]:
-    if found["missing"] or not found["checkpoints"]:
+    if not found["checkpoints"]:
         missing = found["missing"] or "a checkpoint on every text"
         return ["", f"### gate={gate}, the domain panel: not calibrated (no scores for {missing})"]
     domains = found["domains"]
+    unscored = f"; not scored, so left out: {', '.join(found['missing'])}" if found["missing"] else ""
     lines = [
         "",
         f"### gate={gate}, the verdict a user gets over the domain panel: perplexity + KL on {len(domains)} kinds "
-        f"of text, {gate_verdicts.DRAWS} draws of {found['windows']} spread windows each (BLOCK at {family:.2%})",
+        f"of text, {gate_verdicts.DRAWS} draws of {found['windows']} spread windows each (BLOCK at {family:.2%}"
+        f"{unscored})",
         "",
         "| checkpoint |" + "".join(f" ratio, {domain} |" for domain in domains)
         + " P(pass) (95% CP) | P(block) (95% CP) | P(inconclusive) (95% CP) | worst domain (share of draws) | texts |",

@@ -53,12 +53,15 @@ def test_one_bad_domain_blocks_the_panel_and_is_named_worst():
     assert "| code_only |" in lines and "code 100%" in lines
 
 
-def test_a_panel_text_never_scored_is_reported_not_guessed():
+def test_a_panel_text_never_scored_is_named_and_left_out():
     texts = {"shakespeare/96": _text("shakespeare", 96, {"lossless": 0.0}, 1)}
     policy, family = _default()
     found = gate_panel.panel_rates(texts, policy, family, ["dialogue", "code"])
-    assert found["missing"] == ["code"] and found["checkpoints"] == {}
-    assert "not calibrated" in gate_panel.panel_markdown("default", family, found)[1]
+    assert found["missing"] == ["code"] and list(found["checkpoints"]) == ["lossless"]
+    assert found["checkpoints"]["lossless"]["texts"] == {"dialogue": "shakespeare/96"}
+    assert "not scored, so left out: code" in gate_panel.panel_markdown("default", family, found)[1]
+    nothing = gate_panel.panel_rates({}, policy, family, ["dialogue"])
+    assert "not calibrated" in gate_panel.panel_markdown("default", family, nothing)[1]
 
 
 def test_coverage_goal_is_judged_only_over_enough_slices():
