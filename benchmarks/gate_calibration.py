@@ -223,7 +223,7 @@ def _judged(model: dict, base: list[float], slices, policy, family: float) -> di
     """One checkpoint's rows: per layer, the verdict rates and the coverage, and the two layers' combined verdict."""
     from compress.evals.gate import stats
 
-    full_ratio = math.exp((sum(model["window_nll"]) - sum(base)) / len(base))
+    full_ratio = gate_panel.full_ratio(model["window_nll"], base)
     full_kl = sum(model["window_kl"]) / len(model["window_kl"])
     verdicts = {"perplexity": [], "kl": []}
     covered = {"perplexity": [], "perplexity_independent": [], "kl": []}

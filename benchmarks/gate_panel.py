@@ -51,18 +51,19 @@ def panel_rates(texts: dict, policy, family: float, domains: list[str], seed: in
             gate_verdicts.spread_draws(len(models["baseline"]["window_nll"]), size, gate_verdicts.DRAWS, seed + i)
             for i, models in enumerate(scored)
         ]
-        verdicts, worst = [], Counter()
+        checks, worst = [[] for _ in range(2 * len(domains))], Counter()  # per check, its verdict in every draw
         for draw in range(gate_verdicts.DRAWS):
-            row, ratios = [], {}
-            for domain, models, slices in zip(domains, scored, draws, strict=True):
+            ratios = {}
+            for index, (domain, models, slices) in enumerate(zip(domains, scored, draws, strict=True)):
                 base = models["baseline"]["window_nll"]
                 ratio, divergence = gate_verdicts.judge_windows(models[name], base, slices[draw], policy, family)
-                row += [ratio.verdict, divergence.verdict]
+                checks[2 * index].append(ratio.verdict)
+                checks[2 * index + 1].append(divergence.verdict)
                 ratios[domain] = ratio.estimate
-            verdicts.append(gate_verdicts.combine(*[[verdict] for verdict in row])[0])
             worst[max(ratios, key=ratios.get)] += 1
+        verdicts = gate_verdicts.combine(*checks)
         full = {
-            domain: _full_ratio(models[name], models["baseline"])
+            domain: full_ratio(models[name]["window_nll"], models["baseline"]["window_nll"])
             for domain, models in zip(domains, scored, strict=True)
         }
         found["checkpoints"][name] = {
@@ -72,9 +73,9 @@ def panel_rates(texts: dict, policy, family: float, domains: list[str], seed: in
     return found
 
 
-def _full_ratio(model: dict, baseline: dict) -> float:
-    nll, base = model["window_nll"], baseline["window_nll"]
-    return math.exp((sum(nll) - sum(base)) / len(base))
+def full_ratio(candidate_nll: list[float], baseline_nll: list[float]) -> float:
+    """The perplexity ratio over every stored window of a text (what a slice's interval should hold)."""
+    return math.exp((sum(candidate_nll) - sum(baseline_nll)) / len(baseline_nll))
 
 
 def panel_markdown(gate: str, family: float, found: dict) -> list[str]:
