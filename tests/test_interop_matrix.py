@@ -15,15 +15,14 @@ from benchmarks.interop_matrix import (
     cheapest_first,
     checkpoint_format,
     fingerprint,
-    format_row,
     merged,
     recipes,
     reusable,
-    summary,
     transformers_check,
     vllm_check,
     vllm_outcome,
 )
+from benchmarks.interop_report import format_row, summary
 from compress import oneshot
 
 RTN = [{"type": "rtn", "bits": 4, "group_size": 64, "symmetric": True, "ignore": ["lm_head"]}]
