@@ -38,11 +38,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks import gate_panel, gate_verdicts  # noqa: E402
+from benchmarks.calibration_baseline import baseline_pass  # noqa: E402
 from benchmarks.ladder import RUNG_KEYS, move_towards_rtn, parse_rung  # noqa: E402
 from compress.base.data import tokenize  # noqa: E402
 from compress.base.paths import artifacts_dir  # noqa: E402
 from compress.checkpoint import load_checkpoint  # noqa: E402
-from compress.evals.divergence import DivergenceMeter, ReferenceRecorder  # noqa: E402
+from compress.evals.divergence import DivergenceMeter  # noqa: E402
 from compress.evals.gate.policy import resolve_policy  # noqa: E402
 from compress.evals.perplexity import stored_model_perplexity  # noqa: E402
 from compress.model.sources import ModelSpec, load, resolve_model_path  # noqa: E402
@@ -109,15 +110,13 @@ def score(windows: int, checkpoints: dict[str, Path], text: str = "shakespeare",
     ids = tokenize(tokenizer, evaluation_text(text))
     if ids.numel() < windows * SEQ_LEN:
         raise SystemExit(f"the text holds {ids.numel() // SEQ_LEN} windows; ask for fewer")
-    recorder = ReferenceRecorder(windows, SEQ_LEN - 1, TOP_K)
-    start = time.perf_counter()
     protocol = (SEQ_LEN, 4, windows)
-    base = stored_model_perplexity(baseline, ids, *protocol, label="baseline", device=device, observer=recorder)
-    models = {"baseline": {"perplexity": base.perplexity, "window_nll": base.window_nll,
-                           "seconds": time.perf_counter() - start}}  # fmt: skip
-    print(f"baseline: ppl {base.perplexity:.3f} ({models['baseline']['seconds']:.0f} s)", flush=True)
+    references = artifacts_dir() / "benchmarks" / "gate-calibration" / "references"
+    base, reference = baseline_pass(baseline, Path(resolve_model_path(ModelSpec())), ids, windows, SEQ_LEN,
+                                    TOP_K, references)  # fmt: skip
     del baseline
-    reference = recorder.tensors()
+    models = {"baseline": base}
+    print(f"baseline: ppl {base['perplexity']:.3f} ({base['seconds']:.0f} s)", flush=True)
     models["baseline"]["reference_tail_mass"] = float((1 - reference["logprobs"].exp().sum(-1)).mean())
     rungs = rungs or {}
     sources = {name: (lambda path=path: (load_checkpoint(path)[0], None)) for name, path in checkpoints.items()}
