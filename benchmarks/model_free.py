@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         help="where the temporary work folder (random model, checkpoints) goes (default: the temp folder)",
     )
     parser.add_argument("--skip", nargs="+", choices=MODES[1:], default=[], help="rows to leave out")
+    parser.add_argument("--render-only", action="store_true", help="rewrite the .md from the stored .json; no run")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--create-random", choices=list(SHAPES), help=argparse.SUPPRESS)
     parser.add_argument("--recipe", help=argparse.SUPPRESS)
@@ -280,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.peak_rss import save_random_llama
 
         print(f"params {save_random_llama(args.target, SHAPES[args.create_random], torch.bfloat16)}")
+        return 0
+    name = f"model-free-{args.random_shape}" if args.random_shape else "model-free"
+    if args.render_only:
+        (args.results / f"{name}.md").write_text(markdown(json.loads((args.results / f"{name}.json").read_text())))
         return 0
     folder = None if args.random_shape else local_model_folder(ModelSpec())
     if folder is None and not args.random_shape:
@@ -338,7 +343,6 @@ def main(argv: list[str] | None = None) -> int:
                 rows["vs_llmcompressor"] = compare_peer(work / f"{recipe}-model_free-0", work / f"{recipe}-{PEER}-0")
             report["recipes"][recipe] = rows
     print(markdown(report))
-    name = f"model-free-{args.random_shape}" if args.random_shape else "model-free"
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / f"{name}.json").write_text(json.dumps(report, indent=2))
     (args.results / f"{name}.md").write_text(markdown(report))
