@@ -98,7 +98,7 @@ def kl_power(scores: dict, windows: int, limit: float, family: float) -> list[di
         values = scores["kl_lossless"] if mean == KLS[0] else _scaled(scores["kl_shape"], mean)
 
         def judge(rng, values=values):
-            check = checks.mean_check("kl", "kl_mean", rng.sample(values, windows), limit, True, 0.95)
+            check = checks.kl_check("kl", "kl_mean", rng.sample(values, windows), limit, 0.95)
             return checks.familywise(check, family).verdict
 
         rows.append({"size": mean, **_rates(judge)})

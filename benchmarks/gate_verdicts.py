@@ -69,7 +69,7 @@ def judge_windows(model: dict, base: list[float], indices: list[int], policy, fa
     ratio = gate_checks.ratio_check(
         "perplexity", "perplexity", candidate, baseline, policy.perplexity.max_ratio, confidence, indices, block
     )
-    divergence = gate_checks.mean_check("kl", "kl_mean", kl, policy.kl.max_mean, True, confidence, None, indices, block)
+    divergence = gate_checks.kl_check("kl", "kl_mean", kl, policy.kl.max_mean, confidence, indices, block)
     return gate_checks.familywise(ratio, family), gate_checks.familywise(divergence, family)
 
 

@@ -123,6 +123,21 @@ def block_mean_interval(
     return Interval(mean, mean - half, mean + half, count, confidence)
 
 
+def log_mean_interval(
+    values: list[float], positions: list[int] | None = None, block: int = 1, confidence: float = 0.95
+) -> Interval:
+    """Interval of a positive mean read on the log scale (delta method: the relative half-width of
+    :func:`block_mean_interval` taken as a factor each way). For KL: it cannot go below zero, and stretches of text
+    differ in it by a factor (FP8 scores 0.020 on one file of code, 0.027 on another); on 100 slices of 12 contiguous
+    windows of code the symmetric interval held the whole text's mean KL in 92-95% of them, this one in 95-96%."""
+    linear = block_mean_interval(values, positions, block, confidence)
+    mean = linear.estimate
+    if mean <= 0 or not math.isfinite(linear.high):
+        return linear
+    factor = math.exp((linear.high - mean) / mean)
+    return Interval(mean, mean / factor, mean * factor, linear.items, confidence)
+
+
 def paired_difference(
     candidate: list[float],
     baseline: list[float],

@@ -267,7 +267,7 @@ def window_checks(
     if "kl" in layers and "kl" in context.selected and divergence and "window_kl" in divergence:
         policy, mean = context.policy.kl, gate_checks.mean_check
         if policy.max_mean is not None:
-            found.append(placed(mean, "kl", "kl_mean", divergence["window_kl"], policy.max_mean, True))
+            found.append(placed(gate_checks.kl_check, "kl", "kl_mean", divergence["window_kl"], policy.max_mean))
         if policy.min_same_top is not None:
             found.append(placed(mean, "kl", "same_top", divergence["window_same_top"], policy.min_same_top, False))
     return found

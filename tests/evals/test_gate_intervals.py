@@ -114,3 +114,19 @@ def test_an_unknown_domain_is_refused_naming_the_choices():
 
     with pytest.raises(CompressError, match=r"gate.domains has unknown domains \['poetry'\]; choose from .*code"):
         resolve_policy({"domains": ["poetry"]})
+
+
+def test_the_kl_check_reads_its_interval_on_the_log_scale():
+    """KL is positive and differs between stretches of text by a factor: its interval is read on the log scale
+    (delta method), never below zero, longer above the estimate than below it."""
+    values = [0.0001, 0.0002, 0.0001, 0.006, 0.0001, 0.0002, 0.004, 0.0001]
+    linear = stats.block_mean_interval(values)
+    assert linear.low < 0  # the symmetric interval would claim a negative KL possible
+    check = checks.kl_check("kl", "kl_mean", values, 0.05, 0.95)
+    spread = (linear.high - linear.estimate) / linear.estimate
+    assert check.estimate == pytest.approx(linear.estimate)
+    expected = (linear.estimate / math.exp(spread), linear.estimate * math.exp(spread))
+    assert (check.low, check.high) == pytest.approx(expected)
+    assert 0 < check.low and check.high - check.estimate > check.estimate - check.low and check.verdict == stats.PASS
+    near = checks.kl_check("kl", "kl_mean", [0.049, 0.051, 0.050, 0.052], 0.05, 0.95)
+    assert near.verdict == stats.INCONCLUSIVE
