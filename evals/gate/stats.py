@@ -103,8 +103,8 @@ def block_mean_interval(
     one degree of freedom less than the number of blocks. Every item in its own block: :func:`mean_interval`. A block
     holds at most a third of the items, so that a short run is still read across at least three blocks (twelve
     windows: three of four; with four of three, a source file outlasting a block, the interval covered the whole
-    text's value in only 88-92% of 100 slices of code). Two windows side by side are read as independent: too few to
-    say more."""
+    text's value in only 88-92% of 100 slices of code). Up to five windows side by side are read as independent: too
+    few to say more."""
     count = len(values)
     block = max(1, min(block, count // MIN_BLOCKS))
     labels = blocks_of(positions if positions is not None else list(range(count)), block)
