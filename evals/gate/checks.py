@@ -164,24 +164,18 @@ def drop_check(layer, metric, candidate: list[float], baseline: list[float], max
 
 def kl_check(layer, metric, values: list[float], bound, confidence, positions=None, block=1) -> Check:
     """A ceiling on the mean KL per window, its interval on the log scale (:func:`stats.log_mean_interval`)."""
-
-    def interval_at(level: float) -> Interval:
-        return stats.log_mean_interval(values, positions, block, level)
-
-    def wording(check):
-        return f"{metric} {check.estimate:.4g} ({_ci(check)}) vs the ≤ {bound:g} limit"
-
-    return _check(layer, metric, _mean(values), None, interval_at, confidence, bound, True, f"≤ {bound:g}", wording)
+    return mean_check(layer, metric, values, bound, True, confidence, None, positions, block, stats.log_mean_interval)
 
 
 def mean_check(
-    layer, metric, values: list[float], bound, at_most: bool, confidence, baseline=None, positions=None, block=1
-) -> Check:
-    """A hard bound on the mean of per-item values (the share of same-top positions), over blocks
-    of neighbouring windows when ``positions`` place them in the text."""
+    layer, metric, values: list[float], bound, at_most: bool, confidence, baseline=None, positions=None, block=1,
+    interval=stats.block_mean_interval,
+) -> Check:  # fmt: skip
+    """A hard bound on the mean of per-item values (mean KL per window, share of same-top positions), ``interval``
+    over blocks of neighbouring windows when ``positions`` place them in the text."""
 
     def interval_at(level: float) -> Interval:
-        return stats.block_mean_interval(values, positions, block, level)
+        return interval(values, positions, block, level)
 
     def wording(check):
         return f"{metric} {check.estimate:.4g} ({_ci(check)}) vs the {'≤' if at_most else '≥'} {bound:g} limit"
