@@ -91,6 +91,17 @@ def test_int8_gemm_is_exact_against_int32():
     assert torch.equal(out, (a.to(torch.int32) @ b.to(torch.int32).T).float())
 
 
+@pytest.mark.parametrize("k", [1024, 4097, 20001])
+def test_int8_reference_sums_exactly_past_the_fp32_limit(k):
+    """The CPU reference sums in fp32 stretches: it must still equal the exact sum rounded once to fp32, where
+    one fp32 GEMM does not (here a plain fp32 GEMM is off by 4 at K=4097 and by 3360 at K=20001)."""
+    a, b = torch.full((2, k), 127, dtype=torch.int8), torch.full((3, k), 127, dtype=torch.int8)
+    b[1, ::3], a[1, ::7] = -128, 1
+    ones_m, ones_n = torch.ones(2, 1), torch.ones(3, 1)
+    exact = (a.to(torch.int64) @ b.to(torch.int64).T).to(torch.float64).float()
+    assert torch.equal(scaled_mm_reference(a, ones_m, b, ones_n, None, torch.float32), exact)
+
+
 def test_int8_gemm_epilogue_equals_reference():
     a, b = int8_operands(20, 44, 96)
     a_scale, b_scale = torch.rand(20, 1) / 100, torch.rand(44, 1) / 100
