@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks import gate_panel, gate_verdicts  # noqa: E402
+from benchmarks import gate_budget, gate_panel, gate_verdicts  # noqa: E402
 from benchmarks.calibration_baseline import baseline_pass  # noqa: E402
 from benchmarks.ladder import RUNG_KEYS, move_towards_rtn, parse_rung  # noqa: E402
 from compress.base.data import tokenize  # noqa: E402
@@ -222,7 +222,7 @@ def _judged(model: dict, base: list[float], slices, policy, family: float) -> di
     """One checkpoint's rows: per layer, the verdict rates and the coverage, and the two layers' combined verdict."""
     from compress.evals.gate import stats
 
-    full_ratio = gate_panel.full_ratio(model["window_nll"], base)
+    full_ratio = gate_verdicts.full_ratio(model["window_nll"], base)
     full_kl = sum(model["window_kl"]) / len(model["window_kl"])
     verdicts = {"perplexity": [], "kl": []}
     covered = {"perplexity": [], "perplexity_independent": [], "kl": []}
@@ -348,8 +348,8 @@ def write_markdown(texts: dict, found: dict, path: Path, truncated: dict | None)
     lines += gate_panel.panel_markdown("default", needed["family_confidence"], found["panel"])
     for key, scores in texts.items():
         lines += _text_section(key, scores, tables[key])
-    lines += gate_verdicts.windows_markdown(needed, gate_verdicts.SECONDS_PER_EXTRA_WINDOW)
-    lines += gate_verdicts.accuracy_markdown(needed["accuracy"], needed["family_confidence"])
+    lines += gate_budget.windows_markdown(needed, gate_budget.SECONDS_PER_EXTRA_WINDOW)
+    lines += gate_budget.accuracy_markdown(needed["accuracy"], needed["family_confidence"])
     if truncated:
         lines += [
             "",
@@ -427,8 +427,8 @@ def main() -> None:
     accuracy = gate_verdicts.load_accuracy(RESULTS)  # ARC-Easy outcomes: judged beside the headline text's windows
     tables = {key: analyze(text, accuracy if key.startswith("shakespeare/") else None) for key, text in texts.items()}
     policy, family, _ = gate_policy("default")
-    needed = gate_verdicts.windows_needed(texts, accuracy, policy, family)
-    needed["accuracy"] = gate_verdicts.accuracy_needed(accuracy, policy, family)
+    needed = gate_budget.windows_needed(texts, accuracy, policy, family)
+    needed["accuracy"] = gate_budget.accuracy_needed(accuracy, policy, family)
     needed["family_confidence"] = family
     panel = gate_panel.panel_rates(texts, policy, family, ["dialogue", *policy.domains])
     found = {"verdicts": tables, "windows_needed": needed, "panel": panel, "coverage": gate_panel.coverage_rows(tables)}

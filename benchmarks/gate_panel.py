@@ -13,7 +13,6 @@ of text, more windows.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 from benchmarks import gate_verdicts
@@ -63,7 +62,7 @@ def panel_rates(texts: dict, policy, family: float, domains: list[str], seed: in
             worst[max(ratios, key=ratios.get)] += 1
         verdicts = gate_verdicts.combine(*checks)
         full = {
-            domain: full_ratio(models[name]["window_nll"], models["baseline"]["window_nll"])
+            domain: gate_verdicts.full_ratio(models[name]["window_nll"], models["baseline"]["window_nll"])
             for domain, models in zip(domains, scored, strict=True)
         }
         found["checkpoints"][name] = {
@@ -71,11 +70,6 @@ def panel_rates(texts: dict, policy, family: float, domains: list[str], seed: in
             **gate_verdicts.tally(verdicts),
         }  # fmt: skip
     return found
-
-
-def full_ratio(candidate_nll: list[float], baseline_nll: list[float]) -> float:
-    """The perplexity ratio over every stored window of a text (what a slice's interval should hold)."""
-    return math.exp((sum(candidate_nll) - sum(baseline_nll)) / len(baseline_nll))
 
 
 def panel_markdown(gate: str, family: float, found: dict) -> list[str]:

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from benchmarks import gate_budget
 from benchmarks import gate_verdicts as gv
 from compress.commands.gate import load_policy
 from compress.evals.gate.policy import resolve_policy
@@ -113,14 +114,19 @@ def test_windows_needed_reads_lossless_passes_and_far_rungs_blocks_per_window_co
         "shakespeare/96": {"models": {"baseline": {"window_nll": base}, "rtn_int8": lossless}},
         "python_code/96": {"models": {"baseline": {"window_nll": base}, "ladder+5": far}},
     }
-    found = gv.windows_needed(texts, {}, policy, 0.99)
+    longer = base + base[:24]  # the same rung on a longer cut of the text: a row of its own, not a clash
+    far_longer = {"window_nll": [value + 0.1 for value in longer], "window_kl": [0.001] * 120}
+    texts["python_code/120"] = {"models": {"baseline": {"window_nll": longer}, "ladder+5": far_longer}}
+    found = gate_budget.windows_needed(texts, {}, policy, 0.99)
     assert found["gate_windows"] == policy.perplexity.max_windows
     sizes = [row["windows"] for row in found["rows"]]
-    assert sizes == [size for size in gv.WINDOW_COUNTS if size <= 48]  # more than half the text: not drawn
+    assert sizes == [size for size in gate_budget.WINDOW_COUNTS if size <= 48]  # more than half the text: not drawn
     for row in found["rows"]:
         assert row["pass"]["rtn_int8"]["pass"] == 1.0 and row["pass"]["rtn_int8, contiguous"]["pass"] == 1.0
-        assert row["block"]["ladder+5 ×1.105 (python_code)"]["block"] == 1.0
-    lines = gv.windows_markdown(found, 10.0)
+        assert row["block"]["ladder+5 ×1.105 (python_code/96)"]["block"] == 1.0
+        assert "ladder+5 ×1.105 (python_code/120)" in row["block"]
+    lines = gate_budget.windows_markdown(found, 10.0)
+    assert lines[3] == "| windows per text |" + "".join(f" {size} |" for size in sizes)
     assert lines[-1].endswith(f"| {(48 - policy.perplexity.max_windows) * 10:+.0f} s |")
 
 
@@ -134,11 +140,11 @@ def test_accuracy_needed_passes_more_often_with_more_items_or_a_looser_limit():
         near[index] = 1.0
     accuracy = {"baseline": baseline, "near": {"outcomes": near, "ladder_fraction": None, "change": -1.75}}
     rows = {(row["max_drop_points"], row["items"]): row["candidates"]["near"] for row in
-            gv.accuracy_needed(accuracy, policy, 0.99)}  # fmt: skip
-    assert set(rows) == set(gv.ACCURACY_SETTINGS)
+            gate_budget.accuracy_needed(accuracy, policy, 0.99)}  # fmt: skip
+    assert set(rows) == set(gate_budget.ACCURACY_SETTINGS)
     assert rows[(3.0, 570)]["pass"] < rows[(3.0, 1710)]["pass"] and rows[(3.0, 570)]["pass"] < rows[(5.0, 570)]["pass"]
     assert all(row["slices"] == gv.DRAWS for row in rows.values())
-    assert gv.accuracy_markdown([], 0.99) == []
+    assert gate_budget.accuracy_markdown([], 0.99) == []
 
 
 def test_a_ladder_rung_moves_each_decoder_weight_that_fraction_of_the_way_to_its_rtn_grid():
