@@ -40,6 +40,7 @@ from compress.model.sources import ModelSpec, load, resolve_model_path  # noqa: 
 SCHEMES = {
     "rtn_w4a16": "rtn_int4",
     "gptq_w4a16": "gptq_int4",
+    "gptq_w4a16_mse": "gptq_int4",
     "gptq_w3a16": "gptq_int3",
     "awq_w4a16": "awq_int4",
     "smoothquant_w8a8": "smoothquant_gptq_w8a8",
