@@ -43,7 +43,7 @@ EXACT_FP32_K = 1024  # |a·b| <= 128**2 * 1024 = 2**24 over 1024 int8 products: 
 def _exact_int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b.T`` of int8 ``a [M, K]`` and ``b [N, K]``, summed exactly and rounded once to fp32. Each stretch of
     ``EXACT_FP32_K`` columns is an fp32 GEMM whose partial sums are all exact integers; the stretches add up in
-    float64. The same numbers as a float64 GEMM at a third of its cost on a CPU, where this is the W8A8 path."""
+    float64: the same numbers as one float64 GEMM, without its cost on a CPU, where this is the W8A8 path."""
     if a.shape[1] <= EXACT_FP32_K:
         return a.float() @ b.float().T
     total = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float64, device=a.device)
