@@ -26,16 +26,21 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+PANEL_TEXTS = ("code", "technical")  # out-of-domain texts beside Shakespeare, keys of compress.base.data.domain_panel
 RECIPES = ["rtn_int4", "awq_int4", "gptq_int4", "rotate_gptq_int4", "smoothquant_gptq_w8a8", "fp8_dynamic"]
 
 
-def texts(tokenizer) -> dict[str, torch.Tensor]:
-    from compress.base.data import DataSpec, load_corpus, out_of_domain, tokenize
+def texts(tokenizer, panel: bool = False) -> dict[str, torch.Tensor]:
+    """Token ids of the texts a checkpoint is scored on: the out-of-domain headline (Shakespeare) and the in-domain
+    held-out pydoc split; with ``panel``, also the gate's other out-of-domain kinds (``code``: the standard library's
+    source, ``technical``: its docstrings), so one text does not decide a ranking alone."""
+    from compress.base.data import DataSpec, domain_panel, load_corpus, out_of_domain, tokenize
 
-    return {
-        "out_of_domain": tokenize(tokenizer, load_corpus(out_of_domain()).evaluation_text),
-        "in_domain": tokenize(tokenizer, load_corpus(DataSpec()).evaluation_text),
-    }
+    found = {"out_of_domain": tokenize(tokenizer, load_corpus(out_of_domain()).evaluation_text)}
+    if panel:
+        others = {kind: spec for kind, spec in domain_panel().items() if kind in PANEL_TEXTS}
+        found |= {kind: tokenize(tokenizer, load_corpus(spec).evaluation_text) for kind, spec in others.items()}
+    return {**found, "in_domain": tokenize(tokenizer, load_corpus(DataSpec()).evaluation_text)}
 
 
 def score(model, ids: dict[str, torch.Tensor], max_windows: int | None) -> dict[str, dict]:
@@ -49,7 +54,7 @@ def score(model, ids: dict[str, torch.Tensor], max_windows: int | None) -> dict[
 
 
 def scored_baseline(
-    command: str, max_windows: int | None, model_name: str = "smollm2-135m"
+    command: str, max_windows: int | None, model_name: str = "smollm2-135m", panel: bool = False
 ) -> tuple[Path, dict[str, torch.Tensor], dict]:
     """``(model folder, token ids of both texts, the report's header with the fp32 baseline's scores)``; the
     header keeps the recipes' calibration ids (``samples``: 64 x 512 tokens of pydoc, seed 0, as a run cuts them),
@@ -60,7 +65,7 @@ def scored_baseline(
 
     model_dir = Path(resolve_model_path(ModelSpec(path=model_name)))
     model, tokenizer = load(ModelSpec(path=model_name, lazy=False))
-    ids = texts(tokenizer)
+    ids = texts(tokenizer, panel)
     spec = DataSpec()
     samples = calibration_set(model, tokenizer, load_corpus(spec).calibration_text, spec, seed=0)  # as a run cuts them
     report = {

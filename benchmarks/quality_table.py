@@ -71,7 +71,20 @@ ORDER = [
     ("mxfp4", "mxfp4"),
 ]
 FAMILY = {"smollm2-135m-instruct": "llama", "gemma-3-270m": "gemma3_text"}
-TEXT_NAMES = {"out_of_domain": "Shakespeare"}  # the headline text; other out-of-domain keys are named by their key
+TEXT_NAMES = {  # column names of the scored texts, in the order shown; a key not named here follows, by its key
+    "out_of_domain": "Shakespeare",  # the headline
+    "code": "code (stdlib source)",
+    "technical": "technical (stdlib docstrings)",
+    "in_domain": "in-domain",
+}
+
+
+def _text_order(text: str) -> tuple[bool, int, str]:
+    """Shakespeare first, the other out-of-domain texts next, in-domain last."""
+    named = list(TEXT_NAMES)
+    return (text == "in_domain", named.index(text) if text in named else len(named), text)
+
+
 # A recipe whose shipped settings changed: its date, the overrides that give back what it ran with before, and the
 # settings it ships with now. A row measured before the change is shown with the first (those the row does not set
 # itself: `data.generated=...` keeps its own data); overrides that spell what ships now are dropped from any row.
@@ -216,7 +229,7 @@ def build(sources: list[str], results: Path) -> dict:
         draws.sort(key=lambda found: found["seed"])
         recipe, *overrides = run.split()
         size = sizes.get((model, recipe, tuple(o for o in overrides if not o.startswith("data"))))
-        texts = sorted({text for found in draws for text in found["ratios"]}, key=lambda t: (t == "in_domain", t))
+        texts = sorted({text for found in draws for text in found["ratios"]}, key=_text_order)
         entry = {
             "run": run, "recipe": recipe, "overrides": overrides, "model": model, "family": FAMILY.get(model, "-"),
             "threads": threads, "draws": len(draws), "seeds": [found["seed"] for found in draws],
@@ -325,8 +338,9 @@ def markdown(models: dict, command: str) -> str:
         "# Quality and cost of every recipe, per model",
         "",
         "Assembled from the measured files named in each row (no run happens in this step). Ratio: perplexity over "
-        "the fp32 baseline of the same file; out of domain: Shakespeare (the headline; more texts get a column "
-        "each), in domain: pydoc's held-out split, the calibration source, which flatters every recipe. A row is one "
+        "the fp32 baseline of the same file; out of domain: Shakespeare (the headline) and, where a file scored "
+        "them, the gate's code (the standard library's source) and technical (its docstrings) texts; in domain: "
+        "pydoc's held-out split, the calibration source, which flatters every recipe. A row is one "
         'run at one torch thread count (from the file; "not recorded" where it lacks it); its draws are calibration '
         "seeds: mean, then the 95% t-interval over the draws. `llm-compressor:` rows are llm-compressor 0.14's "
         "preset on the calibration ids of our run with the same seed and data overrides. Size: the checkpoint of "
@@ -339,7 +353,7 @@ def markdown(models: dict, command: str) -> str:
         f"Pick rule (the README's first row): {PICK_RULE}.",
     ]
     for model, tables in models.items():
-        texts = sorted({t for run in tables["runs"] for t in run["ratios"]}, key=lambda t: (t == "in_domain", t))
+        texts = sorted({t for run in tables["runs"] for t in run["ratios"]}, key=_text_order)
         names = [TEXT_NAMES.get(t, t.replace("_", "-")) for t in texts]
         chosen = tables["pick"]
         tokens = sorted({n for run in tables["runs"] for n in run["scored_tokens"]})

@@ -16,7 +16,8 @@ or samples): with
 ``artifacts/peer-venv/bin/python`` when that venv exists, else with this Python and ``artifacts/peer-site`` on the
 path (``pip install --target artifacts/peer-site --no-deps llmcompressor==0.14.0.1 compressed-tensors loguru``).
 Every checkpoint is reloaded and scored like
-``benchmarks/quality.py`` (out-of-domain headline, in-domain beside it). Writes ``benchmarks/results/<name>.{json,md}``
+``benchmarks/quality.py``, on the panel: the out-of-domain headline (Shakespeare), the gate's code and technical
+texts, and in-domain pydoc. Writes ``benchmarks/results/<name>.{json,md}``
 after every run.
 """
 
@@ -92,12 +93,13 @@ def peer_samples(model_name: str, seed: int, generated: float, num_samples: int)
 
 def _row(name: str, row: dict, base: dict, reference_seconds: float) -> str:
     if "error" in row:
-        return f"| `{name}` | failed: {row['error'][:200]} | | | | {row['seconds']:.0f} | | | |"
-    ratio = {text: row[text]["perplexity"] / base[text]["perplexity"] for text in ("out_of_domain", "in_domain")}
+        return f"| `{name}` | failed: {row['error'][:200]} |" + " |" * (2 * len(base) + 3)
+    cells = " | ".join(
+        f"{row[text]['perplexity']:.3f} | {row[text]['perplexity'] / base[text]['perplexity']:.3f}x" for text in base
+    )
     return (
-        f"| `{name}` | {row['out_of_domain']['perplexity']:.3f} | {ratio['out_of_domain']:.3f}x | "
-        f"{row['in_domain']['perplexity']:.3f} | {ratio['in_domain']:.3f}x | {row['seconds']:.0f} | "
-        f"{row['seconds'] / reference_seconds:.1f}x | {_optional(row, 'peak_rss_mb')} | {_optional(row, 'size_mb')} |"
+        f"| `{name}` | {cells} | {row['seconds']:.0f} | {row['seconds'] / reference_seconds:.1f}x | "
+        f"{_optional(row, 'peak_rss_mb')} | {_optional(row, 'size_mb')} |"
     )
 
 
@@ -106,31 +108,35 @@ def _optional(row: dict, key: str) -> str:
     return f"{row[key]:.0f}" if key in row else "-"
 
 
+TEXT_LABELS = {"out_of_domain": "Shakespeare", "code": "code", "technical": "technical", "in_domain": "in-domain"}
+
+
 def markdown(report: dict) -> str:
     rows = report["rows"]
     reference = next(iter(rows))
-    scored = {text: report["baseline"][text]["tokens"] for text in ("out_of_domain", "in_domain")}
+    base = report["baseline"]
+    scored = ", ".join(f"{TEXT_LABELS.get(text, text)} {found['tokens']}" for text, found in base.items())
     lines = [
         f"# {report['title']}",
         "",
         f"Model `{report['model']}` (fp32), each recipe's own calibration (64 x 512 tokens of pydoc unless "
         "`data.num_samples` says otherwise, the share "
         f"`data.generated` of them sampled from the model itself, its time in compress s; a peer's preset gets the "
-        f"same ids). Perplexity: 512-token windows, out-of-domain = {scored['out_of_domain']} scored tokens "
-        f"of Shakespeare, in-domain = {scored['in_domain']} scored held-out pydoc tokens. Time ratio against "
-        f"`{reference}`, measured in the same invocation. {report['machine']}; {report['date']}.",
+        "same ids). Perplexity: 512-token windows; out of domain: Shakespeare (the headline) and, where scored, the "
+        "gate's code (the standard library's source) and technical (its docstrings) texts; in domain: held-out "
+        f"pydoc. Scored tokens: {scored}. Time ratio against `{reference}`, measured in the same invocation. "
+        f"{report['machine']}, torch threads {report.get('threads', 'not recorded')}; {report['date']}.",
         "",
         f"Command: `{report['command']}`",
         "",
-        "| run | out-of-domain ppl | ratio | in-domain ppl | ratio | compress s | time vs first | peak RSS MB "
-        "| size MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | "
+        + " | ".join(f"{TEXT_LABELS.get(text, text)} ppl | ratio" for text in base)
+        + " | compress s | time vs first | peak RSS MB | size MB |",
+        "|---|" + "---|---|" * len(base) + "---|---|---|---|",
+        "| baseline (fp32) | "
+        + " | ".join(f"{found['perplexity']:.3f} | 1.000x" for found in base.values())
+        + " | - | - | - | - |",
     ]
-    base = report["baseline"]
-    lines.append(
-        f"| baseline (fp32) | {base['out_of_domain']['perplexity']:.3f} | 1.000x | "
-        f"{base['in_domain']['perplexity']:.3f} | 1.000x | - | - | - | - |"
-    )
     lines += [_row(name, row, base, rows[reference]["seconds"]) for name, row in rows.items()]
     return "\n".join(lines) + "\n"
 
@@ -149,7 +155,7 @@ def main() -> None:
     peers = {name: peer_options(overrides) for name, recipe, overrides in runs if recipe.startswith(PEER)}
     from compress.checkpoint import load_checkpoint
 
-    model_dir, ids, report = scored_baseline("python -m benchmarks.variants", args.max_windows, args.model)
+    model_dir, ids, report = scored_baseline("python -m benchmarks.variants", args.max_windows, args.model, panel=True)
     samples = report.pop("samples")
     report.update(title=args.title, rows={})
     args.results.mkdir(parents=True, exist_ok=True)

@@ -17,3 +17,19 @@ def test_seed_sampling_share_and_sample_count_reach_the_peer():
 def test_an_override_that_does_not_decide_the_ids_is_refused():
     with pytest.raises(SystemExit, match="stages.0.bits"):
         peer_options(["stages.0.bits=3"])
+
+
+def test_every_scored_text_gets_its_columns_and_a_failed_run_keeps_the_table_square():
+    from benchmarks.variants import markdown
+
+    texts = ("out_of_domain", "code", "technical", "in_domain")
+    base = {text: {"perplexity": 10.0, "tokens": 100} for text in texts}
+    good = {text: {"perplexity": 11.0} for text in texts} | {"seconds": 4.0}
+    report = {
+        "title": "t", "model": "m", "machine": "x", "threads": 2, "date": "d", "command": "c", "baseline": base,
+        "rows": {"gptq_int4": good, "llm-compressor:gptq_w4a16_mse": {"error": "boom", "seconds": 1.0}},
+    }  # fmt: skip
+    table = [line for line in markdown(report).splitlines() if line.startswith("|")]
+    assert "| Shakespeare ppl | ratio | code ppl | ratio | technical ppl | ratio | in-domain ppl | ratio |" in table[0]
+    assert len({line.count("|") for line in table}) == 1
+    assert table[3].count("1.100x") == 4

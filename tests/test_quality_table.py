@@ -99,3 +99,15 @@ def test_draws_threads_intervals_and_peer_pairs_are_computed(tmp_path: Path):
     assert (pair["ours"], pair["peer"], pair["seeds"]) == ("gptq_int4", "llm-compressor:gptq_w4a16", [0, 1, 2])
     assert pair["difference"]["out_of_domain"]["values"] == pytest.approx([-0.3, -0.2, -0.3])
     assert "1 draw: no interval" in markdown({"m": tables}, "cmd")
+
+
+def test_panel_texts_get_a_column_each_shakespeare_first_in_domain_last(tmp_path: Path):
+    panel = {"out_of_domain": 12.0, "zeta": 11.0, "technical": 13.0, "in_domain": 6.0, "code": 14.0}
+    row = {text: {"perplexity": value} for text, value in panel.items()} | {"seconds": 1.0}
+    base = {text: {"perplexity": 10.0, "tokens": 100} for text in panel}
+    report = {"model": "m", "date": "2030-01-01 00:00", "command": "c", "baseline": base, "rows": {"rtn_int4": row}}
+    (tmp_path / "p.json").write_text(json.dumps(report))
+    tables = build(["p"], tmp_path)["m"]
+    assert list(tables["runs"][0]["ratios"]) == ["out_of_domain", "code", "technical", "zeta", "in_domain"]
+    header = next(line for line in markdown({"m": tables}, "cmd").splitlines() if line.startswith("| run |"))
+    assert "| Shakespeare | code (stdlib source) | technical (stdlib docstrings) | zeta | in-domain |" in header
