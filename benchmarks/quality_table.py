@@ -59,6 +59,7 @@ ORDER = [
     ("awq_int4", "awq_w4a16"),
     ("awq_int4", "awq_gptq_w4a16"),  # the peer chain nearest awq_int4 (AWQ scales, GPTQ rounding)
     ("gptq_int4", "gptq_w4a16"),
+    ("gptq_int4", "gptq_w4a16_mse"),  # like for like: its mse observer searches clipping, as our GPTQ does
     ("autoround_int4", None),
     ("rotate_gptq_int4", "spinquant_gptq_w4a16"),
     ("gptq_int3", "gptq_w3a16"),
