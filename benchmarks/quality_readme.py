@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.quality_rows import PENDING, PICK_RULE, shipped, threads_cell
+from benchmarks.quality_rows import PENDING, PICK_RULE, no_interval, shipped, threads_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -33,7 +33,7 @@ def _times(stats: dict | None) -> str:
     if stats is None:
         return "not measured"
     if stats["low"] is None:
-        return f"×{stats['mean']:.3f} (1 draw: no interval)"
+        return f"×{stats['mean']:.3f} ({no_interval(stats)})"
     return f"×{stats['mean']:.3f} ({stats['low']:.3f}–{stats['high']:.3f})"
 
 

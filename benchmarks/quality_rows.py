@@ -7,6 +7,9 @@ PENDING = {  # shipped recipes kept out of the README's rows until >= 3 draws of
     "autoround_int4": "AutoRound as published now; one draw of its CPU preset, behind gptq_int4 "
     "(benchmarks/results/autoround-int4-vs-gptq.md); quality.md's autoround rows are of the old stage",
 }
+# Recipes no stage of which reads calibration data (round-to-nearest, FP8 with dynamic activations): every seed gives
+# the same checkpoint, so one draw is all draws; tests/compress/test_recipe_files.py checks this against the stages.
+CALIBRATION_FREE = ("rtn_int4", "fp8_dynamic", "fp8_block")
 PICK_RULE = (
     "the lowest out-of-domain mean among the int4 g64 recipes as shipped whose checkpoint is no larger than "
     "`gptq_int4`'s; a tie where its 95% interval overlaps the runner-up's"
@@ -28,3 +31,13 @@ def data_only(overrides: list[str]) -> bool:
 
 def threads_cell(threads: int | None) -> str:
     return "not recorded" if threads is None else str(threads)
+
+
+def calibration_free(recipe: str, overrides: list[str]) -> bool:
+    """A run whose checkpoint no calibration draw changes: a calibration-free recipe, its stages as shipped."""
+    return recipe in CALIBRATION_FREE and not any(override.startswith("stages") for override in overrides)
+
+
+def no_interval(stats: dict) -> str:
+    """Why a ratio has no interval over calibration draws."""
+    return "calibration-free: every draw is this one" if stats.get("calibration_free") else "1 draw: no interval"

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.quality_readme import README, readme_section, replace_section
-from benchmarks.quality_rows import PENDING, PICK_RULE, shipped, threads_cell
+from benchmarks.quality_rows import PENDING, PICK_RULE, calibration_free, no_interval, shipped, threads_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -231,10 +231,11 @@ def build(sources: list[str], results: Path) -> dict:
         recipe, *overrides = run.split()
         size = sizes.get((model, recipe, tuple(o for o in overrides if not o.startswith("data"))))
         texts = sorted({text for found in draws for text in found["ratios"]}, key=_text_order)
+        marks = {"calibration_free": True} if calibration_free(recipe, overrides) else {}
         entry = {
             "run": run, "recipe": recipe, "overrides": overrides, "model": model, "family": FAMILY.get(model, "-"),
             "threads": threads, "draws": len(draws), "seeds": [found["seed"] for found in draws],
-            "ratios": {t: interval([f["ratios"][t] for f in draws if t in f["ratios"]]) for t in texts},
+            "ratios": {t: interval([f["ratios"][t] for f in draws if t in f["ratios"]]) | marks for t in texts},
             "size_mb": size[0] if size else None, "size_from": size[1] if size else None,
             "seconds": _mean([found["seconds"] for found in draws]),
             "peak_rss_mb": _mean([found["peak_rss_mb"] for found in draws]),
@@ -326,7 +327,7 @@ def cell(stats: dict | None, digits: int = 3) -> str:
     if stats is None:
         return "not measured"
     if stats["low"] is None:
-        return f"{stats['mean']:.{digits}f} (1 draw: no interval)"
+        return f"{stats['mean']:.{digits}f} ({no_interval(stats)})"
     return f"{stats['mean']:.{digits}f} ({stats['low']:.{digits}f} to {stats['high']:.{digits}f})"
 
 

@@ -85,7 +85,8 @@ def test_draws_threads_intervals_and_peer_pairs_are_computed(tmp_path: Path):
         "llm-compressor:gptq_w4a16 seed=2": _row(14.0, 6.5),
     }
     _file(tmp_path / "b.json", "python -m benchmarks.variants ...", seeds)
-    _file(tmp_path / "c.json", "OMP_NUM_THREADS=1 python -m benchmarks.variants ...", {"rtn_int4": _row(14.0, 7.0)})
+    single = {"rtn_int4": _row(14.0, 7.0), "gptq_int3": _row(20.0, 8.0)}
+    _file(tmp_path / "c.json", "OMP_NUM_THREADS=1 python -m benchmarks.variants ...", single)
     tables = build(["a", "b", "c"], tmp_path)["m"]
     runs = {run["run"]: run for run in tables["runs"]}
     gptq = runs["gptq_int4"]
@@ -98,7 +99,9 @@ def test_draws_threads_intervals_and_peer_pairs_are_computed(tmp_path: Path):
     (pair,) = tables["pairs"]
     assert (pair["ours"], pair["peer"], pair["seeds"]) == ("gptq_int4", "llm-compressor:gptq_w4a16", [0, 1, 2])
     assert pair["difference"]["out_of_domain"]["values"] == pytest.approx([-0.3, -0.2, -0.3])
-    assert "1 draw: no interval" in markdown({"m": tables}, "cmd")
+    table = markdown({"m": tables}, "cmd")
+    assert "| `gptq_int3` | 1 (0) | 1 | 2.000 (1 draw: no interval) |" in table
+    assert "| `rtn_int4` | 1 (0) | 1 | 1.400 (calibration-free: every draw is this one) |" in table
 
 
 def test_panel_texts_get_a_column_each_shakespeare_first_in_domain_last(tmp_path: Path):

@@ -175,3 +175,17 @@ def test_zeroed_model_is_far(model_dir):
     error = relative_error(_logits(dense), reference)
     assert error == pytest.approx(ZEROED, abs=0.01)
     assert all(error > bound for bound, _ in BOUNDS.values())
+
+
+def test_the_quality_tables_calibration_free_recipes_are_those_whose_stages_read_no_calibration():
+    """The quality table shows one draw of these as every draw: true only while no stage of theirs calibrates."""
+    from benchmarks.quality_rows import CALIBRATION_FREE
+    from compress.stages import build_stage
+
+    free = set()
+    for recipe in RECIPES:
+        stages = yaml.safe_load((RECIPES_DIR / f"{recipe}.yaml").read_text())["stages"]
+        built = [build_stage(dict(args), i) for i, args in enumerate(stages) if args["type"] != "lora_merge"]
+        if not any(stage.needs_calibration for stage in built):  # LoRA merging reads none either
+            free.add(recipe)
+    assert free == set(CALIBRATION_FREE)
