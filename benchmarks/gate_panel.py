@@ -149,17 +149,24 @@ def coverage_markdown(rows: list[dict]) -> list[str]:
 def coverage_goal_lines(rows: list[dict]) -> list[str]:
     """Per checkpoint, the goal as issue 47 states it: ≥ 93% on ≥ 100 slices on at least two texts."""
     texts: dict[str, dict[str, bool]] = {}  # checkpoint → {text: goal met there}, texts with enough slices only
+    probes: dict[str, list[str]] = {}  # checkpoint → the texts too short for the goal it was scored on
     for row in rows:
         if row["slices"] >= SLICES_GOAL:
             met = min(row["perplexity"], row["kl"]) >= COVERAGE_GOAL
             by_text = texts.setdefault(row["checkpoint"], {})
             by_text[row["text"]] = met and by_text.get(row["text"], True)  # every gate's slices, where several
+        elif row["text"] not in probes.setdefault(row["checkpoint"], []):
+            probes[row["checkpoint"]].append(row["text"])
     lines = [f"Per checkpoint, the goal on at least {TEXTS_GOAL} texts:", ""]
     for name in dict.fromkeys(row["checkpoint"] for row in rows):
         found = texts.get(name, {})
+        if not found:
+            short = ", ".join(f"`{text}`" for text in probes[name])
+            lines.append(f"- {name}: not measured: scored only on {short} (fewer than {SLICES_GOAL} slices)")
+            continue
         met = [text for text, ok in found.items() if ok]
         missed = len(met) < len(found)
         verdict = "**met**" if len(met) >= TEXTS_GOAL else "**missed**" if missed else "not shown: too few texts"
-        where = ", ".join(f"`{text}`" + ("" if ok else " (missed)") for text, ok in found.items()) or "no text"
+        where = ", ".join(f"`{text}`" + ("" if ok else " (missed)") for text, ok in found.items())
         lines.append(f"- {name}: {verdict} ({where} with ≥ {SLICES_GOAL} slices)")
     return lines

@@ -79,6 +79,8 @@ def test_coverage_goal_is_judged_only_over_enough_slices():
     assert "95% (89%–98%)" in table[-3]  # 95 of 100 with its Clopper-Pearson bounds
     assert lines[-1] == "- c: **missed** (`a/1200`, `b/1200` (missed) with ≥ 100 slices)"  # one text met, one missed
     assert gate_panel.coverage_goal_lines(rows[:1])[-1].startswith("- c: not shown: too few texts (`a/1200`")
+    only_short = gate_panel.coverage_goal_lines(rows[2:])[-1]
+    assert only_short == "- c: not measured: scored only on `c/480` (fewer than 100 slices)"
     tables["d/1200"] = {"quick": table_of(100, 0.97, 0.96)}
     assert gate_panel.coverage_goal_lines(gate_panel.coverage_rows(tables))[-1].startswith("- c: **met** (`a/1200`")
 
