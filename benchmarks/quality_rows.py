@@ -3,6 +3,12 @@ pick rule, and how a row's cells read (kept apart so that neither module imports
 
 from __future__ import annotations
 
+from pathlib import Path
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+DRAWS_GOAL = 3  # calibration draws a quality claim averages (the brief's rule)
+TEXTS_GOAL = ("out_of_domain", "code", "technical", "in_domain")  # Shakespeare, the panel's code and technical, pydoc
+
 PENDING = {  # shipped recipes kept out of the README's rows until >= 3 draws of them as shipped exist
     "autoround_int4": "AutoRound as published now; one draw of its CPU preset, behind gptq_int4 "
     "(benchmarks/results/autoround-int4-vs-gptq.md); quality.md's autoround rows are of the old stage",
@@ -41,3 +47,29 @@ def calibration_free(recipe: str, overrides: list[str]) -> bool:
 def no_interval(stats: dict) -> str:
     """Why a ratio has no interval over calibration draws."""
     return "calibration-free: every draw is this one" if stats.get("calibration_free") else "1 draw: no interval"
+
+
+def shipped_recipes() -> list[str]:
+    return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml") if not path.stem.startswith("_"))
+
+
+def still_to_measure(runs: list[dict]) -> list[str]:
+    """Per shipped recipe, what its row lacks against the table's goal (>= 3 calibration draws unless calibration-free,
+    torch threads recorded, every text scored): the work left, read from the rows, never written by hand."""
+    lines = []
+    for recipe in shipped_recipes():
+        row = shipped(runs, recipe)
+        if row is None:
+            lines.append(f"- `{recipe}`: not measured as shipped")
+            continue
+        missing = []
+        if row["draws"] < DRAWS_GOAL and not calibration_free(recipe, row["overrides"]):
+            missing.append(f"{row['draws']} of {DRAWS_GOAL} draws")
+        if row["threads"] is None:
+            missing.append("threads not recorded")
+        unscored = [text for text in TEXTS_GOAL if text not in row["ratios"]]
+        if unscored:
+            missing.append(f"not scored on {', '.join(unscored)}")
+        if missing:
+            lines.append(f"- `{row['run']}`: {'; '.join(missing)}")
+    return lines

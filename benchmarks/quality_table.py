@@ -25,7 +25,15 @@ import sys
 from pathlib import Path
 
 from benchmarks.quality_readme import README, readme_section, replace_section
-from benchmarks.quality_rows import PENDING, PICK_RULE, calibration_free, no_interval, shipped, threads_cell
+from benchmarks.quality_rows import (
+    PENDING,
+    PICK_RULE,
+    calibration_free,
+    no_interval,
+    shipped,
+    still_to_measure,
+    threads_cell,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -395,6 +403,10 @@ def markdown(models: dict, command: str) -> str:
                     f"({', '.join(map(str, pair['seeds']))}) | {threads_cell(pair['threads'])} | {diffs} | "
                     f"{', '.join(pair['sources'])} |"
                 )
+        gaps = still_to_measure(tables["runs"])
+        if gaps:
+            lines += ["", "Still to measure, per shipped recipe (≥ 3 draws unless calibration-free, threads, every "
+                      "text):", "", *gaps]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

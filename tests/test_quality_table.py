@@ -114,3 +114,21 @@ def test_panel_texts_get_a_column_each_shakespeare_first_in_domain_last(tmp_path
     assert list(tables["runs"][0]["ratios"]) == ["out_of_domain", "code", "technical", "zeta", "in_domain"]
     header = next(line for line in markdown({"m": tables}, "cmd").splitlines() if line.startswith("| run |"))
     assert "| Shakespeare | code (stdlib source) | technical (stdlib docstrings) | zeta | in-domain |" in header
+
+
+def test_the_work_left_is_read_from_the_rows():
+    from benchmarks.quality_rows import TEXTS_GOAL, shipped_recipes, still_to_measure
+
+    every_text = {text: {"mean": 1.1} for text in TEXTS_GOAL}
+    runs = [
+        {"run": "gptq_int4", "recipe": "gptq_int4", "overrides": [], "draws": 1, "threads": None,
+         "ratios": {"out_of_domain": {"mean": 1.3}}},
+        {"run": "rtn_int4", "recipe": "rtn_int4", "overrides": [], "draws": 1, "threads": 2, "ratios": every_text},
+        {"run": "fp8_dynamic", "recipe": "fp8_dynamic", "overrides": [], "draws": 3, "threads": 2,
+         "ratios": every_text},
+    ]  # fmt: skip
+    left = still_to_measure(runs)
+    assert "- `gptq_int4`: 1 of 3 draws; threads not recorded; not scored on code, technical, in_domain" in left
+    assert "- `awq_int4`: not measured as shipped" in left
+    assert not [line for line in left if "rtn_int4" in line or "fp8_dynamic`" in line]  # calibration-free: 1 is all
+    assert len(left) == len(shipped_recipes()) - 2
