@@ -361,6 +361,9 @@ def markdown(models: dict, command: str) -> str:
         f"Command: `{command}`",
         "",
         f"Pick rule (the README's first row): {PICK_RULE}.",
+        "",
+        "The draws a row still lacks (listed under each model) are measured by `python -m benchmarks.quality_draws` "
+        "(resumable, threads pinned, every text).",
     ]
     for model, tables in models.items():
         texts = sorted({t for run in tables["runs"] for t in run["ratios"]}, key=_text_order)

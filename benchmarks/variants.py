@@ -91,6 +91,21 @@ def peer_samples(model_name: str, seed: int, generated: float, num_samples: int)
     return calibration_set(model, tokenizer, load_corpus(spec).calibration_text, spec, seed)
 
 
+def compress_and_score(
+    command: list[str], folder: Path, ids: dict[str, torch.Tensor], max_windows: int | None, timeout: float
+) -> dict:
+    """One run's row: ``command`` compresses into ``folder`` (wall time, peak RSS), then the reloaded checkpoint is
+    scored on ``ids``; a failed run's row holds its error, so the runs after it still go ahead."""
+    from compress.checkpoint import load_checkpoint
+
+    run = measured_run(command, folder.with_suffix(".log"), timeout=timeout)
+    if not run["ok"]:
+        return {"error": run["error"], "seconds": run["wall_s"]}
+    compressed, _ = load_checkpoint(folder)
+    row = {**score(compressed, ids, max_windows), "seconds": run["wall_s"], "peak_rss_mb": run["peak_rss_mb"]}
+    return {**row, "size_mb": checkpoint_size_mb(folder)}
+
+
 def _row(name: str, row: dict, base: dict, reference_seconds: float) -> str:
     if "error" in row:
         return f"| `{name}` | failed: {row['error'][:200]} |" + " |" * (2 * len(base) + 3)
@@ -153,8 +168,6 @@ def main() -> None:
     args = parser.parse_args()
     runs = [(run, run.split()[0], run.split()[1:]) for run in args.runs]
     peers = {name: peer_options(overrides) for name, recipe, overrides in runs if recipe.startswith(PEER)}
-    from compress.checkpoint import load_checkpoint
-
     model_dir, ids, report = scored_baseline("python -m benchmarks.variants", args.max_windows, args.model, panel=True)
     samples = report.pop("samples")
     report.update(title=args.title, rows={})
@@ -168,15 +181,7 @@ def main() -> None:
                 command = peer_command(recipe.removeprefix(PEER), model_dir, shared, folder)
             else:
                 command = our_command(recipe, overrides, model_dir, folder)
-            run = measured_run(command, Path(tmp) / f"{index}.log", timeout=args.timeout)
-            if run["ok"]:
-                compressed, _ = load_checkpoint(folder)
-                measured = {"seconds": run["wall_s"], "peak_rss_mb": run["peak_rss_mb"]}
-                report["rows"][name] = {**score(compressed, ids, args.max_windows), **measured}
-                report["rows"][name]["size_mb"] = checkpoint_size_mb(folder)
-                del compressed
-            else:  # the other runs still go ahead: one failure should not cost an unattended invocation its rows
-                report["rows"][name] = {"error": run["error"], "seconds": run["wall_s"]}
+            report["rows"][name] = compress_and_score(command, folder, ids, args.max_windows, args.timeout)
             print(f"{name}: {json.dumps(report['rows'][name])}", flush=True)
             (args.results / f"{args.name}.json").write_text(json.dumps(report, indent=2))
             (args.results / f"{args.name}.md").write_text(markdown(report))

@@ -1,0 +1,109 @@
+"""The draws the quality table still lacks, measured by one resumable command on the current tree.
+
+    python -m benchmarks.quality_draws --dry-run                     # list the draws it would run, run none
+    python -m benchmarks.quality_draws --recipes gptq_int4 awq_int4  # run what those recipes lack
+    python -m benchmarks.quality_draws                               # every README recipe, seeds 0 1 2
+
+Each missing draw (recipe as shipped, ``seed=N``) compresses the model (``--model``) through ``compress.oneshot`` in a
+subprocess of its own, at the pinned torch thread count (``--threads``, also ``OMP_NUM_THREADS`` of the subprocess),
+and its reloaded checkpoint is scored on every text of the panel (Shakespeare, the gate's code and technical texts,
+in-domain pydoc) exactly as ``benchmarks.variants`` scores; a calibration-free recipe (``quality_rows
+.CALIBRATION_FREE``) needs seed 0 only. Draws land in ``benchmarks/results/quality-draws.{json,md}`` one by one, so
+an interrupted invocation keeps what it finished and the next one runs only the rest; ``benchmarks.quality_table``
+reads that file like any other. The baseline is scored again at every start and must equal the file's (same
+model, texts and arithmetic), else the file is refused: its ratios would not share one baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.quality import scored_baseline
+from benchmarks.quality_readme import README_RECIPES
+from benchmarks.quality_rows import CALIBRATION_FREE
+from benchmarks.variants import compress_and_score, markdown, our_command
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "quality-draws"
+BASELINE_TOLERANCE = 1e-4  # relative: the same model and texts score alike to the last digits on one machine
+
+
+def run_name(recipe: str, seed: int) -> str:
+    """The row key ``benchmarks.quality_table`` parses: the recipe, then ``seed=N`` unless it is seed 0."""
+    return recipe if seed == 0 else f"{recipe} seed={seed}"
+
+
+def wanted(recipes: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    return [(recipe, seed) for recipe in recipes for seed in (seeds[:1] if recipe in CALIBRATION_FREE else seeds)]
+
+
+def missing(report: dict | None, recipes: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    """The draws ``report`` lacks (a row that failed counts as missing: it is run again)."""
+    rows = (report or {}).get("rows", {})
+    return [(r, s) for r, s in wanted(recipes, seeds) if "error" in rows.get(run_name(r, s), {"error": ""})]
+
+
+def check_same_baseline(stored: dict, fresh: dict, path: Path) -> None:
+    for text, found in fresh.items():
+        before = stored.get(text, {}).get("perplexity")
+        if before is None or abs(before - found["perplexity"]) > BASELINE_TOLERANCE * before:
+            raise SystemExit(
+                f"{path}: its baseline {text} perplexity {before} differs from this machine's "
+                f"{found['perplexity']:.4f}: move the file aside (or pass --name NEW) to start a new set of draws"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipes", nargs="+", default=README_RECIPES, help="recipe names (default: README's)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, pinned and recorded")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--max-windows", type=int, default=None, help="cap windows per text (default: all)")
+    parser.add_argument("--timeout", type=float, default=3 * 3600, help="seconds one compression may take")
+    parser.add_argument("--name", default=NAME, help="results file stem under --results")
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--dry-run", action="store_true", help="list the draws still missing; run none")
+    args = parser.parse_args()
+    path = args.results / f"{args.name}.json"
+    stored = json.loads(path.read_text()) if path.is_file() else None
+    if stored is not None and stored.get("threads") != args.threads:
+        raise SystemExit(f"{path} holds draws at {stored.get('threads')} torch threads: pass --threads "
+                         f"{stored.get('threads')}, or --name NEW for draws at {args.threads}")  # fmt: skip
+    todo = missing(stored, args.recipes, args.seeds)
+    print(f"{len(todo)} draws to run: {', '.join(run_name(r, s) for r, s in todo) or 'none'}", flush=True)
+    if args.dry_run or not todo:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the compressing subprocesses inherit it
+    torch.set_num_threads(args.threads)
+    model_dir, ids, report = scored_baseline("python -m benchmarks.quality_draws", args.max_windows, args.model, True)
+    report.pop("samples")
+    if stored is not None:
+        check_same_baseline(stored["baseline"], report["baseline"], path)
+        report = {**stored, "command": report["command"], "date": report["date"]}
+    report.setdefault("rows", {})
+    report["title"] = "Draws for the quality table: each recipe as shipped, per calibration seed, on the text panel"
+    args.results.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="quality-draws-") as tmp:
+        for index, (recipe, seed) in enumerate(todo):
+            folder = Path(tmp) / str(index)
+            command = our_command(recipe, [f"seed={seed}"], model_dir, folder)
+            row = compress_and_score(command, folder, ids, args.max_windows, args.timeout)
+            report["rows"][run_name(recipe, seed)] = row
+            print(f"{run_name(recipe, seed)}: {json.dumps(row)}", flush=True)
+            path.write_text(json.dumps(report, indent=2))
+            (args.results / f"{args.name}.md").write_text(markdown(report))
+    failed = [name for name, row in report["rows"].items() if "error" in row]
+    if failed:  # kept in the file (the table skips them) and run again next time
+        sys.exit(f"{len(failed)} draws failed: {', '.join(failed)}; see {args.name}.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""``benchmarks.quality_draws``: one resumable command measures the draws the quality table lacks. End to end on a
+tiny random Llama: a real compression subprocess, the reloaded checkpoint scored on the whole text panel, the file
+read back by the quality table; a second invocation runs nothing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import quality_draws
+from benchmarks.quality_table import build
+
+
+def test_missing_draws_skip_calibration_free_seeds_and_rerun_failures():
+    stored = {"rows": {"gptq_int4": {"seconds": 1.0}, "gptq_int4 seed=1": {"error": "exit 1", "seconds": 1.0}}}
+    todo = quality_draws.missing(stored, ["gptq_int4", "rtn_int4"], [0, 1, 2])
+    assert todo == [("gptq_int4", 1), ("gptq_int4", 2), ("rtn_int4", 0)]
+    assert quality_draws.missing(None, ["fp8_dynamic"], [3, 4]) == [("fp8_dynamic", 3)]
+
+
+def test_a_file_scored_against_another_baseline_is_refused():
+    with pytest.raises(SystemExit, match="code perplexity 10.0 differs"):
+        quality_draws.check_same_baseline({"code": {"perplexity": 10.0}}, {"code": {"perplexity": 10.1}}, Path("f"))
+    quality_draws.check_same_baseline({"code": {"perplexity": 10.0}}, {"code": {"perplexity": 10.0002}}, Path("f"))
+
+
+def test_one_command_measures_what_is_missing_and_the_table_reads_it(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    argv = ["quality_draws", "--recipes", "rtn_int4", "--model", str(tiny_model_dir), "--max-windows", "2",
+            "--threads", "1", "--results", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    quality_draws.main()  # rtn_int4 is calibration-free: one draw, exit 0 (no SystemExit)
+    report = json.loads((tmp_path / "quality-draws.json").read_text())
+    assert list(report["rows"]) == ["rtn_int4"] and report["threads"] == 1
+    assert set(report["rows"]["rtn_int4"]) >= {"out_of_domain", "code", "technical", "in_domain", "size_mb"}
+    (run,) = build(["quality-draws"], tmp_path)[tiny_model_dir.name]["runs"]
+    assert list(run["ratios"]) == ["out_of_domain", "code", "technical", "in_domain"] and run["threads"] == 1
+    quality_draws.main()
+    assert "0 draws to run: none" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", [*argv[:-4], "--threads", "2", "--results", str(tmp_path)])
+    with pytest.raises(SystemExit, match="at 1 torch threads"):
+        quality_draws.main()
