@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.quality import scored_baseline
 from benchmarks.quality_readme import README_RECIPES
-from benchmarks.quality_rows import CALIBRATION_FREE
+from benchmarks.quality_rows import CALIBRATION_FREE, shipped
 from benchmarks.variants import compress_and_score, markdown, our_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +48,17 @@ def missing(report: dict | None, recipes: list[str], seeds: list[int]) -> list[t
     """The draws ``report`` lacks (a row that failed counts as missing: it is run again)."""
     rows = (report or {}).get("rows", {})
     return [(r, s) for r, s in wanted(recipes, seeds) if "error" in rows.get(run_name(r, s), {"error": ""})]
+
+
+def compress_seconds(recipe: str, results: Path, model: str) -> float | None:
+    """The mean compression time quality.json holds for ``recipe`` as shipped on ``model`` (for --dry-run's plan)."""
+    table = results / "quality.json"
+    if not table.is_file():
+        return None
+    models = json.loads(table.read_text())["models"]
+    runs = next((found["runs"] for name, found in models.items() if name.startswith(model)), [])
+    row = shipped(runs, recipe)
+    return row["seconds"] if row else None
 
 
 def check_same_baseline(stored: dict, fresh: dict, path: Path) -> None:
@@ -79,6 +90,11 @@ def main() -> None:
                          f"{stored.get('threads')}, or --name NEW for draws at {args.threads}")  # fmt: skip
     todo = missing(stored, args.recipes, args.seeds)
     print(f"{len(todo)} draws to run: {', '.join(run_name(r, s) for r, s in todo) or 'none'}", flush=True)
+    if args.dry_run:
+        for recipe, seed in todo:
+            seconds = compress_seconds(recipe, args.results, Path(args.model).name)
+            known = "not measured before" if seconds is None else f"~{seconds:.0f} s to compress, by quality.json"
+            print(f"  {run_name(recipe, seed)}: {known}, then scoring on every text")
     if args.dry_run or not todo:
         return
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the compressing subprocesses inherit it

@@ -42,3 +42,7 @@ def test_one_command_measures_what_is_missing_and_the_table_reads_it(tiny_model_
     monkeypatch.setattr(sys, "argv", [*argv[:-4], "--threads", "2", "--results", str(tmp_path)])
     with pytest.raises(SystemExit, match="at 1 torch threads"):
         quality_draws.main()
+    monkeypatch.setattr(sys, "argv", [*argv, "--recipes", "gptq_int4", "--seeds", "0", "1", "--dry-run"])
+    quality_draws.main()  # lists, runs nothing: the file keeps its one row
+    assert "  gptq_int4 seed=1: not measured before" in capsys.readouterr().out
+    assert list(json.loads((tmp_path / "quality-draws.json").read_text())["rows"]) == ["rtn_int4"]
