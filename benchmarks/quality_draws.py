@@ -51,13 +51,20 @@ def missing(report: dict | None, recipes: list[str], seeds: list[int]) -> list[t
 
 
 def compress_seconds(recipe: str, results: Path, model: str) -> float | None:
-    """The mean compression time quality.json holds for ``recipe`` as shipped on ``model`` (for --dry-run's plan)."""
+    """The mean compression time quality.json holds for ``recipe`` as shipped on ``model`` (a name, hub id or folder;
+    the table keys models by their folder's name), for --dry-run's plan."""
+    from compress.base.errors import CompressError
+    from compress.model.sources import ModelSpec, resolve_model_path
+
     table = results / "quality.json"
     if not table.is_file():
         return None
-    models = json.loads(table.read_text())["models"]
-    runs = next((found["runs"] for name, found in models.items() if name.startswith(model)), [])
-    row = shipped(runs, recipe)
+    try:
+        folder = Path(resolve_model_path(ModelSpec(path=model)))
+    except CompressError as error:  # what the run itself would stop on: say it now, in one line
+        raise SystemExit(f"error: {error}") from None
+    runs = json.loads(table.read_text())["models"].get(folder.name, {})
+    row = shipped(runs.get("runs", []), recipe)
     return row["seconds"] if row else None
 
 
@@ -92,7 +99,7 @@ def main() -> None:
     print(f"{len(todo)} draws to run: {', '.join(run_name(r, s) for r, s in todo) or 'none'}", flush=True)
     if args.dry_run:
         for recipe, seed in todo:
-            seconds = compress_seconds(recipe, args.results, Path(args.model).name)
+            seconds = compress_seconds(recipe, args.results, args.model)
             known = "not measured before" if seconds is None else f"~{seconds:.0f} s to compress, by quality.json"
             print(f"  {run_name(recipe, seed)}: {known}, then scoring on every text")
     if args.dry_run or not todo:
