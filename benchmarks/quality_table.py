@@ -59,6 +59,7 @@ SOURCES = [  # oldest first; a later file's draw replaces an earlier one of the 
     "gemma3-270m-awq-peer-seeds",
     "quality-nvfp4-awq-sampled",
     "headline-tradeoff",
+    "quality-draws",
 ]
 PEER = "llm-compressor:"
 # llm-compressor's presets beside the recipe they compete with (benchmarks/peer_comparison.SCHEMES, reversed)
