@@ -132,3 +132,14 @@ def test_the_work_left_is_read_from_the_rows():
     assert "- `awq_int4`: not measured as shipped" in left
     assert not [line for line in left if "rtn_int4" in line or "fp8_dynamic`" in line]  # calibration-free: 1 is all
     assert len(left) == len(shipped_recipes()) - 2
+
+
+def test_a_peer_pair_scored_on_the_panel_is_quoted_on_every_out_of_domain_text():
+    from benchmarks.quality_readme import _pairs
+
+    gap = {"mean": 0.03, "low": 0.01, "high": 0.05, "n": 3}
+    shakespeare = {"mean": -0.02, "low": -0.03, "high": -0.01, "n": 3}
+    pair = {"ours": "gptq_int4", "peer": "llm-compressor:gptq_w4a16_mse",
+            "difference": {"out_of_domain": shakespeare, "code": gap, "in_domain": gap}}  # fmt: skip
+    (line,) = _pairs({"pairs": [pair]})
+    assert line.endswith("Shakespeare -0.020 (-0.030 to -0.010, 3 draws), code +0.030 (+0.010 to +0.050, 3 draws)")
