@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.quality_rows import PENDING, PICK_RULE, no_interval, shipped, threads_cell
+from benchmarks.quality_rows import PENDING, PICK_RULE, TEXT_LABELS, TEXTS_GOAL, no_interval, shipped, threads_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -24,8 +24,6 @@ README_RECIPES = [
     "fp8_dynamic",
     "nvfp4a16",
 ]
-README_TEXTS = ("out_of_domain", "code", "technical", "in_domain")  # the columns: three out-of-domain texts, then in
-TEXT_LABELS = {"out_of_domain": "Shakespeare", "code": "code", "technical": "technical"}
 MODEL_NAMES = {MODEL: "SmolLM2-135M-Instruct", "gemma-3-270m": "Gemma-3 270M"}
 
 
@@ -51,7 +49,7 @@ def _pairs(tables: dict) -> list[str]:
     for pair in tables["pairs"]:
         if all(o.startswith("data.") for o in pair["ours"].split()[1:]) and "out_of_domain" in pair["difference"]:
             peer = pair["peer"].split()[0]  # its data overrides only repeat ours: the same calibration ids
-            texts = [text for text in README_TEXTS[:-1] if text in pair["difference"]]
+            texts = [text for text in TEXTS_GOAL[:-1] if text in pair["difference"]]
             if texts == ["out_of_domain"]:
                 gaps = _signed(pair["difference"]["out_of_domain"])
             else:
@@ -73,7 +71,7 @@ def readme_section(stored: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        ratios = " | ".join(_times(row["ratios"].get(text)) for text in README_TEXTS)
+        ratios = " | ".join(_times(row["ratios"].get(text)) for text in TEXTS_GOAL)
         lines.append(
             f"| `{row['run']}` | {row['draws']} | {threads_cell(row['threads'])} | {ratios} | "
             f"{'-' if row['size_mb'] is None else format(row['size_mb'], '.1f')} |"

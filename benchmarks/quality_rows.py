@@ -8,6 +8,7 @@ from pathlib import Path
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DRAWS_GOAL = 3  # calibration draws a quality claim averages (the brief's rule)
 TEXTS_GOAL = ("out_of_domain", "code", "technical", "in_domain")  # Shakespeare, the panel's code and technical, pydoc
+TEXT_LABELS = {"out_of_domain": "Shakespeare", "code": "code", "technical": "technical", "in_domain": "in-domain"}
 
 PENDING = {  # shipped recipes kept out of the README's rows until >= 3 draws of them as shipped exist
     "autoround_int4": "AutoRound as published now; one draw of its CPU preset, behind gptq_int4 "

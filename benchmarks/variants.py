@@ -34,6 +34,7 @@ import torch
 
 from benchmarks.peer_comparison import checkpoint_size_mb, measured_run
 from benchmarks.quality import score, scored_baseline
+from benchmarks.quality_rows import TEXT_LABELS
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = "llm-compressor:"
@@ -121,9 +122,6 @@ def _row(name: str, row: dict, base: dict, reference_seconds: float) -> str:
 def _optional(row: dict, key: str) -> str:
     """Rows measured before a column existed show a dash."""
     return f"{row[key]:.0f}" if key in row else "-"
-
-
-TEXT_LABELS = {"out_of_domain": "Shakespeare", "code": "code", "technical": "technical", "in_domain": "in-domain"}
 
 
 def markdown(report: dict) -> str:
