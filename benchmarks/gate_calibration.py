@@ -3,6 +3,7 @@
     python benchmarks/gate_calibration.py                                   # make the checkpoints, score, tabulate
     python benchmarks/gate_calibration.py --checkpoint fp8_dynamic=<dir> ...  # score checkpoints made already
     python benchmarks/gate_calibration.py --analyze-only                    # re-tabulate the saved scores
+    python benchmarks/gate_calibration.py --score-only --rung ...             # store scores only (tabulate once, after)
 
 Protocol. Checkpoints of known quality (RTN int8, FP8, W8A8, GPTQ int4, RTN int4 of the default model) and ladder
 rungs (the default model moved a fraction of the way to its int4 g64 RTN weights: real models placed at chosen
@@ -382,6 +383,9 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=480, help="windows of 512 tokens scored per model")
     parser.add_argument("--checkpoint", action="append", default=[], help="name=folder of a checkpoint made already")
     parser.add_argument("--analyze-only", action="store_true", help="re-tabulate benchmarks/results/gate-calibration")
+    parser.add_argument(
+        "--score-only", action="store_true", help="store the scores, skip the tables (several runs, one --analyze-only)"
+    )
     parser.add_argument("--truncation", action="store_true", help="also measure the KL's top-k error (whole models)")
     parser.add_argument(
         "--text",
@@ -420,6 +424,8 @@ def main() -> None:
             extra["texts"][f"{args.text}/{args.windows}"] = {**scored, "command": command}
             scores, command = saved["scores"], saved["command"]
         raw.write_text(json.dumps({**saved, "command": command, "scores": scores, **extra}, indent=1))  # kept first
+        if args.score_only:
+            return
     if args.truncation:
         paths = {name: Path(model["checkpoint"]) for name, model in scores["models"].items() if name != "baseline"}
         extra["truncation"] = {**truncation(paths), "command": " ".join(["python", *sys.argv])}
