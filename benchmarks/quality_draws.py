@@ -11,12 +11,16 @@ in-domain pydoc) exactly as ``benchmarks.variants`` scores; a calibration-free r
 .CALIBRATION_FREE``) needs seed 0 only. Draws land in ``benchmarks/results/quality-draws.{json,md}`` one by one, so
 an interrupted invocation keeps what it finished and the next one runs only the rest; ``benchmarks.quality_table``
 reads that file like any other. The baseline is scored again at every start and must equal the file's (same
-model, texts and arithmetic), else the file is refused: its ratios would not share one baseline.
+model, texts and arithmetic), else the file is refused: its ratios would not share one baseline. Each draw records
+its recipe's fingerprint (the composed stages and calibration settings, hashed): a draw of an older version of the
+recipe (or one measured before fingerprints were recorded) counts as missing and is drawn again.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -44,10 +48,25 @@ def wanted(recipes: list[str], seeds: list[int]) -> list[tuple[str, int]]:
     return [(recipe, seed) for recipe in recipes for seed in (seeds[:1] if recipe in CALIBRATION_FREE else seeds)]
 
 
-def missing(report: dict | None, recipes: list[str], seeds: list[int]) -> list[tuple[str, int]]:
-    """The draws ``report`` lacks (a row that failed counts as missing: it is run again)."""
+def recipe_fingerprint(recipe: str) -> str:
+    """What a draw of ``recipe`` as shipped depends on, hashed: its composed stages and calibration settings."""
+    from compress.app.recipe import compose
+
+    config = dataclasses.asdict(compose(recipe))
+    keys = {key: config[key] for key in ("stages", "data", "calibration_batch_size")}
+    return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def missing(report: dict | None, recipes: list[str], seeds: list[int], fingerprints: dict) -> list[tuple[str, int]]:
+    """The draws ``report`` lacks: a row that failed, or one of another version of its recipe (``fingerprints``:
+    each recipe's current one), counts as missing and is run again."""
     rows = (report or {}).get("rows", {})
-    return [(r, s) for r, s in wanted(recipes, seeds) if "error" in rows.get(run_name(r, s), {"error": ""})]
+
+    def current(recipe: str, seed: int) -> bool:
+        row = rows.get(run_name(recipe, seed), {"error": ""})
+        return "error" not in row and row.get("recipe_fingerprint") == fingerprints[recipe]
+
+    return [(r, s) for r, s in wanted(recipes, seeds) if not current(r, s)]
 
 
 def compress_seconds(recipe: str, results: Path, model: str) -> float | None:
@@ -95,7 +114,8 @@ def main() -> None:
     if stored is not None and stored.get("threads") != args.threads:
         raise SystemExit(f"{path} holds draws at {stored.get('threads')} torch threads: pass --threads "
                          f"{stored.get('threads')}, or --name NEW for draws at {args.threads}")  # fmt: skip
-    todo = missing(stored, args.recipes, args.seeds)
+    fingerprints = {recipe: recipe_fingerprint(recipe) for recipe in args.recipes}
+    todo = missing(stored, args.recipes, args.seeds, fingerprints)
     print(f"{len(todo)} draws to run: {', '.join(run_name(r, s) for r, s in todo) or 'none'}", flush=True)
     if args.dry_run:
         for recipe, seed in todo:
@@ -118,7 +138,8 @@ def main() -> None:
         for index, (recipe, seed) in enumerate(todo):
             folder = Path(tmp) / str(index)
             command = our_command(recipe, [f"seed={seed}"], model_dir, folder)
-            row = compress_and_score(command, folder, ids, args.max_windows, args.timeout)
+            row = {**compress_and_score(command, folder, ids, args.max_windows, args.timeout),
+                   "recipe_fingerprint": fingerprints[recipe]}  # fmt: skip
             report["rows"][run_name(recipe, seed)] = row
             print(f"{run_name(recipe, seed)}: {json.dumps(row)}", flush=True)
             path.write_text(json.dumps(report, indent=2))

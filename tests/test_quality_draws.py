@@ -14,11 +14,20 @@ from benchmarks import quality_draws
 from benchmarks.quality_table import build
 
 
-def test_missing_draws_skip_calibration_free_seeds_and_rerun_failures():
-    stored = {"rows": {"gptq_int4": {"seconds": 1.0}, "gptq_int4 seed=1": {"error": "exit 1", "seconds": 1.0}}}
-    todo = quality_draws.missing(stored, ["gptq_int4", "rtn_int4"], [0, 1, 2])
+def test_missing_draws_skip_calibration_free_seeds_and_rerun_failures_and_older_recipes():
+    now = {"gptq_int4": "new", "rtn_int4": "r", "fp8_dynamic": "f"}
+    stored = {"rows": {"gptq_int4": {"seconds": 1.0, "recipe_fingerprint": "new"},
+                       "gptq_int4 seed=1": {"error": "exit 1", "seconds": 1.0, "recipe_fingerprint": "new"},
+                       "gptq_int4 seed=2": {"seconds": 1.0, "recipe_fingerprint": "old"},
+                       "rtn_int4": {"seconds": 1.0}}}  # fmt: skip
+    todo = quality_draws.missing(stored, ["gptq_int4", "rtn_int4"], [0, 1, 2], now)
     assert todo == [("gptq_int4", 1), ("gptq_int4", 2), ("rtn_int4", 0)]
-    assert quality_draws.missing(None, ["fp8_dynamic"], [3, 4]) == [("fp8_dynamic", 3)]
+    assert quality_draws.missing(None, ["fp8_dynamic"], [3, 4], now) == [("fp8_dynamic", 3)]
+
+
+def test_a_recipe_fingerprint_follows_its_stages():
+    assert quality_draws.recipe_fingerprint("gptq_int4") == quality_draws.recipe_fingerprint("gptq_int4")
+    assert quality_draws.recipe_fingerprint("gptq_int4") != quality_draws.recipe_fingerprint("gptq_int3")
 
 
 def test_a_file_scored_against_another_baseline_is_refused():
