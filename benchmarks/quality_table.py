@@ -110,6 +110,7 @@ CHANGED = {
         + ["stages.0.tune_clip=false", "data.num_samples=64", "data.seq_len=512"],
         ["stages.0.init=rtn"],
     ),
+    "gptq_int4": ("2026-11-28 05:15", ["stages.0.act_order=false"], ["stages.0.act_order=true"]),
 }
 # The sampled data group's size before it changed (8700e76): a run on it measured before then gets this override.
 SAMPLED_CHANGED = ("2026-11-27 10:18", "data.num_samples=64")
