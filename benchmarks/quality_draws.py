@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -51,10 +50,10 @@ def wanted(recipes: list[str], seeds: list[int]) -> list[tuple[str, int]]:
 def recipe_fingerprint(recipe: str) -> str:
     """What a draw of ``recipe`` as shipped depends on, hashed: its composed stages and calibration settings."""
     from compress.app.recipe import compose
+    from compress.model.resume import settings_digest
 
     config = dataclasses.asdict(compose(recipe))
-    keys = {key: config[key] for key in ("stages", "data", "calibration_batch_size")}
-    return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return settings_digest({key: config[key] for key in ("stages", "data", "calibration_batch_size")})
 
 
 def missing(report: dict | None, recipes: list[str], seeds: list[int], fingerprints: dict) -> list[tuple[str, int]]:

@@ -61,11 +61,17 @@ def fingerprint(model_folder: Path, recipe: dict, samples: torch.Tensor) -> dict
     """What a walk's progress is valid for, one digest per cause of a restart (named when it changes)."""
     return {
         "model files": _model_digest(model_folder),
-        "recipe": _digest(json.dumps(recipe, sort_keys=True, default=str).encode()),
+        "recipe": settings_digest(recipe),
         "calibration data": _digest(samples.contiguous().cpu().numpy().tobytes()),
         "version": f"compress {project_version()}, torch {torch.__version__}",
         "ranks": str(distributed.world()),
     }
+
+
+def settings_digest(settings: dict) -> str:
+    """One short digest of run settings (plain values, key order ignored): what a walk's progress, or a measured
+    draw of a recipe (``benchmarks.quality_draws``), was made with."""
+    return _digest(json.dumps(settings, sort_keys=True, default=str).encode())
 
 
 def _digest(data: bytes) -> str:
