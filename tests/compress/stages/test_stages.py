@@ -66,6 +66,20 @@ def test_awq_with_gptq_rounding_beats_awq_with_rtn():
         build_chain([{"type": "awq", "rounding": "gtpq"}])[0].prepare(_outlier_model())
 
 
+def test_awq_act_order_reaches_its_gptq_rounding_and_needs_it():
+    """act_order is GPTQ's column order, so it passes to the rounder; with round-to-nearest it would do nothing."""
+    [stage] = build_chain([{"type": "awq", "group_size": 32, "rounding": "gptq", "act_order": True}])
+    stage.prepare(_outlier_model())
+    assert stage.rounder.config.act_order and "act-order" in stage.algorithm()
+    fix = r"awq: act_order orders GPTQ's columns; set rounding=gptq or act_order=false"
+    with pytest.raises(CompressError, match=fix):
+        build_chain([{"type": "awq", "group_size": 32, "act_order": True}])[0].prepare(_outlier_model())
+    samples, _ = _calibration_and_held_out()
+    ordered, summary = _compress("awq", samples, rounding="gptq", act_order=True)
+    assert summary["quantized_linears"] == 14
+    assert ordered.model.layers[0].mlp.up_proj.weight_g_idx is None  # static groups: the layout does not change
+
+
 def test_awq_scaling_alone_leaves_the_float_model_unchanged():
     """Folding 1/s into the previous op and s into the linears must be exact, including the GQA v→o mapping."""
     model = _outlier_model()
