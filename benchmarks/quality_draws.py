@@ -68,22 +68,22 @@ def missing(report: dict | None, recipes: list[str], seeds: list[int], fingerpri
     return [(r, s) for r, s in wanted(recipes, seeds) if not current(r, s)]
 
 
-def compress_seconds(recipe: str, results: Path, model: str) -> float | None:
-    """The mean compression time quality.json holds for ``recipe`` as shipped on ``model`` (a name, hub id or folder;
-    the table keys models by their folder's name), for --dry-run's plan."""
+def compress_seconds(recipes: list[str], results: Path, model: str) -> dict[str, float | None]:
+    """The mean compression time quality.json holds for each recipe as shipped on ``model`` (a name, hub id or
+    folder; the table keys models by their folder's name), for --dry-run's plan: the file is read once."""
     from compress.base.errors import CompressError
     from compress.model.sources import ModelSpec, resolve_model_path
 
     table = results / "quality.json"
     if not table.is_file():
-        return None
+        return dict.fromkeys(recipes)
     try:
         folder = Path(resolve_model_path(ModelSpec(path=model)))
     except CompressError as error:  # what the run itself would stop on: say it now, in one line
         raise SystemExit(f"error: {error}") from None
-    runs = json.loads(table.read_text())["models"].get(folder.name, {})
-    row = shipped(runs.get("runs", []), recipe)
-    return row["seconds"] if row else None
+    runs = json.loads(table.read_text())["models"].get(folder.name, {}).get("runs", [])
+    rows = {recipe: shipped(runs, recipe) for recipe in recipes}
+    return {recipe: row["seconds"] if row else None for recipe, row in rows.items()}
 
 
 def check_same_baseline(stored: dict, fresh: dict, path: Path) -> None:
@@ -117,9 +117,13 @@ def main() -> None:
     todo = missing(stored, args.recipes, args.seeds, fingerprints)
     print(f"{len(todo)} draws to run: {', '.join(run_name(r, s) for r, s in todo) or 'none'}", flush=True)
     if args.dry_run:
+        seconds = compress_seconds(sorted({recipe for recipe, _ in todo}), args.results, args.model)
         for recipe, seed in todo:
-            seconds = compress_seconds(recipe, args.results, args.model)
-            known = "not measured before" if seconds is None else f"~{seconds:.0f} s to compress, by quality.json"
+            known = (
+                "not measured before"
+                if seconds[recipe] is None
+                else f"~{seconds[recipe]:.0f} s to compress, by quality.json"
+            )
             print(f"  {run_name(recipe, seed)}: {known}, then scoring on every text")
     if args.dry_run or not todo:
         return

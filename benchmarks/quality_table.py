@@ -28,6 +28,7 @@ from benchmarks.quality_readme import README, readme_section, replace_section
 from benchmarks.quality_rows import (
     PENDING,
     PICK_RULE,
+    TEXT_LABELS,
     calibration_free,
     no_interval,
     shipped,
@@ -82,12 +83,8 @@ ORDER = [
     ("mxfp4", "mxfp4"),
 ]
 FAMILY = {"smollm2-135m-instruct": "llama", "gemma-3-270m": "gemma3_text"}
-TEXT_NAMES = {  # column names of the scored texts, in the order shown; a key not named here follows, by its key
-    "out_of_domain": "Shakespeare",  # the headline
-    "code": "code (stdlib source)",
-    "technical": "technical (stdlib docstrings)",
-    "in_domain": "in-domain",
-}
+# column names of the scored texts, in the order shown; a key not named here follows, by its key
+TEXT_NAMES = {**TEXT_LABELS, "code": "code (stdlib source)", "technical": "technical (stdlib docstrings)"}
 
 
 def _text_order(text: str) -> tuple[bool, int, str]:

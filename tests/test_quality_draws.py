@@ -30,6 +30,15 @@ def test_a_recipe_fingerprint_follows_its_stages():
     assert quality_draws.recipe_fingerprint("gptq_int4") != quality_draws.recipe_fingerprint("gptq_int3")
 
 
+def test_the_dry_run_plan_reads_each_recipes_time_from_the_quality_table(tiny_model_dir, tmp_path):
+    row = {"recipe": "gptq_int4", "overrides": [], "ratios": {"out_of_domain": {}}, "draws": 3, "threads": 2}
+    runs = [{**row, "seconds": 74.0}, {**row, "overrides": ["stages.0.act_order=false"], "seconds": 162.0}]
+    (tmp_path / "quality.json").write_text(json.dumps({"models": {tiny_model_dir.name: {"runs": runs}}}))
+    found = quality_draws.compress_seconds(["gptq_int4", "gptq_int3"], tmp_path, str(tiny_model_dir))
+    assert found == {"gptq_int4": 74.0, "gptq_int3": None}
+    assert quality_draws.compress_seconds(["gptq_int4"], tmp_path / "none", str(tiny_model_dir)) == {"gptq_int4": None}
+
+
 def test_a_file_scored_against_another_baseline_is_refused():
     with pytest.raises(SystemExit, match="code perplexity 10.0 differs"):
         quality_draws.check_same_baseline({"code": {"perplexity": 10.0}}, {"code": {"perplexity": 10.1}}, Path("f"))
