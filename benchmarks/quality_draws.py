@@ -2,18 +2,23 @@
 
     python -m benchmarks.quality_draws --dry-run                     # list the draws it would run, run none
     python -m benchmarks.quality_draws --recipes gptq_int4 awq_int4  # run what those recipes lack
+    python -m benchmarks.quality_draws --recipes 'gptq_int3 stages.0.act_order=true'  # a candidate setting
     python -m benchmarks.quality_draws                               # every README recipe, seeds 0 1 2
 
-Each missing draw (recipe as shipped, ``seed=N``) compresses the model (``--model``) through ``compress.oneshot`` in a
-subprocess of its own, at the pinned torch thread count (``--threads``, also ``OMP_NUM_THREADS`` of the subprocess),
-and its reloaded checkpoint is scored on every text of the panel (Shakespeare, the gate's code and technical texts,
-in-domain pydoc) exactly as ``benchmarks.variants`` scores; a calibration-free recipe (``quality_rows
-.CALIBRATION_FREE``) needs seed 0 only. Draws land in ``benchmarks/results/quality-draws.{json,md}`` one by one, so
-an interrupted invocation keeps what it finished and the next one runs only the rest; ``benchmarks.quality_table``
-reads that file like any other. The baseline is scored again at every start and must equal the file's (same
-model, texts and arithmetic), else the file is refused: its ratios would not share one baseline. Each draw records
-its recipe's fingerprint (the composed stages and calibration settings, hashed): a draw of an older version of the
-recipe (or one measured before fingerprints were recorded) counts as missing and is drawn again.
+Each missing draw (a recipe as shipped, or with the overrides its spec names; ``seed=N``) compresses the model
+(``--model``) through ``compress.oneshot`` in a subprocess of its own, at the pinned torch thread count
+(``--threads``, also ``OMP_NUM_THREADS`` of the subprocess), and its reloaded checkpoint is scored on every text of
+the panel (Shakespeare, the gate's code and technical texts, in-domain pydoc) exactly as ``benchmarks.variants``
+scores; a calibration-free recipe (``quality_rows.CALIBRATION_FREE``) needs seed 0 only. Draws land in
+``benchmarks/results/quality-draws.{json,md}`` one by one, so an interrupted invocation keeps what it finished and
+the next one runs only the rest; ``benchmarks.quality_table`` reads that file like any other. The baseline is scored
+again at every start and must equal the file's (same model, texts and arithmetic), else the file is refused: its
+ratios would not share one baseline. Each draw records its recipe's fingerprint (the composed stages and calibration
+settings, hashed): a draw of an older version of the recipe (or one measured before fingerprints were recorded)
+counts as missing and is drawn again. A draw is found by its fingerprint and seed, not by its name: draws of a
+candidate (``'RECIPE key=value ...'``) count for the recipe once the recipe ships those settings, so flipping a
+recipe to a measured candidate needs no second run. Each row records when it was measured, which
+``benchmarks.quality_table`` reads against the recipe's change dates.
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.quality import scored_baseline
 from benchmarks.quality_readme import README_RECIPES
-from benchmarks.quality_rows import CALIBRATION_FREE, shipped
+from benchmarks.quality_rows import calibration_free, shipped
 from benchmarks.variants import compress_and_score, markdown, our_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,34 +44,45 @@ NAME = "quality-draws"
 BASELINE_TOLERANCE = 1e-4  # relative: the same model and texts score alike to the last digits on one machine
 
 
-def run_name(recipe: str, seed: int) -> str:
-    """The row key ``benchmarks.quality_table`` parses: the recipe, then ``seed=N`` unless it is seed 0."""
-    return recipe if seed == 0 else f"{recipe} seed={seed}"
+def run_name(spec: str, seed: int) -> str:
+    """The row key ``benchmarks.quality_table`` parses: the recipe and its overrides, then ``seed=N`` unless 0."""
+    return spec if seed == 0 else f"{spec} seed={seed}"
 
 
-def wanted(recipes: list[str], seeds: list[int]) -> list[tuple[str, int]]:
-    return [(recipe, seed) for recipe in recipes for seed in (seeds[:1] if recipe in CALIBRATION_FREE else seeds)]
+def row_seed(name: str) -> int:
+    return int(next((word.split("=")[1] for word in name.split() if word.startswith("seed=")), 0))
 
 
-def recipe_fingerprint(recipe: str) -> str:
-    """What a draw of ``recipe`` as shipped depends on, hashed: its composed stages and calibration settings."""
+def wanted(specs: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    """Every (spec, seed) to draw: a calibration-free spec needs its first seed only."""
+    return [
+        (spec, seed)
+        for spec in specs
+        for seed in (seeds[:1] if calibration_free(spec.split()[0], spec.split()[1:]) else seeds)
+    ]
+
+
+def recipe_fingerprint(spec: str) -> str:
+    """What a draw of ``spec`` (a recipe, then any overrides) depends on, hashed: its composed stages and calibration
+    settings."""
     from compress.app.recipe import compose
     from compress.model.resume import settings_digest
 
-    config = dataclasses.asdict(compose(recipe))
+    recipe, *overrides = spec.split()
+    config = dataclasses.asdict(compose(recipe, overrides))
     return settings_digest({key: config[key] for key in ("stages", "data", "calibration_batch_size")})
 
 
-def missing(report: dict | None, recipes: list[str], seeds: list[int], fingerprints: dict) -> list[tuple[str, int]]:
-    """The draws ``report`` lacks: a row that failed, or one of another version of its recipe (``fingerprints``:
-    each recipe's current one), counts as missing and is run again."""
-    rows = (report or {}).get("rows", {})
-
-    def current(recipe: str, seed: int) -> bool:
-        row = rows.get(run_name(recipe, seed), {"error": ""})
-        return "error" not in row and row.get("recipe_fingerprint") == fingerprints[recipe]
-
-    return [(r, s) for r, s in wanted(recipes, seeds) if not current(r, s)]
+def missing(report: dict | None, specs: list[str], seeds: list[int], fingerprints: dict) -> list[tuple[str, int]]:
+    """The draws ``report`` lacks: a draw is there when a row of the same seed carries the spec's current fingerprint
+    (``fingerprints``) and no error, whatever it is named; a failed row, or one of another version of the recipe,
+    counts as missing and is run again."""
+    found = {
+        (row.get("recipe_fingerprint"), row_seed(name))
+        for name, row in (report or {}).get("rows", {}).items()
+        if "error" not in row
+    }
+    return [(spec, seed) for spec, seed in wanted(specs, seeds) if (fingerprints[spec], seed) not in found]
 
 
 def compress_seconds(recipes: list[str], results: Path, model: str) -> dict[str, float | None]:
@@ -82,8 +99,8 @@ def compress_seconds(recipes: list[str], results: Path, model: str) -> dict[str,
     except CompressError as error:  # what the run itself would stop on: say it now, in one line
         raise SystemExit(f"error: {error}") from None
     runs = json.loads(table.read_text())["models"].get(folder.name, {}).get("runs", [])
-    rows = {recipe: shipped(runs, recipe) for recipe in recipes}
-    return {recipe: row["seconds"] if row else None for recipe, row in rows.items()}
+    rows = {spec: shipped(runs, spec.split()[0]) for spec in recipes}  # a candidate: its recipe's time as shipped
+    return {spec: row["seconds"] if row else None for spec, row in rows.items()}
 
 
 def check_same_baseline(stored: dict, fresh: dict, path: Path) -> None:
@@ -98,7 +115,12 @@ def check_same_baseline(stored: dict, fresh: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipes", nargs="+", default=README_RECIPES, help="recipe names (default: README's)")
+    parser.add_argument(
+        "--recipes",
+        nargs="+",
+        default=README_RECIPES,
+        help="recipe names, or 'RECIPE key=value ...' (default: README's)",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=2, help="torch threads, pinned and recorded")
     parser.add_argument("--model", default="smollm2-135m")
@@ -133,18 +155,24 @@ def main() -> None:
     report.pop("samples")
     if stored is not None:
         check_same_baseline(stored["baseline"], report["baseline"], path)
+        for row in stored["rows"].values():  # written before rows were dated: by the invocation that wrote the file
+            row.setdefault("date", stored["date"].removesuffix(" UTC"))
         report = {**stored, "command": report["command"], "date": report["date"]}
     report.setdefault("rows", {})
-    report["title"] = "Draws for the quality table: each recipe as shipped, per calibration seed, on the text panel"
+    report["title"] = (
+        "Draws for the quality table: each recipe as shipped (or a candidate setting of it), per calibration seed, "
+        "on the text panel"
+    )
     args.results.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="quality-draws-") as tmp:
-        for index, (recipe, seed) in enumerate(todo):
+        for index, (spec, seed) in enumerate(todo):
             folder = Path(tmp) / str(index)
-            command = our_command(recipe, [f"seed={seed}"], model_dir, folder)
+            recipe, *overrides = spec.split()
+            command = our_command(recipe, [*overrides, f"seed={seed}"], model_dir, folder)
             row = {**compress_and_score(command, folder, ids, args.max_windows, args.timeout),
-                   "recipe_fingerprint": fingerprints[recipe]}  # fmt: skip
-            report["rows"][run_name(recipe, seed)] = row
-            print(f"{run_name(recipe, seed)}: {json.dumps(row)}", flush=True)
+                   "recipe_fingerprint": fingerprints[spec], "date": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
+            report["rows"][run_name(spec, seed)] = row
+            print(f"{run_name(spec, seed)}: {json.dumps(row)}", flush=True)
             path.write_text(json.dumps(report, indent=2))
             (args.results / f"{args.name}.md").write_text(markdown(report))
     failed = [name for name, row in report["rows"].items() if "error" in row]

@@ -93,21 +93,25 @@ def _text_order(text: str) -> tuple[bool, int, str]:
     return (text == "in_domain", named.index(text) if text in named else len(named), text)
 
 
-# A recipe whose shipped settings changed: its date, the overrides that give back what it ran with before, and the
-# settings it ships with now. A row measured before the change is shown with the first (those the row does not set
-# itself: `data.generated=...` keeps its own data); overrides that spell what ships now are dropped from any row.
+# A recipe whose shipped settings changed, once or more: each change's date, the overrides that give back what it ran
+# with before, and the settings it ships with since. A row measured before a change is shown with that change's first
+# list (the overrides the row does not set itself: `data.generated=...` keeps its own data); overrides that spell what
+# ships now are dropped from any row. A row's date is its own where the file records one (quality_draws), else its
+# file's.
 SAMPLED = ["data=sampled", "data.generated=1.0"]  # data: sampled is pydoc's group with every window generated
-CHANGED = {
-    "rotate_gptq_int4": ("2026-11-26 19:00", ["data=pydoc"], SAMPLED),
-    "awq_int4": ("2026-11-26 22:30", ["stages.0.rounding=rtn", "data=pydoc"], ["stages.0.rounding=gptq", *SAMPLED]),
-    "rotate_gptq_int3": ("2026-11-26 22:30", ["data=pydoc"], SAMPLED),
-    "autoround_int4": (  # SignRound refining GPTQ, before AutoRound as published (min/max scales, from RTN)
-        "2026-11-27 13:00",
-        ["stages.0.init=gptq", "stages.0.iterations=40", "stages.0.batch_size=4", "stages.0.lr=0.005"]
-        + ["stages.0.tune_clip=false", "data.num_samples=64", "data.seq_len=512"],
-        ["stages.0.init=rtn"],
-    ),
-    "gptq_int4": ("2026-11-28 05:15", ["stages.0.act_order=false"], ["stages.0.act_order=true"]),
+CHANGED = {  # oldest change first
+    "rotate_gptq_int4": [("2026-11-26 19:00", ["data=pydoc"], SAMPLED)],
+    "awq_int4": [("2026-11-26 22:30", ["stages.0.rounding=rtn", "data=pydoc"], ["stages.0.rounding=gptq", *SAMPLED])],
+    "rotate_gptq_int3": [("2026-11-26 22:30", ["data=pydoc"], SAMPLED)],
+    "autoround_int4": [  # SignRound refining GPTQ, before AutoRound as published (min/max scales, from RTN)
+        (
+            "2026-11-27 13:00",
+            ["stages.0.init=gptq", "stages.0.iterations=40", "stages.0.batch_size=4", "stages.0.lr=0.005"]
+            + ["stages.0.tune_clip=false", "data.num_samples=64", "data.seq_len=512"],
+            ["stages.0.init=rtn"],
+        )
+    ],
+    "gptq_int4": [("2026-11-28 05:15", ["stages.0.act_order=false"], ["stages.0.act_order=true"])],
 }
 # The sampled data group's size before it changed (8700e76): a run on it measured before then gets this override.
 SAMPLED_CHANGED = ("2026-11-27 10:18", "data.num_samples=64")
@@ -124,14 +128,17 @@ def as_measured(run: str, date: str) -> str:
     """``run`` spelled against today's recipes: a row measured before its recipe changed gets the overrides that
     give back the settings it ran with; overrides equal to what the recipe ships now are left out."""
     recipe, *overrides = run.split()
-    changed_at, then, now = CHANGED.get(recipe, ("", [], []))
+    changes = CHANGED.get(recipe, [])
     own = {override.split("=")[0] for override in overrides}
 
     def overridden(key: str) -> bool:  # the row sets it, or a key inside it (data.generated=1.0 sets data)
         return any(mine == key or mine.startswith(f"{key}.") for mine in own)
 
-    if date < changed_at:
-        overrides = [override for override in then if not overridden(override.split("=")[0])] + overrides
+    before = [
+        o for changed_at, then, _ in changes if date < changed_at for o in then if not overridden(o.split("=")[0])
+    ]
+    overrides = list(dict.fromkeys(before)) + overrides
+    now = {override for _, _, ships in changes for override in ships}
     spelled = " ".join([recipe, *(override for override in overrides if override not in now)])
     spelled = SHIPPED_AS.get(spelled, spelled)
     recipe, *overrides = spelled.split()
@@ -194,9 +201,10 @@ def file_draws(stem: str, results: Path) -> list[dict]:
             words = name.split()
             seed = int(next((w.split("=")[1] for w in words if w.startswith("seed=")), 0))
             run = " ".join(w for w in words if not w.startswith("seed="))
-            run = run if run.startswith(PEER) else as_measured(run, date)
+            measured = row.get("date", date)  # quality_draws dates each row: its file gathers several invocations
+            run = run if run.startswith(PEER) else as_measured(run, measured)
             ratios = {text: row[text]["perplexity"] / base[text]["perplexity"] for text in texts if text in row}
-            draws.append(draw(model, run, seed, threads, stem, date, ratios, row, report))
+            draws.append(draw(model, run, seed, threads, stem, measured, ratios, row, report))
     return draws
 
 

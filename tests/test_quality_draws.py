@@ -22,12 +22,17 @@ def test_missing_draws_skip_calibration_free_seeds_and_rerun_failures_and_older_
                        "rtn_int4": {"seconds": 1.0}}}  # fmt: skip
     todo = quality_draws.missing(stored, ["gptq_int4", "rtn_int4"], [0, 1, 2], now)
     assert todo == [("gptq_int4", 1), ("gptq_int4", 2), ("rtn_int4", 0)]
+    stored["rows"]["gptq_int4 stages.0.x=1 seed=2"] = {"seconds": 1.0, "recipe_fingerprint": "new"}
+    # a candidate's draw of the settings the recipe ships now counts for it, whatever the row is named
+    assert quality_draws.missing(stored, ["gptq_int4"], [0, 1, 2], now) == [("gptq_int4", 1)]
     assert quality_draws.missing(None, ["fp8_dynamic"], [3, 4], now) == [("fp8_dynamic", 3)]
 
 
-def test_a_recipe_fingerprint_follows_its_stages():
-    assert quality_draws.recipe_fingerprint("gptq_int4") == quality_draws.recipe_fingerprint("gptq_int4")
-    assert quality_draws.recipe_fingerprint("gptq_int4") != quality_draws.recipe_fingerprint("gptq_int3")
+def test_a_recipe_fingerprint_follows_its_stages_and_overrides():
+    shipped = quality_draws.recipe_fingerprint("gptq_int4")
+    assert shipped == quality_draws.recipe_fingerprint("gptq_int4 stages.0.act_order=true")  # what it ships
+    assert shipped != quality_draws.recipe_fingerprint("gptq_int4 stages.0.act_order=false")
+    assert shipped != quality_draws.recipe_fingerprint("gptq_int3")
 
 
 def test_the_dry_run_plan_reads_each_recipes_time_from_the_quality_table(tiny_model_dir, tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from benchmarks import quality_table
 from benchmarks.quality_readme import README, current_section, readme_section, replace_section
 from benchmarks.quality_table import (
     PYDOC_NUM_SAMPLES,
@@ -143,3 +144,22 @@ def test_a_peer_pair_scored_on_the_panel_is_quoted_on_every_out_of_domain_text()
             "difference": {"out_of_domain": shakespeare, "code": gap, "in_domain": gap}}  # fmt: skip
     (line,) = _pairs({"pairs": [pair]})
     assert line.endswith("Shakespeare -0.020 (-0.030 to -0.010, 3 draws), code +0.030 (+0.010 to +0.050, 3 draws)")
+
+
+def test_a_row_is_spelled_by_its_own_date_against_every_change_of_its_recipe(tmp_path: Path, monkeypatch):
+    """A recipe changed twice: a row older than both gets both changes' overrides back; a file that gathers several
+    invocations (quality_draws) dates each row, and that date, not the file's, decides."""
+    changes = [("2030-01-01 00:00", ["stages.0.rounding=rtn"], ["stages.0.rounding=gptq"]),
+               ("2030-06-01 00:00", ["stages.0.act_order=false"], ["stages.0.act_order=true"])]  # fmt: skip
+    monkeypatch.setitem(quality_table.CHANGED, "awq_int4", changes)
+    spell = quality_table.as_measured
+    assert spell("awq_int4 data=pydoc", "2029-12-31 00:00") == (
+        "awq_int4 stages.0.rounding=rtn stages.0.act_order=false data=pydoc"
+    )
+    assert spell("awq_int4", "2030-02-01 00:00") == "awq_int4 stages.0.act_order=false"
+    assert spell("awq_int4 stages.0.act_order=true", "2030-02-01 00:00") == "awq_int4"  # the candidate now shipped
+    assert spell("awq_int4 stages.0.rounding=gptq", "2030-07-01 00:00") == "awq_int4"
+    rows = {"awq_int4": _row(12.0, 6.0) | {"date": "2030-02-01 00:00"}, "awq_int4 seed=1": _row(13.0, 6.0)}
+    _file(tmp_path / "d.json", "python -m benchmarks.quality_draws", rows)  # the file: 2030-01-01, after change 1
+    runs = sorted(run["run"] for run in build(["d"], tmp_path)["m"]["runs"])
+    assert runs == ["awq_int4 stages.0.act_order=false"]
