@@ -46,7 +46,7 @@ def _pairs(tables: dict) -> list[str]:
     """Our recipe (as shipped or with calibration overrides only) against its peer preset, out of domain: on every
     out-of-domain text both were scored on, so that no text is left out where they disagree."""
     chosen = []
-    for pair in tables["pairs"]:
+    for pair in (pair for pair in tables["pairs"] if pair["kind"] == "peer"):
         if all(o.startswith("data.") for o in pair["ours"].split()[1:]) and "out_of_domain" in pair["difference"]:
             peer = pair["peer"].split()[0]  # its data overrides only repeat ours: the same calibration ids
             texts = [text for text in TEXTS_GOAL[:-1] if text in pair["difference"]]

@@ -10,8 +10,9 @@ draw's ratios are to the baseline of its own file, so rows from different invoca
 other's baseline. A row is one run (recipe and overrides, ``seed=`` aside) at one recorded torch thread count; its
 draws are its calibration seeds (the latest measurement of a seed is kept), summarised as a mean and a 95%
 t-interval over the draws. Threads come from the file (its ``threads`` or an ``OMP_NUM_THREADS=`` in its command),
-else "not recorded": never guessed. Peer pairs (ours against llm-compressor's preset on the same calibration ids)
-are computed here from the per-draw ratios. Wall time and peak RSS compare only within one file (one CPU state).
+else "not recorded": never guessed. Pairs on the same calibration ids (ours against llm-compressor's preset, and a
+recipe as shipped against itself with a stage setting changed) are computed here from the per-draw ratios. Wall
+time and peak RSS compare only within one file (one CPU state).
 """
 
 from __future__ import annotations
@@ -281,16 +282,23 @@ def _rank(run: str) -> tuple[int, int, str]:
     return len(ORDER), int(is_peer), run
 
 
+def rival(ours: dict, other: dict) -> str | None:
+    """What ``other`` is to ``ours``: the peer preset it competes with (ORDER), or for a recipe as shipped the same
+    recipe with stage settings changed (what the shipped setting buys); else None."""
+    if other["recipe"].startswith(PEER):
+        return "peer" if (ours["recipe"], other["recipe"].removeprefix(PEER)) in ORDER else None
+    same_data = other["overrides"] and all(override.startswith("stages.") for override in other["overrides"])
+    return "setting" if not ours["overrides"] and other["recipe"] == ours["recipe"] and same_data else None
+
+
 def pairs(runs: list[dict]) -> list[dict]:
-    """Ours against the peer preset it competes with (ORDER), draw by draw on the same calibration ids and threads:
-    the difference ours − peer of each ratio (negative: ours lower), its mean and 95% t-interval over the draws."""
+    """Ours against each rival (``rival``), draw by draw on the same calibration ids and threads: the difference
+    ours − rival of each ratio (negative: ours lower), its mean and 95% t-interval over the draws."""
     found = []
     for ours in (run for run in runs if not run["run"].startswith(PEER)):
-        rivals = {peer for recipe, peer in ORDER if recipe == ours["recipe"] and peer}
         for peer in runs:
-            if peer["recipe"].removeprefix(PEER) not in rivals or not peer["recipe"].startswith(PEER):
-                continue
-            if peer["threads"] != ours["threads"]:
+            kind = rival(ours, peer)
+            if kind is None or peer["threads"] != ours["threads"]:
                 continue
             mine = {calibration(ours["recipe"], ours["overrides"], d["seed"]): d for d in ours["per_draw"]}
             theirs = {calibration(peer["recipe"], peer["overrides"], d["seed"]): d for d in peer["per_draw"]}
@@ -299,7 +307,8 @@ def pairs(runs: list[dict]) -> list[dict]:
                 continue
             texts = [t for t in ours["ratios"] if all(t in d[k]["ratios"] for d in (mine, theirs) for k in shared)]
             found.append({
-                "ours": ours["run"], "peer": peer["run"], "threads": ours["threads"], "seeds": [k[3] for k in shared],
+                "ours": ours["run"], "peer": peer["run"], "kind": kind, "threads": ours["threads"],
+                "seeds": [k[3] for k in shared],
                 "difference": {
                     t: interval([mine[k]["ratios"][t] - theirs[k]["ratios"][t] for k in shared]) for t in texts
                 },
@@ -402,9 +411,11 @@ def markdown(models: dict, command: str) -> str:
         if tables["pairs"]:
             lines += [
                 "",
-                "Paired with llm-compressor on the same calibration ids, ours − peer per draw (negative: ours lower):",
+                "Paired on the same calibration ids, ours − rival per draw (negative: ours lower); the rival is "
+                "llm-compressor's preset, or the recipe as shipped with a stage setting changed (what the shipped "
+                "setting buys):",
                 "",
-                f"| ours | peer | draws (seeds) | threads | {' | '.join(names)} | files |",
+                f"| ours | rival | draws (seeds) | threads | {' | '.join(names)} | files |",
                 "|---|---|---|---|" + "---|" * len(texts) + "---|",
             ]
             for pair in tables["pairs"]:

@@ -140,9 +140,10 @@ def test_a_peer_pair_scored_on_the_panel_is_quoted_on_every_out_of_domain_text()
 
     gap = {"mean": 0.03, "low": 0.01, "high": 0.05, "n": 3}
     shakespeare = {"mean": -0.02, "low": -0.03, "high": -0.01, "n": 3}
-    pair = {"ours": "gptq_int4", "peer": "llm-compressor:gptq_w4a16_mse",
+    pair = {"ours": "gptq_int4", "peer": "llm-compressor:gptq_w4a16_mse", "kind": "peer",
             "difference": {"out_of_domain": shakespeare, "code": gap, "in_domain": gap}}  # fmt: skip
-    (line,) = _pairs({"pairs": [pair]})
+    setting = {**pair, "peer": "gptq_int4 stages.0.act_order=false", "kind": "setting"}  # not a peer: not quoted
+    (line,) = _pairs({"pairs": [pair, setting]})
     assert line.endswith("Shakespeare -0.020 (-0.030 to -0.010, 3 draws), code +0.030 (+0.010 to +0.050, 3 draws)")
 
 
@@ -163,3 +164,16 @@ def test_a_row_is_spelled_by_its_own_date_against_every_change_of_its_recipe(tmp
     _file(tmp_path / "d.json", "python -m benchmarks.quality_draws", rows)  # the file: 2030-01-01, after change 1
     runs = sorted(run["run"] for run in build(["d"], tmp_path)["m"]["runs"])
     assert runs == ["awq_int4 stages.0.act_order=false"]
+
+
+def test_a_shipped_recipe_is_paired_with_its_other_stage_settings_on_the_same_draws(tmp_path: Path):
+    """What a shipped setting buys, by the same paired arithmetic as a peer pair; a data override changes the
+    calibration ids and a row with overrides of its own is not 'as shipped': neither is paired."""
+    rows = {"gptq_int4": _row(12.0, 6.0), "gptq_int4 seed=1": _row(13.0, 6.0),
+            "gptq_int4 stages.0.act_order=false": _row(13.0, 6.5), "gptq_int4 stages.0.act_order=false seed=1":
+            _row(13.5, 6.5), "gptq_int4 data=pydoc": _row(14.0, 6.0)}  # fmt: skip
+    _file(tmp_path / "s.json", "python -m benchmarks.quality_draws", rows, threads=2)
+    (pair,) = build(["s"], tmp_path)["m"]["pairs"]
+    assert (pair["ours"], pair["peer"], pair["kind"], pair["seeds"]) == (
+        "gptq_int4", "gptq_int4 stages.0.act_order=false", "setting", [0, 1])  # fmt: skip
+    assert pair["difference"]["out_of_domain"]["values"] == pytest.approx([-0.1, -0.05])
