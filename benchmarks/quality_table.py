@@ -102,7 +102,10 @@ def _text_order(text: str) -> tuple[bool, int, str]:
 SAMPLED = ["data=sampled", "data.generated=1.0"]  # data: sampled is pydoc's group with every window generated
 CHANGED = {  # oldest change first
     "rotate_gptq_int4": [("2026-11-26 19:00", ["data=pydoc"], SAMPLED)],
-    "awq_int4": [("2026-11-26 22:30", ["stages.0.rounding=rtn", "data=pydoc"], ["stages.0.rounding=gptq", *SAMPLED])],
+    "awq_int4": [
+        ("2026-11-26 22:30", ["stages.0.rounding=rtn", "data=pydoc"], ["stages.0.rounding=gptq", *SAMPLED]),
+        ("2026-11-28 10:00", ["stages.0.act_order=false"], ["stages.0.act_order=true"]),
+    ],
     "rotate_gptq_int3": [("2026-11-26 22:30", ["data=pydoc"], SAMPLED)],
     "autoround_int4": [  # SignRound refining GPTQ, before AutoRound as published (min/max scales, from RTN)
         (

@@ -51,7 +51,7 @@ class AWQConfig(WeightQuantConfig):
     clip_grid: int = 20  # shrink steps of 1/clip_grid ...
     max_shrink: float = 0.5  # ... down to (1 - max_shrink) of the range
     rounding: str = "rtn"  # rtn: clip search then round to nearest; gptq: GPTQ's error-compensating rounding
-    act_order: bool = False  # with rounding: gptq, GPTQ's static-group activation order (no g_idx in the checkpoint)
+    act_order: bool = False  # rounding: gptq's column order (static groups, no g_idx); round-to-nearest has none
 
 
 NO_CLIP = ("q_proj", "k_proj", "qkv_proj")  # their error passes through softmax, where clipping outliers hurts
@@ -113,8 +113,6 @@ class AWQStage(WeightQuantizerStage):
             raise CompressError(f"awq: duo_scaling={self.config.duo_scaling!r}; use true, false or both")
         if self.config.rounding not in ("rtn", "gptq"):
             raise CompressError(f"awq: rounding={self.config.rounding!r}; use rtn or gptq")
-        if self.config.act_order and self.config.rounding != "gptq":
-            raise CompressError("awq: act_order orders GPTQ's columns; set rounding=gptq or act_order=false")
         family = family_mappings(model, "AWQ")
         self.mappings, self.norm_offset = family.mappings, family.norm_offset
         super().prepare(model)

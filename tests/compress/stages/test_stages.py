@@ -66,14 +66,15 @@ def test_awq_with_gptq_rounding_beats_awq_with_rtn():
         build_chain([{"type": "awq", "rounding": "gtpq"}])[0].prepare(_outlier_model())
 
 
-def test_awq_act_order_reaches_its_gptq_rounding_and_needs_it():
-    """act_order is GPTQ's column order, so it passes to the rounder; with round-to-nearest it would do nothing."""
+def test_awq_act_order_reaches_its_gptq_rounding_only():
+    """act_order is GPTQ's column order, so it passes to the rounder; round-to-nearest has no column order, so
+    ``stages.0.rounding=rtn`` on a recipe that sets it is AWQ as published, no second override needed."""
     [stage] = build_chain([{"type": "awq", "group_size": 32, "rounding": "gptq", "act_order": True}])
     stage.prepare(_outlier_model())
     assert stage.rounder.config.act_order and "act-order" in stage.algorithm()
-    fix = r"awq: act_order orders GPTQ's columns; set rounding=gptq or act_order=false"
-    with pytest.raises(CompressError, match=fix):
-        build_chain([{"type": "awq", "group_size": 32, "act_order": True}])[0].prepare(_outlier_model())
+    [stage] = build_chain([{"type": "awq", "group_size": 32, "act_order": True}])
+    stage.prepare(_outlier_model())
+    assert stage.rounder is None and "act-order" not in stage.algorithm()
     samples, _ = _calibration_and_held_out()
     ordered, summary = _compress("awq", samples, rounding="gptq", act_order=True)
     assert summary["quantized_linears"] == 14
