@@ -36,7 +36,7 @@ import torch
 
 from benchmarks.quality import scored_baseline
 from benchmarks.quality_readme import README_RECIPES
-from benchmarks.quality_rows import calibration_free, shipped
+from benchmarks.quality_rows import calibration_free, row_seed, shipped
 from benchmarks.variants import compress_and_score, markdown, our_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,10 +47,6 @@ BASELINE_TOLERANCE = 1e-4  # relative: the same model and texts score alike to t
 def run_name(spec: str, seed: int) -> str:
     """The row key ``benchmarks.quality_table`` parses: the recipe and its overrides, then ``seed=N`` unless 0."""
     return spec if seed == 0 else f"{spec} seed={seed}"
-
-
-def row_seed(name: str) -> int:
-    return int(next((word.split("=")[1] for word in name.split() if word.startswith("seed=")), 0))
 
 
 def wanted(specs: list[str], seeds: list[int]) -> list[tuple[str, int]]:

@@ -32,6 +32,11 @@ def shipped(runs: list[dict], recipe: str) -> dict | None:
     return max(candidates, key=lambda run: (run["draws"], run["threads"] is not None), default=None)
 
 
+def row_seed(name: str) -> int:
+    """The calibration seed of a result row's key (``RECIPE [key=value ...] [seed=N]``): 0 unless it names one."""
+    return int(next((word.split("=")[1] for word in name.split() if word.startswith("seed=")), 0))
+
+
 def data_only(overrides: list[str]) -> bool:
     return all(override.startswith("data.") for override in overrides)
 

@@ -32,6 +32,7 @@ from benchmarks.quality_rows import (
     TEXT_LABELS,
     calibration_free,
     no_interval,
+    row_seed,
     shipped,
     still_to_measure,
     threads_cell,
@@ -202,9 +203,8 @@ def file_draws(stem: str, results: Path) -> list[dict]:
         for name, row in rows.items():
             if "error" in row:
                 continue
-            words = name.split()
-            seed = int(next((w.split("=")[1] for w in words if w.startswith("seed=")), 0))
-            run = " ".join(w for w in words if not w.startswith("seed="))
+            seed = row_seed(name)
+            run = " ".join(w for w in name.split() if not w.startswith("seed="))
             measured = row.get("date", date)  # quality_draws dates each row: its file gathers several invocations
             run = run if run.startswith(PEER) else as_measured(run, measured)
             ratios = {text: row[text]["perplexity"] / base[text]["perplexity"] for text in texts if text in row}
