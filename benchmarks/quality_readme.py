@@ -80,7 +80,12 @@ def readme_section(stored: dict) -> str:
     tokens = sorted({n for row in rows for n in row["scored_tokens"]})
     machines = sorted({machine for row in rows for machine in row["machines"]})
     pick = (
-        f"First row by rule ({PICK_RULE}): `{chosen['recipe']}`; against `{chosen['runner_up']}`: {chosen['verdict']}. "
+        f"First row by rule ({PICK_RULE}): `{chosen['recipe']}` {_times(chosen['panel'])}; "
+        + (
+            f"against `{chosen['runner_up']}` {_times(chosen['runner_up_panel'])}: {chosen['verdict']}. "
+            if chosen["runner_up"]
+            else "no other int4 g64 recipe measured. "
+        )
         if chosen
         else ""
     )

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from benchmarks.quality_readme import README, readme_section, replace_section
 from benchmarks.quality_rows import (
+    OUT_OF_DOMAIN,
     PENDING,
     PICK_RULE,
     TEXT_LABELS,
@@ -229,6 +230,14 @@ def interval(values: list[float]) -> dict:
     return {"n": n, "mean": mean, "low": mean - half, "high": mean + half, "values": values}
 
 
+def panel_interval(draws: list[dict]) -> dict | None:
+    """Mean over draws of each draw's mean ratio on the out-of-domain texts, with its 95% t; None unless every
+    draw was scored on all of them (a mean over different texts per draw would compare nothing)."""
+    if not draws or not all(text in found["ratios"] for found in draws for text in OUT_OF_DOMAIN):
+        return None
+    return interval([sum(found["ratios"][t] for t in OUT_OF_DOMAIN) / len(OUT_OF_DOMAIN) for found in draws])
+
+
 def build(sources: list[str], results: Path) -> dict:
     """``{model: {"runs": [...], "pairs": [...]}}`` from the files in ``sources`` (oldest first)."""
     latest: dict[tuple, dict] = {}
@@ -256,6 +265,7 @@ def build(sources: list[str], results: Path) -> dict:
             "run": run, "recipe": recipe, "overrides": overrides, "model": model, "family": FAMILY.get(model, "-"),
             "threads": threads, "draws": len(draws), "seeds": [found["seed"] for found in draws],
             "ratios": {t: interval([f["ratios"][t] for f in draws if t in f["ratios"]]) | marks for t in texts},
+            "panel": panel_interval(draws),
             "size_mb": size[0] if size else None, "size_from": size[1] if size else None,
             "seconds": _mean([found["seconds"] for found in draws]),
             "peak_rss_mb": _mean([found["peak_rss_mb"] for found in draws]),
@@ -329,25 +339,28 @@ def pick(runs: list[dict]) -> dict | None:
     if reference is None or reference["size_mb"] is None:
         return None
     rows = [shipped(runs, recipe) for recipe in INT4_G64 if recipe not in PENDING]
-    rows = [row for row in rows if row and not row["overrides"] and row["size_mb"] is not None]
+    rows = [row for row in rows if row and not row["overrides"] and row["size_mb"] is not None and row["panel"]]
     rows = sorted((row for row in rows if row["size_mb"] <= reference["size_mb"] * 1.001), key=_headline)
     if not rows:
         return None
     best, runner = rows[0], (rows[1] if len(rows) > 1 else None)
     verdict = "no other candidate"
     if runner:
-        a, b = best["ratios"]["out_of_domain"], runner["ratios"]["out_of_domain"]
+        a, b = best["panel"], runner["panel"]
         if a["low"] is None or b["low"] is None:
             verdict = "not established (one of them has 1 draw)"
         else:
             verdict = "a tie (95% intervals overlap)" if a["high"] >= b["low"] else "ahead (95% intervals apart)"
         if best["threads"] != runner["threads"]:
             verdict += f", torch threads {threads_cell(best['threads'])} against {threads_cell(runner['threads'])}"
-    return {"recipe": best["recipe"], "runner_up": runner["recipe"] if runner else None, "verdict": verdict}
+    return {
+        "recipe": best["recipe"], "runner_up": runner["recipe"] if runner else None, "verdict": verdict,
+        "panel": best["panel"], "runner_up_panel": runner["panel"] if runner else None,
+    }  # fmt: skip
 
 
 def _headline(run: dict) -> float:
-    return run["ratios"]["out_of_domain"]["mean"]
+    return run["panel"]["mean"]
 
 
 def cell(stats: dict | None, digits: int = 3) -> str:
@@ -392,8 +405,13 @@ def markdown(models: dict, command: str) -> str:
         tokens = sorted({n for run in tables["runs"] for n in run["scored_tokens"]})
         lines += ["", f"## {model} (`{FAMILY.get(model, '-')}`)", ""]
         if chosen:
-            rival = f"against `{chosen['runner_up']}`" if chosen["runner_up"] else "the only int4 g64 recipe measured"
-            lines += [f"Pick: `{chosen['recipe']}`; {rival}: {chosen['verdict']}.", ""]
+            rival = (
+                f"against `{chosen['runner_up']}` ({cell(chosen['runner_up_panel'])})"
+                if chosen["runner_up"]
+                else "the only int4 g64 recipe measured"
+            )
+            mean = cell(chosen["panel"])
+            lines += [f"Pick: `{chosen['recipe']}`, out-of-domain mean {mean}; {rival}: {chosen['verdict']}.", ""]
         lines += [
             f"Scored out-of-domain tokens per draw: {', '.join(map(str, tokens))} (a `--max-windows` run scores "
             "fewer than the whole text).",

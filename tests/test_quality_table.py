@@ -177,3 +177,29 @@ def test_a_shipped_recipe_is_paired_with_its_other_stage_settings_on_the_same_dr
     assert (pair["ours"], pair["peer"], pair["kind"], pair["seeds"]) == (
         "gptq_int4", "gptq_int4 stages.0.act_order=false", "setting", [0, 1])  # fmt: skip
     assert pair["difference"]["out_of_domain"]["values"] == pytest.approx([-0.1, -0.05])
+
+
+def test_the_pick_ranks_on_the_mean_over_every_out_of_domain_text_not_on_shakespeare(tmp_path: Path):
+    def row(shakespeare: float, code: float, technical: float) -> dict:
+        texts = {"out_of_domain": shakespeare, "code": code, "technical": technical, "in_domain": 6.0}
+        return {text: {"perplexity": value} for text, value in texts.items()} | {"seconds": 1.0, "size_mb": 90.0}
+
+    rows = {}
+    for seed, wobble in enumerate((0.0, 0.1, -0.1)):
+        suffix = f" seed={seed}" if seed else ""
+        rows[f"awq_int4{suffix}"] = row(11.0 + wobble, 13.0 + wobble, 13.0 + wobble)  # lower on Shakespeare only
+        rows[f"gptq_int4{suffix}"] = row(12.0 + wobble, 11.0 + wobble, 11.0 + wobble)
+        rows[f"rotate_gptq_int4{suffix}"] = {**row(10.0, 10.0, 10.0), "technical": None}  # not scored on all three
+    for draw in rows.values():
+        if draw["technical"] is None:
+            del draw["technical"]
+    base = {text: {"perplexity": 10.0, "tokens": 100} for text in ("out_of_domain", "code", "technical", "in_domain")}
+    report = {"model": "m", "date": "2030-01-01 00:00", "command": "c", "threads": 2, "baseline": base, "rows": rows}
+    (tmp_path / "p.json").write_text(json.dumps(report))
+    tables = build(["p"], tmp_path)["m"]
+    chosen = tables["pick"]
+    assert (chosen["recipe"], chosen["runner_up"]) == ("gptq_int4", "awq_int4")
+    assert chosen["panel"]["values"] == pytest.approx([(1.2 + 1.1 + 1.1) / 3, (1.21 + 1.11 + 1.11) / 3,
+                                                       (1.19 + 1.09 + 1.09) / 3])  # fmt: skip
+    assert chosen["verdict"] == "ahead (95% intervals apart)"
+    assert "Pick: `gptq_int4`, out-of-domain mean 1.133 (" in markdown({"m": tables}, "cmd")
