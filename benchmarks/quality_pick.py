@@ -1,0 +1,60 @@
+"""Which int4 recipe the README's first row names, by the measured numbers (``PICK_RULE``): each run's ratios as a
+mean with a 95% t over calibration draws, and the mean over the out-of-domain texts that the pick ranks on."""
+
+from __future__ import annotations
+
+import math
+
+from benchmarks.quality_rows import OUT_OF_DOMAIN, PENDING, shipped, threads_cell
+
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]  # t, 95% two-sided, 1..10 df
+
+
+def interval(values: list[float]) -> dict:
+    """Mean and, from two draws on, a 95% t-interval over them."""
+    n, mean = len(values), sum(values) / len(values)
+    if n < 2:
+        return {"n": n, "mean": mean, "low": None, "high": None, "values": values}
+    half = T975[min(n - 2, len(T975) - 1)] * math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half, "values": values}
+
+
+def panel_interval(draws: list[dict]) -> dict | None:
+    """Mean over draws of each draw's mean ratio on the out-of-domain texts, with its 95% t; None unless every
+    draw was scored on all of them (a mean over different texts per draw would compare nothing)."""
+    if not draws or not all(text in found["ratios"] for found in draws for text in OUT_OF_DOMAIN):
+        return None
+    return interval([sum(found["ratios"][t] for t in OUT_OF_DOMAIN) / len(OUT_OF_DOMAIN) for found in draws])
+
+
+INT4_G64 = ("rtn_int4", "awq_int4", "gptq_int4", "autoround_int4", "rotate_gptq_int4")
+
+
+def pick(runs: list[dict]) -> dict | None:
+    """The int4 recipe a user should pick by the measured numbers (PICK_RULE), with the runner-up and the verdict."""
+    reference = shipped(runs, "gptq_int4")
+    if reference is None or reference["size_mb"] is None:
+        return None
+    rows = [shipped(runs, recipe) for recipe in INT4_G64 if recipe not in PENDING]
+    rows = [row for row in rows if row and not row["overrides"] and row["size_mb"] is not None and row["panel"]]
+    rows = sorted((row for row in rows if row["size_mb"] <= reference["size_mb"] * 1.001), key=_headline)
+    if not rows:
+        return None
+    best, runner = rows[0], (rows[1] if len(rows) > 1 else None)
+    verdict = "no other candidate"
+    if runner:
+        a, b = best["panel"], runner["panel"]
+        if a["low"] is None or b["low"] is None:
+            verdict = "not established (one of them has 1 draw)"
+        else:
+            verdict = "a tie (95% intervals overlap)" if a["high"] >= b["low"] else "ahead (95% intervals apart)"
+        if best["threads"] != runner["threads"]:
+            verdict += f", torch threads {threads_cell(best['threads'])} against {threads_cell(runner['threads'])}"
+    return {
+        "recipe": best["recipe"], "runner_up": runner["recipe"] if runner else None, "verdict": verdict,
+        "panel": best["panel"], "runner_up_panel": runner["panel"] if runner else None,
+    }  # fmt: skip
+
+
+def _headline(run: dict) -> float:
+    return run["panel"]["mean"]
