@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # t, 95% two-sided
 
 
 def parse_setting(text: str) -> tuple[int, int]:
@@ -63,12 +62,12 @@ def check_independent(seeds: list[int], count: int) -> None:
 
 def interval(values: list[float]) -> tuple[float, float, float]:
     """``(mean, low, high)``: a 95% t-interval over independent draws (a single draw: its value, no interval)."""
-    mean = sum(values) / len(values)
+    from evals.gate.stats import mean_interval
+
+    found = mean_interval(values)
     if len(values) < 2:
-        return mean, math.nan, math.nan
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
-    half = T975.get(len(values) - 1, 1.96) * sd / math.sqrt(len(values))
-    return mean, mean - half, mean + half
+        return found.estimate, math.nan, math.nan
+    return found.estimate, found.low, found.high
 
 
 def baseline(work: Path, model, ids: torch.Tensor) -> dict:

@@ -3,20 +3,16 @@ mean with a 95% t over calibration draws, and the mean over the out-of-domain te
 
 from __future__ import annotations
 
-import math
-
 from benchmarks.quality_rows import OUT_OF_DOMAIN, PENDING, shipped, threads_cell
-
-T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]  # t, 95% two-sided, 1..10 df
+from evals.gate.stats import mean_interval
 
 
 def interval(values: list[float]) -> dict:
-    """Mean and, from two draws on, a 95% t-interval over them."""
-    n, mean = len(values), sum(values) / len(values)
-    if n < 2:
-        return {"n": n, "mean": mean, "low": None, "high": None, "values": values}
-    half = T975[min(n - 2, len(T975) - 1)] * math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
-    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half, "values": values}
+    """Mean and, from two draws on, a 95% t-interval over them (the gate's own Student t)."""
+    found = mean_interval(values)
+    if len(values) < 2:
+        return {"n": 1, "mean": found.estimate, "low": None, "high": None, "values": values}
+    return {"n": len(values), "mean": found.estimate, "low": found.low, "high": found.high, "values": values}
 
 
 def panel_interval(draws: list[dict]) -> dict | None:
