@@ -106,6 +106,9 @@ CHANGED = {  # oldest change first
         ("2026-11-28 10:00", ["stages.0.act_order=false"], ["stages.0.act_order=true"]),
     ],
     "rotate_gptq_int3": [("2026-11-26 22:30", ["data=pydoc"], SAMPLED)],
+    "gptq_int3": [
+        ("2026-11-28 12:50", ["stages.0.act_order=false"], ["stages.0.act_order=true", "stages.0.clip_search=true"])
+    ],
     "autoround_int4": [  # SignRound refining GPTQ, before AutoRound as published (min/max scales, from RTN)
         (
             "2026-11-27 13:00",

@@ -54,7 +54,7 @@ class GPTQConfig(WeightQuantConfig):
     block_size: int = 128  # columns updated lazily per block; the rest get one matrix update per block
     dampening: float = 0.01  # fraction of mean(diag H) added to the diagonal
     max_damp_retries: int = 6  # each failed Cholesky multiplies the dampening by 10
-    act_order: bool = False  # static-group activation order; gptq_int4 and rotate_gptq_* set it (measured better)
+    act_order: bool = False  # static-group activation order; gptq_int4/int3 and rotate_gptq_* set it (measured better)
     clip_search: bool = True  # try shrunken ranges per group and keep the one with the least Hessian-weighted error
     true_sequential: bool = True  # gather o_proj's and down_proj's inputs after the linears before them are quantized
     input_correction: bool = False  # GPTAQ: also absorb the input error of the compressed layers before (cross_moments)
