@@ -32,10 +32,14 @@ def pick(runs: list[dict]) -> dict | None:
     if reference is None or reference["size_mb"] is None:
         return None
     rows = [shipped(runs, recipe) for recipe in INT4_G64 if recipe not in PENDING]
-    rows = [row for row in rows if row and not row["overrides"] and row["size_mb"] is not None and row["panel"]]
-    rows = sorted((row for row in rows if row["size_mb"] <= reference["size_mb"] * 1.001), key=_headline)
+    ranked = sorted(
+        (row for row in rows if row and not row["overrides"] and row["size_mb"] is not None and row["panel"]),
+        key=_headline,
+    )
+    rows = [row for row in ranked if row["size_mb"] <= reference["size_mb"] * 1.001]
     if not rows:
         return None
+    larger = ranked[0] if ranked[0] is not rows[0] else None  # lower still, at a larger checkpoint: said beside
     best, runner = rows[0], (rows[1] if len(rows) > 1 else None)
     verdict = "no other candidate"
     if runner:
@@ -49,6 +53,8 @@ def pick(runs: list[dict]) -> dict | None:
     return {
         "recipe": best["recipe"], "runner_up": runner["recipe"] if runner else None, "verdict": verdict,
         "panel": best["panel"], "runner_up_panel": runner["panel"] if runner else None,
+        "size_mb": best["size_mb"], "larger": None if larger is None else
+        {"recipe": larger["recipe"], "panel": larger["panel"], "size_mb": larger["size_mb"]},
     }  # fmt: skip
 
 

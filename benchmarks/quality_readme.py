@@ -86,6 +86,12 @@ def readme_section(stored: dict) -> str:
             if chosen["runner_up"]
             else "no other int4 g64 recipe measured. "
         )
+        + (
+            f"Lower at a larger checkpoint: `{chosen['larger']['recipe']}` {_times(chosen['larger']['panel'])}, "
+            f"{chosen['larger']['size_mb']:.1f} MB against {chosen['size_mb']:.1f}. "
+            if chosen.get("larger")
+            else ""
+        )
         if chosen
         else ""
     )

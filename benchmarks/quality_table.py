@@ -361,6 +361,13 @@ def markdown(models: dict, command: str) -> str:
             )
             mean = cell(chosen["panel"])
             lines += [f"Pick: `{chosen['recipe']}`, out-of-domain mean {mean}; {rival}: {chosen['verdict']}.", ""]
+            if chosen["larger"]:
+                larger = chosen["larger"]
+                lines += [
+                    f"Lower at a larger checkpoint: `{larger['recipe']}`, out-of-domain mean {cell(larger['panel'])}, "
+                    f"{larger['size_mb']:.1f} MB against {chosen['size_mb']:.1f}.",
+                    "",
+                ]
         lines += [
             f"Scored out-of-domain tokens per draw: {', '.join(map(str, tokens))} (a `--max-windows` run scores "
             "fewer than the whole text).",

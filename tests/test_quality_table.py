@@ -190,6 +190,7 @@ def test_the_pick_ranks_on_the_mean_over_every_out_of_domain_text_not_on_shakesp
         rows[f"awq_int4{suffix}"] = row(11.0 + wobble, 13.0 + wobble, 13.0 + wobble)  # lower on Shakespeare only
         rows[f"gptq_int4{suffix}"] = row(12.0 + wobble, 11.0 + wobble, 11.0 + wobble)
         rows[f"rotate_gptq_int4{suffix}"] = {**row(10.0, 10.0, 10.0), "technical": None}  # not scored on all three
+        rows[f"rtn_int4{suffix}"] = {**row(10.5, 10.5, 10.5), "size_mb": 200.0}  # lowest, but larger than gptq's
     for draw in rows.values():
         if draw["technical"] is None:
             del draw["technical"]
@@ -203,3 +204,4 @@ def test_the_pick_ranks_on_the_mean_over_every_out_of_domain_text_not_on_shakesp
                                                        (1.19 + 1.09 + 1.09) / 3])  # fmt: skip
     assert chosen["verdict"] == "ahead (95% intervals apart)"
     assert "Pick: `gptq_int4`, out-of-domain mean 1.133 (" in markdown({"m": tables}, "cmd")
+    assert (chosen["larger"]["recipe"], chosen["larger"]["size_mb"]) == ("rtn_int4", 200.0)
