@@ -354,13 +354,13 @@ def markdown(models: dict, command: str) -> str:
         tokens = sorted({n for run in tables["runs"] for n in run["scored_tokens"]})
         lines += ["", f"## {model} (`{FAMILY.get(model, '-')}`)", ""]
         if chosen:
-            rival = (
+            against = (
                 f"against `{chosen['runner_up']}` ({cell(chosen['runner_up_panel'])})"
                 if chosen["runner_up"]
                 else "the only int4 g64 recipe measured"
             )
             mean = cell(chosen["panel"])
-            lines += [f"Pick: `{chosen['recipe']}`, out-of-domain mean {mean}; {rival}: {chosen['verdict']}.", ""]
+            lines += [f"Pick: `{chosen['recipe']}`, out-of-domain mean {mean}; {against}: {chosen['verdict']}.", ""]
             if chosen["larger"]:
                 larger = chosen["larger"]
                 lines += [
