@@ -3,6 +3,8 @@ mean with a 95% t over calibration draws, and the mean over the out-of-domain te
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from benchmarks.quality_rows import OUT_OF_DOMAIN, PENDING, shipped, threads_cell
 from evals.gate.stats import mean_interval
 
@@ -60,3 +62,21 @@ def pick(runs: list[dict]) -> dict | None:
 
 def _headline(run: dict) -> float:
     return run["panel"]["mean"]
+
+
+def pick_sentences(chosen: dict, number: Callable[[dict | None], str]) -> list[str]:
+    """The pick (after its caller's prefix) and, when there is one, the lower recipe at a larger checkpoint: one
+    wording for quality.md and the README, each with its own ``number`` format."""
+    against = (
+        f"against `{chosen['runner_up']}` ({number(chosen['runner_up_panel'])}): {chosen['verdict']}"
+        if chosen["runner_up"]
+        else "the only int4 g64 recipe measured"
+    )
+    sentences = [f"`{chosen['recipe']}`, out-of-domain mean {number(chosen['panel'])}; {against}."]
+    larger = chosen.get("larger")
+    if larger:
+        sentences.append(
+            f"Lower at a larger checkpoint: `{larger['recipe']}`, out-of-domain mean {number(larger['panel'])}, "
+            f"{larger['size_mb']:.1f} MB against {chosen['size_mb']:.1f}."
+        )
+    return sentences

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.quality_pick import pick_sentences
 from benchmarks.quality_rows import PENDING, PICK_RULE, TEXT_LABELS, TEXTS_GOAL, no_interval, shipped, threads_cell
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,22 +80,7 @@ def readme_section(stored: dict) -> str:
     dates = sorted(date for row in rows for _, date in row["sources"])
     tokens = sorted({n for row in rows for n in row["scored_tokens"]})
     machines = sorted({machine for row in rows for machine in row["machines"]})
-    pick = (
-        f"First row by rule ({PICK_RULE}): `{chosen['recipe']}` {_times(chosen['panel'])}; "
-        + (
-            f"against `{chosen['runner_up']}` {_times(chosen['runner_up_panel'])}: {chosen['verdict']}. "
-            if chosen["runner_up"]
-            else "no other int4 g64 recipe measured. "
-        )
-        + (
-            f"Lower at a larger checkpoint: `{chosen['larger']['recipe']}` {_times(chosen['larger']['panel'])}, "
-            f"{chosen['larger']['size_mb']:.1f} MB against {chosen['size_mb']:.1f}. "
-            if chosen.get("larger")
-            else ""
-        )
-        if chosen
-        else ""
-    )
+    pick = f"First row by rule ({PICK_RULE}): {' '.join(pick_sentences(chosen, _times))} " if chosen else ""
     others = []
     for model in sorted(stored["models"], key=lambda name: name != MODEL):  # the default model first
         found = _pairs(stored["models"][model])

@@ -24,7 +24,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.quality_pick import interval, panel_interval, pick
+from benchmarks.quality_pick import interval, panel_interval, pick, pick_sentences
 from benchmarks.quality_readme import README, readme_section, replace_section
 from benchmarks.quality_rows import (
     PICK_RULE,
@@ -354,20 +354,8 @@ def markdown(models: dict, command: str) -> str:
         tokens = sorted({n for run in tables["runs"] for n in run["scored_tokens"]})
         lines += ["", f"## {model} (`{FAMILY.get(model, '-')}`)", ""]
         if chosen:
-            against = (
-                f"against `{chosen['runner_up']}` ({cell(chosen['runner_up_panel'])})"
-                if chosen["runner_up"]
-                else "the only int4 g64 recipe measured"
-            )
-            mean = cell(chosen["panel"])
-            lines += [f"Pick: `{chosen['recipe']}`, out-of-domain mean {mean}; {against}: {chosen['verdict']}.", ""]
-            if chosen["larger"]:
-                larger = chosen["larger"]
-                lines += [
-                    f"Lower at a larger checkpoint: `{larger['recipe']}`, out-of-domain mean {cell(larger['panel'])}, "
-                    f"{larger['size_mb']:.1f} MB against {chosen['size_mb']:.1f}.",
-                    "",
-                ]
+            first, *larger = pick_sentences(chosen, cell)
+            lines += [f"Pick: {first}", ""] + [line for sentence in larger for line in (sentence, "")]
         lines += [
             f"Scored out-of-domain tokens per draw: {', '.join(map(str, tokens))} (a `--max-windows` run scores "
             "fewer than the whole text).",
