@@ -47,6 +47,10 @@ def recipe(scheme: str, alpha: float) -> list:
         from llmcompressor.modifiers.transform.awq import AWQModifier
 
         return [AWQModifier(duo_scaling=True), GPTQModifier(config_groups=W4A16_G64, ignore=["lm_head"])]
+    if scheme == "awq_gptq_w4a16_mse":  # like for like with awq_int4: its GPTQ rounding searches clipping too
+        from llmcompressor.modifiers.transform.awq import AWQModifier
+
+        return [AWQModifier(duo_scaling=True), GPTQModifier(config_groups=int_weights(4, "mse"), ignore=["lm_head"])]
     if scheme == "smoothquant_w8a8":
         from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 

@@ -69,6 +69,20 @@ def recipe_fingerprint(spec: str) -> str:
     return settings_digest({key: config[key] for key in ("stages", "data", "calibration_batch_size")})
 
 
+def fingerprints(specs: list[str]) -> dict[str, str]:
+    """Each spec's fingerprint, or one line naming the first spec that does not compose (a recipe that ships without
+    what it needs, a bad override) and its fix, before the baseline or any draw is run."""
+    from compress.base.errors import CompressError
+
+    found = {}
+    for spec in specs:
+        try:
+            found[spec] = recipe_fingerprint(spec)
+        except CompressError as error:
+            raise SystemExit(f"{spec}: {error}") from None
+    return found
+
+
 def missing(report: dict | None, specs: list[str], seeds: list[int], fingerprints: dict) -> list[tuple[str, int]]:
     """The draws ``report`` lacks: a draw is there when a row of the same seed carries the spec's current fingerprint
     (``fingerprints``) and no error, whatever it is named; a failed row, or one of another version of the recipe,
@@ -131,8 +145,8 @@ def main() -> None:
     if stored is not None and stored.get("threads") != args.threads:
         raise SystemExit(f"{path} holds draws at {stored.get('threads')} torch threads: pass --threads "
                          f"{stored.get('threads')}, or --name NEW for draws at {args.threads}")  # fmt: skip
-    fingerprints = {recipe: recipe_fingerprint(recipe) for recipe in args.recipes}
-    todo = missing(stored, args.recipes, args.seeds, fingerprints)
+    spec_fingerprints = fingerprints(args.recipes)
+    todo = missing(stored, args.recipes, args.seeds, spec_fingerprints)
     print(f"{len(todo)} draws to run: {', '.join(run_name(r, s) for r, s in todo) or 'none'}", flush=True)
     if args.dry_run:
         seconds = compress_seconds(sorted({recipe for recipe, _ in todo}), args.results, args.model)
@@ -166,7 +180,7 @@ def main() -> None:
             recipe, *overrides = spec.split()
             command = our_command(recipe, [*overrides, f"seed={seed}"], model_dir, folder)
             row = {**compress_and_score(command, folder, ids, args.max_windows, args.timeout),
-                   "recipe_fingerprint": fingerprints[spec], "date": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
+                   "recipe_fingerprint": spec_fingerprints[spec], "date": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
             report["rows"][run_name(spec, seed)] = row
             print(f"{run_name(spec, seed)}: {json.dumps(row)}", flush=True)
             path.write_text(json.dumps(report, indent=2))

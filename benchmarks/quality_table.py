@@ -69,6 +69,7 @@ ORDER = [
     ("rtn_int4", "rtn_w4a16"),
     ("awq_int4", "awq_w4a16"),
     ("awq_int4", "awq_gptq_w4a16"),  # the peer chain nearest awq_int4 (AWQ scales, GPTQ rounding)
+    ("awq_int4", "awq_gptq_w4a16_mse"),  # like for like: the same chain with clipping searched, as ours does
     ("gptq_int4", "gptq_w4a16"),
     ("gptq_int4", "gptq_w4a16_mse"),  # like for like: its mse observer searches clipping, as our GPTQ does
     ("autoround_int4", None),

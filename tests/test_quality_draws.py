@@ -35,6 +35,16 @@ def test_a_recipe_fingerprint_follows_its_stages_and_overrides():
     assert shipped != quality_draws.recipe_fingerprint("gptq_int3")
 
 
+def test_a_spec_that_does_not_compose_is_refused_by_name_before_any_draw():
+    """lora_merge_awq_int4 ships no adapters: one line naming the spec and the fix, not a traceback after the
+    baseline, and nothing drawn for the specs before it."""
+    with pytest.raises(SystemExit) as refused:
+        quality_draws.fingerprints(["gptq_int4", "lora_merge_awq_int4"])
+    message = str(refused.value)
+    assert message.startswith("lora_merge_awq_int4: ") and "stages.<i>.adapters" in message
+    assert set(quality_draws.fingerprints(["gptq_int4"])) == {"gptq_int4"}
+
+
 def test_the_dry_run_plan_reads_each_recipes_time_from_the_quality_table(tiny_model_dir, tmp_path):
     row = {"recipe": "gptq_int4", "overrides": [], "ratios": {"out_of_domain": {}}, "draws": 3, "threads": 2}
     runs = [{**row, "seconds": 74.0}, {**row, "overrides": ["stages.0.act_order=false"], "seconds": 162.0}]

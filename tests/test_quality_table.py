@@ -133,6 +133,11 @@ def test_the_work_left_is_read_from_the_rows():
     assert "- `awq_int4`: not measured as shipped" in left
     assert not [line for line in left if "rtn_int4" in line or "fp8_dynamic`" in line]  # calibration-free: 1 is all
     assert len(left) == len(shipped_recipes()) - 2
+    # a recipe that ships without what it needs has no row to draw: the line says so instead of asking for draws
+    assert (
+        "- `lora_merge_awq_int4`: not measurable as shipped: needs your PEFT adapters (stages.0.adapters); it "
+        "ships none" in left
+    )
 
 
 def test_a_peer_pair_scored_on_the_panel_is_quoted_on_every_out_of_domain_text():
