@@ -16,7 +16,10 @@ PENDING = {  # shipped recipes kept out of the README's rows until >= 3 draws of
     "(benchmarks/results/autoround-int4-vs-gptq.md); quality.md's autoround rows are of the old stage",
 }
 # Shipped recipes that run only with the user's own input: no draw of them as shipped exists to measure
-NEEDS_INPUT = {"lora_merge_awq_int4": "needs your PEFT adapters (stages.0.adapters); it ships none"}
+NEEDS_INPUT = dict.fromkeys(
+    ("lora_merge_awq_int4", "prune_2of4_distill_gptq_int4"),
+    "needs your PEFT adapters (stages.0.adapters); it ships none",
+)
 # Recipes no stage of which reads calibration data (round-to-nearest, FP8 with dynamic activations): every seed gives
 # the same checkpoint, so one draw is all draws; tests/compress/test_recipe_files.py checks this against the stages.
 CALIBRATION_FREE = ("rtn_int4", "fp8_dynamic", "fp8_block")

@@ -189,3 +189,15 @@ def test_the_quality_tables_calibration_free_recipes_are_those_whose_stages_read
         if not any(stage.needs_calibration for stage in built):  # LoRA merging reads none either
             free.add(recipe)
     assert free == set(CALIBRATION_FREE)
+
+
+def test_the_quality_tables_recipes_needing_input_are_those_shipping_an_empty_adapter_list():
+    """The quality table lists these as not measurable as shipped and draws none of them."""
+    from benchmarks.quality_rows import NEEDS_INPUT
+
+    empty = set()
+    for recipe in RECIPES:
+        stages = yaml.safe_load((RECIPES_DIR / f"{recipe}.yaml").read_text())["stages"]
+        if any(stage["type"] == "lora_merge" and not stage.get("adapters") for stage in stages):
+            empty.add(recipe)
+    assert empty == set(NEEDS_INPUT)
