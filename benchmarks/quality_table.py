@@ -62,6 +62,7 @@ SOURCES = [  # oldest first; a later file's draw replaces an earlier one of the 
     "headline-tradeoff",
     "quality-draws",
     "gptq-w4a16-mse-seeds",
+    "awq-gptq-w4a16-mse-seeds",
 ]
 PEER = "llm-compressor:"
 # llm-compressor's presets beside the recipe they compete with (benchmarks/peer_comparison.SCHEMES, reversed)
