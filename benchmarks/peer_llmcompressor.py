@@ -43,14 +43,13 @@ def recipe(scheme: str, alpha: float) -> list:
 
         # In llm-compressor 0.14 AWQ only searches and applies scales; the quantizer that follows sets the scheme.
         return [AWQModifier(duo_scaling=True), QuantizationModifier(config_groups=W4A16_G64, ignore=["lm_head"])]
-    if scheme == "awq_gptq_w4a16":  # AWQ's scales, then GPTQ rounds the scaled weights: the chain awq_int4 runs
+    # AWQ's scales, then GPTQ rounds the scaled weights: the chain awq_int4 runs; `_mse` is like for like, its
+    # rounding searching clipping as ours does
+    if scheme in ("awq_gptq_w4a16", "awq_gptq_w4a16_mse"):
         from llmcompressor.modifiers.transform.awq import AWQModifier
 
-        return [AWQModifier(duo_scaling=True), GPTQModifier(config_groups=W4A16_G64, ignore=["lm_head"])]
-    if scheme == "awq_gptq_w4a16_mse":  # like for like with awq_int4: its GPTQ rounding searches clipping too
-        from llmcompressor.modifiers.transform.awq import AWQModifier
-
-        return [AWQModifier(duo_scaling=True), GPTQModifier(config_groups=int_weights(4, "mse"), ignore=["lm_head"])]
+        observer = "mse" if scheme.endswith("_mse") else "minmax"
+        return [AWQModifier(duo_scaling=True), GPTQModifier(config_groups=int_weights(4, observer), ignore=["lm_head"])]
     if scheme == "smoothquant_w8a8":
         from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
