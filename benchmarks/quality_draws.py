@@ -4,6 +4,7 @@
     python -m benchmarks.quality_draws --recipes gptq_int4 awq_int4  # run what those recipes lack
     python -m benchmarks.quality_draws --recipes 'gptq_int3 stages.0.act_order=true'  # a candidate setting
     python -m benchmarks.quality_draws                               # every README recipe, seeds 0 1 2
+    python -m benchmarks.quality_draws --recipes 'llm-compressor:awq_gptq_w4a16_mse data.num_samples=32'  # a peer
 
 Each missing draw (a recipe as shipped, or with the overrides its spec names; ``seed=N``) compresses the model
 (``--model``) through ``compress.oneshot`` in a subprocess of its own, at the pinned torch thread count
@@ -19,6 +20,11 @@ counts as missing and is drawn again. A draw is found by its fingerprint and see
 candidate (``'RECIPE key=value ...'``) count for the recipe once the recipe ships those settings, so flipping a
 recipe to a measured candidate needs no second run. Each row records when it was measured, which
 ``benchmarks.quality_table`` reads against the recipe's change dates.
+
+A peer spec (``llm-compressor:<preset>``, then ``data.generated=`` or ``data.num_samples=``) runs that preset of
+``benchmarks/peer_llmcompressor.py`` as ``benchmarks.variants`` does, on the calibration ids our recipe cuts with the
+same settings and seed, so a pair's draws gather in this one file too; its fingerprint is the preset, those settings
+and the installed llm-compressor's version.
 """
 
 from __future__ import annotations
@@ -37,7 +43,16 @@ import torch
 from benchmarks.quality import scored_baseline
 from benchmarks.quality_readme import README_RECIPES
 from benchmarks.quality_rows import calibration_free, row_seed, shipped
-from benchmarks.variants import compress_and_score, markdown, our_command
+from benchmarks.variants import (
+    PEER,
+    PEER_OVERRIDES,
+    compress_and_score,
+    markdown,
+    our_command,
+    peer_command,
+    peer_options,
+    peer_samples,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "quality-draws"
@@ -58,12 +73,48 @@ def wanted(specs: list[str], seeds: list[int]) -> list[tuple[str, int]]:
     ]
 
 
+def peer_version() -> str:
+    """The llm-compressor version ``benchmarks.variants`` runs: its venv's, else ``artifacts/peer-site``'s."""
+    from importlib import metadata
+
+    roots = [*(ROOT / "artifacts" / "peer-venv").glob("lib/python*/site-packages"), ROOT / "artifacts" / "peer-site"]
+    for root in roots:
+        for found in metadata.distributions(path=[str(root)]):
+            if found.metadata["Name"] == "llmcompressor":
+                return found.version
+    raise ValueError(
+        "llm-compressor is not installed for the peer: pip install --target artifacts/peer-site --no-deps "
+        "llmcompressor==0.14.0.1 compressed-tensors loguru"
+    )
+
+
+def peer_fingerprint(spec: str) -> str:
+    """What a draw of llm-compressor's preset depends on, hashed: the preset, the settings its calibration ids are
+    cut with (the seed is the draw's) and the peer's version."""
+    from benchmarks.peer_comparison import SCHEMES
+    from compress.model.resume import settings_digest
+
+    scheme, *overrides = spec.removeprefix(PEER).split()
+    if scheme not in SCHEMES:
+        raise ValueError(f"no llm-compressor preset {scheme!r}: pick one of {', '.join(SCHEMES)}")
+    keys = [override.split("=", 1)[0] for override in overrides]
+    settings = [key for key in PEER_OVERRIDES if key != "seed"]
+    if any(key not in settings for key in keys):
+        raise ValueError(f"a peer spec takes only {', '.join(settings)} (the seeds come from --seeds); got {overrides}")
+    _, generated, num_samples = peer_options(overrides)
+    return settings_digest(
+        {"peer": scheme, "version": peer_version(), "generated": generated, "num_samples": num_samples}
+    )
+
+
 def recipe_fingerprint(spec: str) -> str:
-    """What a draw of ``spec`` (a recipe, then any overrides) depends on, hashed: its composed stages and calibration
-    settings."""
+    """What a draw of ``spec`` (a recipe, then any overrides, or a peer spec) depends on, hashed: its composed stages
+    and calibration settings."""
     from compress.app.recipe import compose
     from compress.model.resume import settings_digest
 
+    if spec.startswith(PEER):
+        return peer_fingerprint(spec)
     recipe, *overrides = spec.split()
     config = dataclasses.asdict(compose(recipe, overrides))
     return settings_digest({key: config[key] for key in ("stages", "data", "calibration_batch_size")})
@@ -71,14 +122,15 @@ def recipe_fingerprint(spec: str) -> str:
 
 def fingerprints(specs: list[str]) -> dict[str, str]:
     """Each spec's fingerprint, or one line naming the first spec that does not compose (a recipe that ships without
-    what it needs, a bad override) and its fix, before the baseline or any draw is run."""
+    what it needs, a bad override, a peer that is not installed) and its fix, before the baseline or any draw is
+    run."""
     from compress.base.errors import CompressError
 
     found = {}
     for spec in specs:
         try:
             found[spec] = recipe_fingerprint(spec)
-        except CompressError as error:
+        except (CompressError, ValueError) as error:
             raise SystemExit(f"{spec}: {error}") from None
     return found
 
@@ -178,7 +230,12 @@ def main() -> None:
         for index, (spec, seed) in enumerate(todo):
             folder = Path(tmp) / str(index)
             recipe, *overrides = spec.split()
-            command = our_command(recipe, [*overrides, f"seed={seed}"], model_dir, folder)
+            if recipe.startswith(PEER):
+                _, generated, num_samples = peer_options(overrides)
+                samples = peer_samples(args.model, seed, generated, num_samples)
+                command = peer_command(recipe.removeprefix(PEER), model_dir, samples, folder)
+            else:
+                command = our_command(recipe, [*overrides, f"seed={seed}"], model_dir, folder)
             row = {**compress_and_score(command, folder, ids, args.max_windows, args.timeout),
                    "recipe_fingerprint": spec_fingerprints[spec], "date": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
             report["rows"][run_name(spec, seed)] = row

@@ -18,7 +18,8 @@ path (``pip install --target artifacts/peer-site --no-deps llmcompressor==0.14.0
 Every checkpoint is reloaded and scored like
 ``benchmarks/quality.py``, on the panel: the out-of-domain headline (Shakespeare), the gate's code and technical
 texts, and in-domain pydoc. Writes ``benchmarks/results/<name>.{json,md}``
-after every run.
+after every run, replacing the file a former invocation of that name wrote; calibration draws of a recipe or a peer
+preset gather in one resumable file with ``benchmarks.quality_draws`` instead.
 """
 
 from __future__ import annotations

@@ -45,6 +45,46 @@ def test_a_spec_that_does_not_compose_is_refused_by_name_before_any_draw():
     assert set(quality_draws.fingerprints(["gptq_int4"])) == {"gptq_int4"}
 
 
+PEER_SPEC = "llm-compressor:awq_gptq_w4a16_mse data.generated=1.0 data.num_samples=32"
+
+
+def install_peer(root: Path, version: str) -> None:
+    """What ``pip install --target artifacts/peer-site llmcompressor==VERSION`` leaves for the version lookup."""
+    for old in (root / "artifacts" / "peer-site").glob("llmcompressor-*.dist-info"):
+        (old / "METADATA").unlink()
+        old.rmdir()
+    info = root / "artifacts" / "peer-site" / f"llmcompressor-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: llmcompressor\nVersion: {version}\n")
+
+
+def test_a_peer_spec_is_refused_by_name_until_the_peer_is_installed(tmp_path, monkeypatch):
+    monkeypatch.setattr(quality_draws, "ROOT", tmp_path)
+    with pytest.raises(SystemExit, match=r"^llm-compressor:awq_gptq_w4a16_mse .*: llm-compressor is not installed"):
+        quality_draws.fingerprints(["gptq_int4", PEER_SPEC])
+    install_peer(tmp_path, "0.14.0.1")
+    assert set(quality_draws.fingerprints([PEER_SPEC])) == {PEER_SPEC}
+    refused = [(f"{PEER_SPEC} seed=1", "seeds come from --seeds"), ("llm-compressor:w9", "no llm-compressor preset")]
+    for bad, why in refused:
+        with pytest.raises(SystemExit, match=why):
+            quality_draws.fingerprints([bad])
+
+
+def test_a_peer_draw_follows_its_preset_calibration_settings_and_version(tmp_path, monkeypatch):
+    """Seeds of one peer spec gather in one file: a draw counts while the preset, the settings its ids are cut with
+    and llm-compressor's version stay; another version's draws are run again."""
+    monkeypatch.setattr(quality_draws, "ROOT", tmp_path)
+    install_peer(tmp_path, "0.14.0.1")
+    first = quality_draws.recipe_fingerprint(PEER_SPEC)
+    assert first != quality_draws.recipe_fingerprint("llm-compressor:awq_gptq_w4a16_mse data.generated=1.0")
+    assert first != quality_draws.recipe_fingerprint(PEER_SPEC.replace("awq_gptq_w4a16_mse", "gptq_w4a16_mse"))
+    stored = {"rows": {f"{PEER_SPEC} seed=1": {"seconds": 1.0, "recipe_fingerprint": first}}}
+    assert quality_draws.missing(stored, [PEER_SPEC], [0, 1, 2], {PEER_SPEC: first}) == [(PEER_SPEC, 0), (PEER_SPEC, 2)]
+    install_peer(tmp_path, "0.15.0")
+    newer = quality_draws.recipe_fingerprint(PEER_SPEC)
+    assert newer != first and len(quality_draws.missing(stored, [PEER_SPEC], [0, 1, 2], {PEER_SPEC: newer})) == 3
+
+
 def test_the_dry_run_plan_reads_each_recipes_time_from_the_quality_table(tiny_model_dir, tmp_path):
     row = {"recipe": "gptq_int4", "overrides": [], "ratios": {"out_of_domain": {}}, "draws": 3, "threads": 2}
     runs = [{**row, "seconds": 74.0}, {**row, "overrides": ["stages.0.act_order=false"], "seconds": 162.0}]
