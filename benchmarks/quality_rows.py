@@ -9,6 +9,7 @@ RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DRAWS_GOAL = 3  # calibration draws a quality claim averages (the brief's rule)
 TEXTS_GOAL = ("out_of_domain", "code", "technical", "in_domain")  # Shakespeare, the panel's code and technical, pydoc
 TEXT_LABELS = {"out_of_domain": "Shakespeare", "code": "code", "technical": "technical", "in_domain": "in-domain"}
+STANDARD = "≥ 3 calibration draws unless calibration-free, torch threads recorded, every text of the panel scored"
 OUT_OF_DOMAIN = TEXTS_GOAL[:3]  # the texts no recipe calibrates on: the pick ranks on their mean, not on one of them
 
 PENDING = {  # shipped recipes kept out of the README's rows until >= 3 draws of them as shipped exist
@@ -66,26 +67,30 @@ def shipped_recipes() -> list[str]:
     return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml") if not path.stem.startswith("_"))
 
 
+def shortfall(row: dict) -> list[str]:
+    """What a row lacks against the table's standard (>= 3 calibration draws unless calibration-free, torch threads
+    recorded, every text scored); empty when it meets it."""
+    missing = []
+    if row["draws"] < DRAWS_GOAL and not calibration_free(row["recipe"], row["overrides"]):
+        missing.append(f"{row['draws']} of {DRAWS_GOAL} draws")
+    if row["threads"] is None:
+        missing.append("threads not recorded")
+    unscored = [text for text in TEXTS_GOAL if text not in row["ratios"]]
+    if unscored:
+        missing.append(f"not scored on {', '.join(unscored)}")
+    return missing
+
+
 def still_to_measure(runs: list[dict]) -> list[str]:
-    """Per shipped recipe, what its row lacks against the table's goal (>= 3 calibration draws unless calibration-free,
-    torch threads recorded, every text scored): the work left, read from the rows, never written by hand."""
+    """Per shipped recipe, what its row lacks against the table's standard (``shortfall``): the work left, read from
+    the rows, never written by hand."""
     lines = []
     for recipe in shipped_recipes():
         row = shipped(runs, recipe)
         if row is None and recipe in NEEDS_INPUT:
             lines.append(f"- `{recipe}`: not measurable as shipped: {NEEDS_INPUT[recipe]}")
-            continue
-        if row is None:
+        elif row is None:
             lines.append(f"- `{recipe}`: not measured as shipped")
-            continue
-        missing = []
-        if row["draws"] < DRAWS_GOAL and not calibration_free(recipe, row["overrides"]):
-            missing.append(f"{row['draws']} of {DRAWS_GOAL} draws")
-        if row["threads"] is None:
-            missing.append("threads not recorded")
-        unscored = [text for text in TEXTS_GOAL if text not in row["ratios"]]
-        if unscored:
-            missing.append(f"not scored on {', '.join(unscored)}")
-        if missing:
-            lines.append(f"- `{row['run']}`: {'; '.join(missing)}")
+        elif shortfall(row):
+            lines.append(f"- `{row['run']}`: {'; '.join(shortfall(row))}")
     return lines

@@ -105,6 +105,27 @@ def test_draws_threads_intervals_and_peer_pairs_are_computed(tmp_path: Path):
     assert "| `rtn_int4` | 1 (0) | 1 | 1.400 (calibration-free: every draw is this one) |" in table
 
 
+def test_rows_to_the_standard_stand_apart_from_earlier_ones_which_say_what_they_lack(tmp_path: Path):
+    """Three draws at recorded threads on every text make a row of the first table; fewer draws, unrecorded threads or
+    a text not scored put it in the second, whose last column names what it lacks (in quality.json too)."""
+    panel = ("out_of_domain", "code", "technical", "in_domain")
+    base = {text: {"perplexity": 10.0, "tokens": 100} for text in panel}
+    row = {text: {"perplexity": 11.0} for text in panel} | {"seconds": 1.0}
+    rows = {"gptq_int4": row, "gptq_int4 seed=1": row, "gptq_int4 seed=2": row, "gptq_int3": row}
+    report = {"model": "m", "date": "2030-01-01 00:00", "command": "c", "baseline": base, "rows": rows, "threads": 2}
+    (tmp_path / "p.json").write_text(json.dumps(report))
+    tables = build(["p"], tmp_path)["m"]
+    assert {run["run"]: run["short_of_standard"] for run in tables["runs"]} == {
+        "gptq_int4": [],
+        "gptq_int3": ["1 of 3 draws"],
+    }
+    table = markdown({"m": tables}, "cmd")
+    first, earlier = table.split("Earlier and exploratory measurements")
+    assert "| `gptq_int4` | 3 (0, 1, 2) | 2 |" in first and "`gptq_int3`" not in first.split("Measured to")[1]
+    assert "| short of the standard by |" in earlier
+    assert next(line for line in earlier.splitlines() if "`gptq_int3`" in line).endswith("| 1 of 3 draws |")
+
+
 def test_panel_texts_get_a_column_each_shakespeare_first_in_domain_last(tmp_path: Path):
     panel = {"out_of_domain": 12.0, "zeta": 11.0, "technical": 13.0, "in_domain": 6.0, "code": 14.0}
     row = {text: {"perplexity": value} for text, value in panel.items()} | {"seconds": 1.0}
