@@ -315,6 +315,10 @@ def pairs(runs: list[dict]) -> list[dict]:
                 },
                 "sources": sorted({d[k]["source"] for d in (mine, theirs) for k in shared}),
             })  # fmt: skip
+            found[-1]["short_of_standard"] = shortfall({
+                "recipe": ours["recipe"], "overrides": ours["overrides"], "draws": len(shared),
+                "threads": ours["threads"], "ratios": found[-1]["difference"],
+            })  # fmt: skip
     return found
 
 
@@ -340,6 +344,14 @@ def _run_line(run: dict, texts: list[str]) -> str:
         f"| `{run['run']}` | {run['draws']} ({', '.join(map(str, run['seeds']))}) | "
         f"{threads_cell(run['threads'])} | {ratios} | {size} | {_number(run['seconds'])} | "
         f"{_number(run['peak_rss_mb'])} | {files} |"
+    )
+
+
+def _pair_line(pair: dict, texts: list[str]) -> str:
+    diffs = " | ".join(cell(pair["difference"].get(t)) for t in texts)
+    return (
+        f"| `{pair['ours']}` | `{pair['peer']}` | {len(pair['seeds'])} ({', '.join(map(str, pair['seeds']))}) | "
+        f"{threads_cell(pair['threads'])} | {diffs} | {', '.join(pair['sources'])} |"
     )
 
 
@@ -397,22 +409,27 @@ def markdown(models: dict, command: str) -> str:
                 *(f"{_run_line(run, texts)} {'; '.join(shortfall(run))} |" for run in earlier),
             ]
         if tables["pairs"]:
+            header = f"| ours | rival | draws (seeds) | threads | {' | '.join(names)} | files |"
+            rule = "|---|---|---|---|" + "---|" * len(texts) + "---|"
+            standard = [pair for pair in tables["pairs"] if not pair["short_of_standard"]]
+            earlier = [pair for pair in tables["pairs"] if pair["short_of_standard"]]
             lines += [
                 "",
                 "Paired on the same calibration ids, ours − rival per draw (negative: ours lower); the rival is "
                 "llm-compressor's preset, or the recipe as shipped with a stage setting changed (what the shipped "
-                "setting buys):",
-                "",
-                f"| ours | rival | draws (seeds) | threads | {' | '.join(names)} | files |",
-                "|---|---|---|---|" + "---|" * len(texts) + "---|",
+                "setting buys). To the standard:" + ("" if standard else " no pair yet."),
             ]
-            for pair in tables["pairs"]:
-                diffs = " | ".join(cell(pair["difference"].get(t)) for t in texts)
-                lines.append(
-                    f"| `{pair['ours']}` | `{pair['peer']}` | {len(pair['seeds'])} "
-                    f"({', '.join(map(str, pair['seeds']))}) | {threads_cell(pair['threads'])} | {diffs} | "
-                    f"{', '.join(pair['sources'])} |"
-                )
+            if standard:
+                lines += ["", header, rule, *(_pair_line(pair, texts) for pair in standard)]
+            if earlier:
+                lines += [
+                    "",
+                    "Earlier and exploratory pairs, short of the standard:",
+                    "",
+                    header.replace(" files |", " files | short of the standard by |"),
+                    rule + "---|",
+                    *(f"{_pair_line(pair, texts)} {'; '.join(pair['short_of_standard'])} |" for pair in earlier),
+                ]
         gaps = still_to_measure(tables["runs"])
         if gaps:
             lines += ["", f"Still to measure, per shipped recipe ({STANDARD}):", "", *gaps]

@@ -100,6 +100,8 @@ def test_draws_threads_intervals_and_peer_pairs_are_computed(tmp_path: Path):
     (pair,) = tables["pairs"]
     assert (pair["ours"], pair["peer"], pair["seeds"]) == ("gptq_int4", "llm-compressor:gptq_w4a16", [0, 1, 2])
     assert pair["difference"]["out_of_domain"]["values"] == pytest.approx([-0.3, -0.2, -0.3])
+    assert pair["short_of_standard"] == ["threads not recorded", "not scored on code, technical"]
+    assert "Earlier and exploratory pairs, short of the standard:" in markdown({"m": tables}, "cmd")
     table = markdown({"m": tables}, "cmd")
     assert "| `gptq_int3` | 1 (0) | 1 | 2.000 (1 draw: no interval) |" in table
     assert "| `rtn_int4` | 1 (0) | 1 | 1.400 (calibration-free: every draw is this one) |" in table
