@@ -285,10 +285,11 @@ def _rank(run: str) -> tuple[int, int, str]:
 
 def rival(ours: dict, other: dict) -> str | None:
     """What ``other`` is to ``ours``: the peer preset it competes with (ORDER), or for a recipe as shipped the same
-    recipe with stage settings changed (what the shipped setting buys); else None."""
+    recipe with stage settings changed or its stage list replaced (``stages=[...]``: what the shipped stages buy
+    against, say, an added stage); else None."""
     if other["recipe"].startswith(PEER):
         return "peer" if (ours["recipe"], other["recipe"].removeprefix(PEER)) in ORDER else None
-    same_data = other["overrides"] and all(override.startswith("stages.") for override in other["overrides"])
+    same_data = other["overrides"] and all(o.startswith(("stages.", "stages=")) for o in other["overrides"])
     return "setting" if not ours["overrides"] and other["recipe"] == ours["recipe"] and same_data else None
 
 

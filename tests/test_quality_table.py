@@ -19,6 +19,7 @@ from benchmarks.quality_table import (
     SOURCES,
     build,
     markdown,
+    rival,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,6 +127,19 @@ def test_rows_to_the_standard_stand_apart_from_earlier_ones_which_say_what_they_
     assert "| `gptq_int4` | 3 (0, 1, 2) | 2 |" in first and "`gptq_int3`" not in first.split("Measured to")[1]
     assert "| short of the standard by |" in earlier
     assert next(line for line in earlier.splitlines() if "`gptq_int3`" in line).endswith("| 1 of 3 draws |")
+
+
+def test_a_recipe_is_paired_with_itself_under_changed_stage_settings_or_a_replaced_stage_list():
+    def run(name: str) -> dict:
+        recipe, *overrides = name.split()
+        return {"recipe": recipe, "overrides": overrides}
+
+    shipped = run("awq_int4")
+    assert rival(shipped, run("awq_int4 stages.0.act_order=false")) == "setting"
+    assert rival(shipped, run("awq_int4 stages=[{type:awq},{type:distill}]")) == "setting"
+    assert rival(shipped, run("awq_int4 data.num_samples=64")) is None  # other calibration: not the same ids
+    assert rival(shipped, run("gptq_int4 stages.0.act_order=false")) is None
+    assert rival(run("awq_int4 data.num_samples=64"), run("awq_int4 stages.0.act_order=false")) is None
 
 
 def test_panel_texts_get_a_column_each_shakespeare_first_in_domain_last(tmp_path: Path):
