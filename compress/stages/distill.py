@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class DistillConfig:
     steps: int = 200  # optimizer steps
-    max_minutes: float | None = 15.0  # stop early when the wall time runs out
+    max_minutes: float | None = 15.0  # wall-time budget: the steps (and their decay) shrink to fit it
     learning_rate: float = 1e-4  # AdamW's peak rate: linear warm-up, then cosine decay to zero
     warmup_steps: int = 5  # steps of linear warm-up
     temperature: float = 2.0  # softens both next-token distributions before their KL (scaled back by T²)
@@ -164,7 +164,10 @@ class DistillStage(Stage):
             param.requires_grad_(True)
         kl_before = mean_kl(model, teacher, held_out, c.batch_size) if c.held_out else None
         optimizer = torch.optim.AdamW(params, lr=c.learning_rate, weight_decay=0.0)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, c.warmup_steps, c.steps))
+        planned = {"steps": c.steps}  # shrinks to what the time budget allows, so the decay ends inside it
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: _lr_factor(step, c.warmup_steps, planned["steps"])
+        )
         if c.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -175,6 +178,8 @@ class DistillStage(Stage):
         try:
             progress = tqdm(range(c.steps), desc="distill", unit="step")
             for step in progress:
+                if step >= planned["steps"]:
+                    break
                 picks = [order[(step * c.batch_size + k) % len(order)].item() for k in range(c.batch_size)]
                 batch = train[picks].to(device)
                 with torch.no_grad():
@@ -197,6 +202,8 @@ class DistillStage(Stage):
                 progress.set_postfix(loss=f"{losses[-1]:.4f}")
                 if self.metrics_sink is not None:
                     self.metrics_sink({**values, "distill_lr": schedule.get_last_lr()[0]}, step)
+                budget = None if c.max_minutes is None else 60 * c.max_minutes
+                planned["steps"] = steps_within(budget, time.perf_counter() - start, step + 1, c.steps)
                 if deadline is not None and time.perf_counter() > deadline:
                     log.info("distill: %.1f-minute budget reached after %d steps", c.max_minutes, step + 1)
                     break
@@ -211,6 +218,7 @@ class DistillStage(Stage):
         self.teacher = None  # free it: the teacher is as large as the student
         self.summary = {
             "steps": len(losses),
+            "steps_asked": c.steps,
             "seconds": time.perf_counter() - start,
             "train_sequences": len(train),
             "seq_len": c.seq_len,
@@ -232,6 +240,15 @@ def _cut(samples: torch.Tensor, seq_len: int) -> torch.Tensor:
     if per_sample == 0:
         raise CompressError(f"distill seq_len={seq_len} is longer than the calibration samples ({samples.shape[1]})")
     return samples[:, : per_sample * seq_len].reshape(-1, seq_len)
+
+
+def steps_within(budget_s: float | None, elapsed_s: float, done: int, steps: int) -> int:
+    """The steps that fit ``budget_s`` at the pace of the ``done`` steps so far (never fewer than done, never more
+    than ``steps``): the cosine schedule then decays to zero as the budget runs out instead of being cut mid-way at
+    a high learning rate, which leaves a quantized student's latent weights in the middle of a rounding flip."""
+    if budget_s is None or done == 0 or elapsed_s <= 0:
+        return steps
+    return max(done, min(steps, int(budget_s * done / elapsed_s)))
 
 
 def _lr_factor(step: int, warmup: int, total: int) -> float:

@@ -11,7 +11,7 @@ from compress.compression.in_memory import compress_model
 from compress.formats import QuantizedLinear
 from compress.grids.sparsity import mask_of
 from compress.stages import build_chain
-from compress.stages.distill import mean_kl
+from compress.stages.distill import _lr_factor, mean_kl, steps_within
 
 CPU = torch.device("cpu")
 DISTILL = {
@@ -106,3 +106,13 @@ def test_quantized_student_trains_through_fake_quant_and_stays_on_its_grid():
 def test_distillation_without_compression_before_it_is_refused():
     with pytest.raises(CompressError, match=r"stages.1 \(distill\) has nothing to heal"):
         build_chain([{"type": "lora_merge", "adapters": ["x"]}, {"type": "distill"}])
+
+
+def test_the_schedule_fits_the_time_budget_so_the_rate_reaches_zero_inside_it():
+    """10 steps in 6 s with a 60 s budget: 100 steps fit, so the cosine decays to zero at step 100, not at the 200
+    asked (which a deadline would cut at a rate near its peak)."""
+    assert steps_within(60.0, 6.0, 10, 200) == 100
+    assert steps_within(600.0, 6.0, 10, 200) == 200  # the budget allows more than asked: as asked
+    assert steps_within(1.0, 6.0, 10, 200) == 10  # already past it: stop where it is
+    assert steps_within(None, 6.0, 10, 200) == 200
+    assert _lr_factor(100, 5, 100) == 0.0 and _lr_factor(50, 5, 200) > 0.8
