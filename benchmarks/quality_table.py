@@ -66,6 +66,7 @@ SOURCES = [  # oldest first; a later file's draw replaces an earlier one of the 
     "gptq-w4a16-mse-seeds",
     "awq-gptq-w4a16-mse-seeds",
     "awq-gptq-w4a16-mse-seed1",
+    "awq-gptq-w4a16-mse-seed2",
 ]
 PEER = "llm-compressor:"
 # llm-compressor's presets beside the recipe they compete with (benchmarks/peer_comparison.SCHEMES, reversed)
