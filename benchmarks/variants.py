@@ -105,7 +105,19 @@ def compress_and_score(
         return {"error": run["error"], "seconds": run["wall_s"]}
     compressed, _ = load_checkpoint(folder)
     row = {**score(compressed, ids, max_windows), "seconds": run["wall_s"], "peak_rss_mb": run["peak_rss_mb"]}
-    return {**row, "size_mb": checkpoint_size_mb(folder)}
+    return {**row, "size_mb": checkpoint_size_mb(folder), **stage_facts(folder)}
+
+
+def stage_facts(folder: Path) -> dict:
+    """``{"stages": {"0:gptq": {key: value}}}``: the plain values of each stage's summary (steps taken, losses,
+    held-out KL), from the checkpoint's ``stages.json``, so a row says what its stages did; per-layer detail is left
+    in the checkpoint. Empty for a checkpoint without one (a peer's)."""
+    path = folder / "stages.json"
+    if not path.is_file():
+        return {}
+    plain = (int, float, str, bool)
+    stages = json.loads(path.read_text()).items()
+    return {"stages": {name: {k: v for k, v in found.items() if isinstance(v, plain)} for name, found in stages}}
 
 
 def _row(name: str, row: dict, base: dict, reference_seconds: float) -> str:

@@ -108,6 +108,7 @@ def test_one_command_measures_what_is_missing_and_the_table_reads_it(tiny_model_
     report = json.loads((tmp_path / "quality-draws.json").read_text())
     assert list(report["rows"]) == ["rtn_int4"] and report["threads"] == 1
     assert set(report["rows"]["rtn_int4"]) >= {"out_of_domain", "code", "technical", "in_domain", "size_mb"}
+    assert report["rows"]["rtn_int4"]["stages"]["0:rtn"]["algorithm"]  # what the stage did, from stages.json
     (run,) = build(["quality-draws"], tmp_path)[tiny_model_dir.name]["runs"]
     assert list(run["ratios"]) == ["out_of_domain", "code", "technical", "in_domain"] and run["threads"] == 1
     quality_draws.main()
