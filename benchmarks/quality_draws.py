@@ -4,7 +4,9 @@
     python -m benchmarks.quality_draws --recipes gptq_int4 awq_int4  # run what those recipes lack
     python -m benchmarks.quality_draws --recipes 'gptq_int3 stages.0.act_order=true'  # a candidate setting
     python -m benchmarks.quality_draws                               # every README recipe, seeds 0 1 2
-    python -m benchmarks.quality_draws --recipes 'llm-compressor:awq_gptq_w4a16_mse data.num_samples=32'  # a peer
+    # llm-compressor's preset on the ids awq_int4 cuts (32 self-sampled windows): the pair the quality table shows
+    python -m benchmarks.quality_draws --recipes \\
+        'llm-compressor:awq_gptq_w4a16_mse data.generated=1.0 data.num_samples=32'
 
 Each missing draw (a recipe as shipped, or with the overrides its spec names; ``seed=N``) compresses the model
 (``--model``) through ``compress.oneshot`` in a subprocess of its own, at the pinned torch thread count
