@@ -91,6 +91,6 @@ def still_to_measure(runs: list[dict]) -> list[str]:
             lines.append(f"- `{recipe}`: not measurable as shipped: {NEEDS_INPUT[recipe]}")
         elif row is None:
             lines.append(f"- `{recipe}`: not measured as shipped")
-        elif shortfall(row):
-            lines.append(f"- `{row['run']}`: {'; '.join(shortfall(row))}")
+        elif missing := shortfall(row):
+            lines.append(f"- `{row['run']}`: {'; '.join(missing)}")
     return lines

@@ -173,7 +173,8 @@ class DistillStage(Stage):
         model.train()
         generator = torch.Generator().manual_seed(0)
         order = torch.randperm(len(train), generator=generator)
-        deadline = None if c.max_minutes is None else time.perf_counter() + 60 * c.max_minutes
+        budget = None if c.max_minutes is None else 60 * c.max_minutes
+        deadline = None if budget is None else time.perf_counter() + budget
         start, losses, step = time.perf_counter(), [], 0
         try:
             progress = tqdm(range(c.steps), desc="distill", unit="step")
@@ -202,7 +203,6 @@ class DistillStage(Stage):
                 progress.set_postfix(loss=f"{losses[-1]:.4f}")
                 if self.metrics_sink is not None:
                     self.metrics_sink({**values, "distill_lr": schedule.get_last_lr()[0]}, step)
-                budget = None if c.max_minutes is None else 60 * c.max_minutes
                 planned["steps"] = steps_within(budget, time.perf_counter() - start, step + 1, c.steps)
                 if deadline is not None and time.perf_counter() > deadline:
                     log.info("distill: %.1f-minute budget reached after %d steps", c.max_minutes, step + 1)
