@@ -73,12 +73,14 @@ def mask_of(module: nn.Module) -> torch.Tensor | None:
     return getattr(module, MASK, None)
 
 
-def carry_mask(old: nn.Module, new: nn.Module) -> None:
-    """``new`` replaces ``old`` in the model: keep its mask, and zero what the mask prunes in ``new``'s weights."""
+def carry_mask(old: nn.Module, new: nn.Module, enforce: bool = True) -> None:
+    """``new`` replaces ``old`` in the model: keep its mask, and zero what the mask prunes in ``new``'s weights
+    (``enforce=False``: ``new`` computes with weights that already hold it, e.g. ``old``'s frozen codes)."""
     keep = mask_of(old)
     if keep is None:
         return
-    enforce_mask(new, keep)
+    if enforce:
+        enforce_mask(new, keep)
     new.register_buffer(MASK, keep.to(_device(new)), persistent=False)
     setattr(new, STRUCTURE, getattr(old, STRUCTURE))
 

@@ -6,9 +6,13 @@ time, to match the teacher's softened next-token distribution on the calibration
 temperature T, scaled by T² so gradients keep their size — plus, optionally, the mean squared error of every decoder
 layer's hidden state (normalised by the teacher's). Embeddings, norms and the head stay frozen.
 
-Compression survives training: pruned weights are multiplied by their mask after every optimizer step, and a
-quantized student trains a latent float weight through fake quantization with a straight-through estimator against
-its *fixed* scales and zero points, so at the end it rounds back to codes on the same grid and exports as before.
+Compression survives training. ``trains: weights`` (the default): pruned weights are multiplied by their mask after
+every optimizer step, and a quantized student trains a latent float weight through fake quantization with a
+straight-through estimator against its *fixed* scales and zero points, so at the end it rounds back to codes on the
+same grid and exports as before. ``trains: scales`` is EfficientQAT's end-to-end stage (E2E-QP, Chen et al. 2024):
+every code stays as the quantizer chose it (pruned zeros included) and only the per-group scales of the quantized
+linears learn — about one parameter per group, so a few thousand calibration tokens cannot overfit the weights, and
+the checkpoint keeps its layout and size. Plain linears stay frozen then.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from compress.stages.weights import replace_module
 log = logging.getLogger(__name__)
 
 
+TRAINS = ("weights", "scales")
+
+
 @dataclass
 class DistillConfig:
     steps: int = 200  # optimizer steps
@@ -47,8 +54,11 @@ class DistillConfig:
     seq_len: int = 256  # calibration samples are cut into sequences of this length
     held_out: int = 4  # sequences kept out of training to report the KL before and after
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
+    trains: str = "weights"  # weights: latent weights through the fixed grid; scales: the codes fixed, group scales
 
     def __post_init__(self):
+        if self.trains not in TRAINS:
+            raise ValueError(f"trains must be one of {', '.join(TRAINS)}, not {self.trains!r}")
         if self.steps < 1 or self.batch_size < 1 or self.seq_len < 2:
             raise ValueError("steps and batch_size must be ≥ 1 and seq_len ≥ 2")
         if self.temperature <= 0 or self.learning_rate <= 0:
@@ -92,6 +102,43 @@ class FakeQuantLinear(nn.Module):
             source.num_bits,
             source.group_size,
             None if bias is None else bias.cpu(),
+            None if source.weight_g_idx is None else source.weight_g_idx.cpu(),
+        )
+
+
+class ScaleTrainedLinear(nn.Module):
+    """A ``QuantizedLinear`` whose codes are frozen and whose per-group scales train: ``W = (q − z)·s`` is
+    differentiable in ``s``, so no straight-through estimate is needed and the codes cannot move."""
+
+    def __init__(self, source: QuantizedLinear):
+        super().__init__()
+        self.source = [source]
+        weight = source.dequantized_weight().float()
+        self.register_buffer(
+            "group_of", group_index(source.in_features, source.group_size, source.weight_g_idx, weight.device)
+        )
+        zero = source.weight_zero_point
+        scale = source.weight_scale.float()
+        self.register_buffer("zero", torch.zeros_like(scale) if zero is None else zero.float())
+        expanded = scale[:, self.group_of]
+        self.register_buffer("frozen_codes", torch.round(weight / expanded) + self.zero[:, self.group_of])
+        self.weight_scale = nn.Parameter(scale)
+        self.bias = None if source.bias is None else nn.Parameter(source.bias.data.float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = (self.frozen_codes - self.zero[:, self.group_of]) * self.weight_scale[:, self.group_of]
+        return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    @torch.no_grad()
+    def to_quantized(self) -> QuantizedLinear:
+        source = self.source[0]
+        return QuantizedLinear.from_codes(
+            self.frozen_codes.to(torch.int8).cpu(),
+            self.weight_scale.to(source.weight_scale.dtype).cpu(),
+            None if source.weight_zero_point is None else source.weight_zero_point.cpu(),
+            source.num_bits,
+            source.group_size,
+            None if source.bias is None else source.bias.data.cpu(),
             None if source.weight_g_idx is None else source.weight_g_idx.cpu(),
         )
 
@@ -154,11 +201,15 @@ class DistillStage(Stage):
             )
         held_out, train = sequences[: c.held_out].to(device), sequences[c.held_out :]
         teacher = self.teacher.to(device)
-        fake_quant = _make_trainable(model)
+        fake_quant = _make_trainable(model, c.trains)
         model.to(device)
-        trainable = _trainable_linears(model)
-        params = [module.weight for module in trainable.values()]
-        masks = {name: mask_of(module) for name, module in trainable.items() if mask_of(module) is not None}
+        trainable = _trainable_linears(model, c.trains)
+        params = [_trained_parameter(module) for module in trainable.values()]
+        masks = {  # trained scales multiply frozen codes: their zeros stay zero
+            name: mask_of(module)
+            for name, module in trainable.items()
+            if mask_of(module) is not None and c.trains == "weights"
+        }
         model.requires_grad_(False)
         for param in params:
             param.requires_grad_(True)
@@ -226,6 +277,7 @@ class DistillStage(Stage):
             "last_loss": sum(losses[-10:]) / len(losses[-10:]),
             "held_out_kl_before": kl_before,
             "held_out_kl_after": kl_after,
+            "trains": c.trains,
             "trained_linears": len(params),
             "fake_quantized_linears": len(fake_quant),
         }
@@ -258,26 +310,40 @@ def _lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
-def _trainable_linears(model: nn.Module) -> dict[str, nn.Module]:
+def _trainable_linears(model: nn.Module, trains: str) -> dict[str, nn.Module]:
+    kinds = (ScaleTrainedLinear,) if trains == "scales" else (nn.Linear, FakeQuantLinear)
     return {
         f"model.layers.{index}.{name}": module
         for index, layer in enumerate(decoder_layers(model))
         for name, module in layer.named_modules()
-        if type(module) in (nn.Linear, FakeQuantLinear)
+        if type(module) in kinds
     }
 
 
-def _make_trainable(model: nn.Module) -> list[str]:
-    """Swap every packed quantized linear for a ``FakeQuantLinear``; returns their names."""
+def _trained_parameter(module: nn.Module) -> nn.Parameter:
+    return module.weight_scale if isinstance(module, ScaleTrainedLinear) else module.weight
+
+
+def _make_trainable(model: nn.Module, trains: str) -> list[str]:
+    """Swap every packed quantized linear for a ``FakeQuantLinear`` (or, training scales, a ``ScaleTrainedLinear``,
+    whose frozen codes already hold any mask); returns their names."""
     swapped = []
     for name, module in list(model.named_modules()):
         if isinstance(module, QuantizedLinear):
-            replace_module(model, name, FakeQuantLinear(module))  # carries the sparsity mask
+            if trains == "scales":
+                replace_module(model, name, ScaleTrainedLinear(module), enforce_mask=False)
+            else:
+                replace_module(model, name, FakeQuantLinear(module))  # carries the sparsity mask
             swapped.append(name)
-        elif hasattr(module, "dequantized_weight") and not isinstance(module, FakeQuantLinear):
+        elif hasattr(module, "dequantized_weight") and not isinstance(module, (FakeQuantLinear, ScaleTrainedLinear)):
             raise CompressError(
                 f"distill cannot train {name} ({type(module).__name__}); put distill before that quantizer"
             )
+    if trains == "scales" and not swapped:
+        raise CompressError(
+            "distill trains=scales needs a quantizing stage before it (an int4/int3 weight quantizer): it learns "
+            "the group scales of quantized linears, and this chain quantizes none; use trains=weights"
+        )
     return swapped
 
 

@@ -43,10 +43,10 @@ def target_linears(layer: nn.Module, prefix: str, ignore: list[str]) -> dict[str
     }
 
 
-def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
+def replace_module(root: nn.Module, name: str, new: nn.Module, enforce_mask: bool = True) -> None:
     """Swap ``root.<name>`` for ``new``; an N:M mask on the old module moves over and is re-applied to ``new``'s
     weights, so a quantizer cannot refill pruned weights (its compensation or rounding may have)."""
-    carry_mask(root.get_submodule(name), new)
+    carry_mask(root.get_submodule(name), new, enforce_mask)
     parent_name, _, child = name.rpartition(".")
     setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
 

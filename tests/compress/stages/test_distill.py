@@ -103,6 +103,37 @@ def test_quantized_student_trains_through_fake_quant_and_stays_on_its_grid():
     assert mean_kl(student, teacher, held_out, 4) < mean_kl(quantized, teacher, held_out, 4)
 
 
+def test_scale_training_keeps_every_code_and_learns_the_group_scales():
+    """``trains: scales`` (EfficientQAT's end-to-end stage): the codes stay as the quantizer chose them, pruned
+    zeros included, and only the per-group scales move, so the checkpoint keeps its layout and size."""
+    teacher = _confident_model()
+    held_out = _held_out_text()
+    chain = [{"type": "wanda"}, {"type": "rtn", "bits": 4, "group_size": 32}]
+    quantized = _confident_model()
+    _chain(chain, quantized)
+    student = _confident_model()
+    summary = _chain([*chain, {**DISTILL, "trains": "scales", "learning_rate": 1e-3}], student)[2]
+    assert summary["trains"] == "scales" and summary["trained_linears"] == 14
+    for name in ("self_attn.q_proj", "mlp.down_proj"):
+        before = quantized.model.layers[1].get_submodule(name)
+        after = student.model.layers[1].get_submodule(name)
+        assert torch.equal(after.weight_packed, before.weight_packed)  # the codes, as quantized
+        assert after.weight_scale.dtype == before.weight_scale.dtype
+        assert not torch.equal(after.weight_scale, before.weight_scale)  # the scales learned
+        assert torch.equal(mask_of(after), mask_of(before))
+    assert mean_kl(student, teacher, held_out, 4) < mean_kl(quantized, teacher, held_out, 4)
+
+
+def test_scale_training_without_a_quantized_linear_is_refused():
+    with pytest.raises(CompressError, match="trains=scales needs a quantizing stage before it"):
+        _chain([{"type": "magnitude_prune"}, {**DISTILL, "trains": "scales"}], _confident_model())
+
+
+def test_an_unknown_training_target_is_refused():
+    with pytest.raises(CompressError, match=r"stages.1 \(distill\): trains must be one of weights, scales"):
+        build_chain([{"type": "rtn"}, {**DISTILL, "trains": "codes"}])
+
+
 def test_distillation_without_compression_before_it_is_refused():
     with pytest.raises(CompressError, match=r"stages.1 \(distill\) has nothing to heal"):
         build_chain([{"type": "lora_merge", "adapters": ["x"]}, {"type": "distill"}])
