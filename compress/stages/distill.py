@@ -93,17 +93,7 @@ class FakeQuantLinear(nn.Module):
 
     @torch.no_grad()
     def to_quantized(self) -> QuantizedLinear:
-        source = self.source[0]
-        bias = None if source.bias is None else source.bias.data
-        return QuantizedLinear.from_codes(
-            self.codes().to(torch.int8).cpu(),
-            source.weight_scale.cpu(),
-            None if source.weight_zero_point is None else source.weight_zero_point.cpu(),
-            source.num_bits,
-            source.group_size,
-            None if bias is None else bias.cpu(),
-            None if source.weight_g_idx is None else source.weight_g_idx.cpu(),
-        )
+        return _on_grid_of(self.source[0], self.codes(), self.source[0].weight_scale)
 
 
 class ScaleTrainedLinear(nn.Module):
@@ -131,16 +121,24 @@ class ScaleTrainedLinear(nn.Module):
 
     @torch.no_grad()
     def to_quantized(self) -> QuantizedLinear:
-        source = self.source[0]
-        return QuantizedLinear.from_codes(
-            self.frozen_codes.to(torch.int8).cpu(),
-            self.weight_scale.to(source.weight_scale.dtype).cpu(),
-            None if source.weight_zero_point is None else source.weight_zero_point.cpu(),
-            source.num_bits,
-            source.group_size,
-            None if source.bias is None else source.bias.data.cpu(),
-            None if source.weight_g_idx is None else source.weight_g_idx.cpu(),
-        )
+        return _on_grid_of(self.source[0], self.frozen_codes, self.weight_scale)
+
+
+def _on_grid_of(source: QuantizedLinear, codes: torch.Tensor, scale: torch.Tensor) -> QuantizedLinear:
+    """A packed layer like ``source`` (bits, groups, zero points, order, bias) with these codes and scales."""
+
+    def host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.detach().cpu()
+
+    return QuantizedLinear.from_codes(
+        codes.detach().to(torch.int8).cpu(),
+        scale.detach().to(source.weight_scale.dtype).cpu(),
+        host(source.weight_zero_point),
+        source.num_bits,
+        source.group_size,
+        None if source.bias is None else host(source.bias.data),
+        host(source.weight_g_idx),
+    )
 
 
 def distillation_loss(student_out, teacher_out, temperature: float, hidden_weight: float) -> dict[str, torch.Tensor]:
