@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from compress.base.data import DataSpec, calibration_samples, load_corpus, tokenize  # noqa: E402
+from compress.base.signals import signals_recorded  # noqa: E402
 from compress.checkpoint import load_checkpoint  # noqa: E402
 from compress.evals.perplexity import perplexity  # noqa: E402
 from compress.model.sources import ModelSpec, load, resolve_model_path  # noqa: E402
@@ -64,7 +65,7 @@ def measured_run(command: list[str], log: Path, timeout: float, tree: Path = ROO
     env["PYTHONPATH"] = str(tree)
     rss_file = log.with_suffix(".rss")
     start = time.perf_counter()
-    with log.open("w") as out:
+    with log.open("w") as out, signals_recorded():
         process = subprocess.Popen(
             ["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *command],
             stdout=out,
@@ -79,6 +80,10 @@ def measured_run(command: list[str], log: Path, timeout: float, tree: Path = ROO
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             return {"ok": False, "error": f"timed out after {timeout:.0f} s", "wall_s": timeout}
+        except BaseException:  # Ctrl-C or SIGTERM to this driver: the child's own session would never hear it
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise
     wall = time.perf_counter() - start
     result = {"ok": code == 0, "wall_s": wall}
     if code == 0:
