@@ -78,6 +78,7 @@ def check_compression_order(stages: list[Stage]) -> None:
     distillation needs something compressed to heal; its teacher is the model just before the first compression."""
     compressed: tuple[int, str] | None = None
     pruner: tuple[int, str] | None = None
+    quantized: int | None = None
     for position, stage in enumerate(stages):
         if stage.merges_adapters and compressed is not None:
             raise CompressError(
@@ -99,8 +100,15 @@ def check_compression_order(stages: list[Stage]) -> None:
                     f"stages.{position} ({stage.name}) has nothing to heal: put it after a pruning or quantizing stage"
                 )
             stage.teacher_position = compressed[0]
+        if stage.needs_quantized_weights and quantized is None:
+            raise CompressError(
+                f"stages.{position} ({stage.name}) trains what a weight quantizer packs, and no stage before it "
+                "quantizes weights: put it after one"
+            )
         if compressed is None and (stage.prunes_weights or stage.quantizes_weights):
             compressed = (position, stage.name)
+        if stage.quantizes_weights:
+            quantized = position
 
 
 __all__ = [

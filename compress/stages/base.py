@@ -91,6 +91,7 @@ class Stage(ABC):
     quantizes_kv_cache: ClassVar[bool] = False  # calibrates KV-cache scales: one per recipe, its kv_cache_scheme saved
     merges_adapters: ClassVar[bool] = False  # merges adapters into dense weights: must precede any compression
     heals: ClassVar[bool] = False  # trains the compressed model back (distillation): must follow a compression
+    needs_quantized_weights: bool = False  # trains what a weight quantizer packed (its scales): must follow one
     # process_layer treats each input group of linears alone, so without calibration inputs it can run from the
     # weight files with no model built (compress.compression.model_free)
     runs_model_free: ClassVar[bool] = False

@@ -180,6 +180,11 @@ class DistillStage(Stage):
         super().__init__(config)
         self.teacher: nn.Module | None = None
 
+    @property
+    def needs_quantized_weights(self) -> bool:
+        """Scale training keeps a weight quantizer's codes: without one before it, it has nothing to train."""
+        return self.config.trains == "scales"
+
     def before_stage(self, model: nn.Module, position: int) -> None:
         if position == self.teacher_position:
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
@@ -337,10 +342,10 @@ def _make_trainable(model: nn.Module, trains: str) -> list[str]:
             raise CompressError(
                 f"distill cannot train {name} ({type(module).__name__}); put distill before that quantizer"
             )
-    if trains == "scales" and not swapped:
+    if trains == "scales" and not swapped:  # a quantizer came first (build_chain checks) but packed nothing here
         raise CompressError(
-            "distill trains=scales needs a quantizing stage before it (an int4/int3 weight quantizer): it learns "
-            "the group scales of quantized linears, and this chain quantizes none; use trains=weights"
+            "distill trains=scales found no int4/int3 quantized linear to train (fp8/int8 layers keep no group "
+            "scales, and ignore: may have left every linear dense); use trains=weights"
         )
     return swapped
 

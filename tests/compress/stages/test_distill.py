@@ -124,9 +124,10 @@ def test_scale_training_keeps_every_code_and_learns_the_group_scales():
     assert mean_kl(student, teacher, held_out, 4) < mean_kl(quantized, teacher, held_out, 4)
 
 
-def test_scale_training_without_a_quantized_linear_is_refused():
-    with pytest.raises(CompressError, match="trains=scales needs a quantizing stage before it"):
-        _chain([{"type": "magnitude_prune"}, {**DISTILL, "trains": "scales"}], _confident_model())
+def test_scale_training_without_a_quantizer_before_it_is_refused_before_any_work():
+    with pytest.raises(CompressError, match=r"stages.1 \(distill\) trains what a weight quantizer packs"):
+        build_chain([{"type": "magnitude_prune"}, {**DISTILL, "trains": "scales"}])
+    build_chain([{"type": "magnitude_prune"}, {**DISTILL, "trains": "weights"}])  # latent weights: a pruner will do
 
 
 def test_an_unknown_training_target_is_refused():

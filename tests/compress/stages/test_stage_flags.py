@@ -25,6 +25,7 @@ FLAGGED = {
     "kv": _stage("kv", quantizes_kv_cache=True),
     "merger": _stage("merger", merges_adapters=True, needs_calibration=False, layerwise=False),
     "healer": _stage("healer", heals=True, layerwise=False),
+    "scaler": _stage("scaler", heals=True, needs_quantized_weights=True, layerwise=False),
     "plain": _stage("plain"),
 }
 
@@ -50,6 +51,7 @@ def _chain(*names: str) -> list[Stage]:
         (("quantizer", "plain", "quantizer"), r"stages.2 \(quantizer\) would quantize weights that stages.0"),
         (("quantizer", "pruner"), r"stages.1 \(pruner\) would prune weights that stages.0 \(quantizer\)"),
         (("pruner", "pruner"), r"stages.1 \(pruner\): stages.0 already prunes"),
+        (("pruner", "scaler"), r"stages.1 \(scaler\) trains what a weight quantizer packs, and no stage before it"),
     ],
 )
 def test_illegal_orders_are_refused_from_the_flags_alone(flagged, order, message):
@@ -58,8 +60,9 @@ def test_illegal_orders_are_refused_from_the_flags_alone(flagged, order, message
 
 
 def test_legal_order_passes_and_the_healer_learns_its_teacher(flagged):
-    stages = _chain("merger", "folder", "pruner", "healer", "quantizer", "kv", "plain")
+    stages = _chain("merger", "folder", "pruner", "healer", "quantizer", "scaler", "kv", "plain")
     assert stages[3].teacher_position == 2  # the model just before the first compression
+    assert stages[5].teacher_position == 2
 
 
 def test_only_the_kv_stage_has_a_kv_cache_scheme():
