@@ -42,7 +42,8 @@ def test_a_signalled_driver_stops_its_compression(tmp_path, signum):
     deadline = time.monotonic() + 10
     while _running(child) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _running(child):
+    outlived = _running(child)
+    if outlived:  # clean up before asserting, so a failure leaves no sleeper behind
         os.kill(child, signal.SIGKILL)
-    assert not _running(child), "the driver's compression outlived it"
+    assert not outlived, "the driver's compression outlived it"
     assert process.returncode != 0
