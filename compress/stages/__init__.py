@@ -47,8 +47,8 @@ def check_chain(stages: list[Stage]) -> None:
 
 
 def check_quantization_order(stages: list[Stage]) -> None:
-    """One weight quantizer; scale-folding stages (smoothquant) need dense weights, so they go before it; a KV-cache
-    quantizer may appear once."""
+    """One weight quantizer; scale-folding stages (smoothquant) need dense weights, so they go before it, and a stage
+    that trains the packed scales needs it before; a KV-cache quantizer may appear once."""
     quantizer: tuple[int, str] | None = None
     kv_stage: tuple[int, str] | None = None
     for position, stage in enumerate(stages):
@@ -64,6 +64,11 @@ def check_quantization_order(stages: list[Stage]) -> None:
                     f"({kv_stage[1]}); keep one KV-cache quantizer per recipe"
                 )
             kv_stage = (position, stage.name)
+        if stage.needs_quantized_weights and quantizer is None:
+            raise CompressError(
+                f"stages.{position} ({stage.name}) trains what a weight quantizer packs, and no stage before it "
+                "quantizes weights: put it after one"
+            )
         if stage.quantizes_weights:
             if quantizer is not None:
                 raise CompressError(
@@ -78,7 +83,6 @@ def check_compression_order(stages: list[Stage]) -> None:
     distillation needs something compressed to heal; its teacher is the model just before the first compression."""
     compressed: tuple[int, str] | None = None
     pruner: tuple[int, str] | None = None
-    quantized: int | None = None
     for position, stage in enumerate(stages):
         if stage.merges_adapters and compressed is not None:
             raise CompressError(
@@ -100,15 +104,8 @@ def check_compression_order(stages: list[Stage]) -> None:
                     f"stages.{position} ({stage.name}) has nothing to heal: put it after a pruning or quantizing stage"
                 )
             stage.teacher_position = compressed[0]
-        if stage.needs_quantized_weights and quantized is None:
-            raise CompressError(
-                f"stages.{position} ({stage.name}) trains what a weight quantizer packs, and no stage before it "
-                "quantizes weights: put it after one"
-            )
         if compressed is None and (stage.prunes_weights or stage.quantizes_weights):
             compressed = (position, stage.name)
-        if stage.quantizes_weights:
-            quantized = position
 
 
 __all__ = [
