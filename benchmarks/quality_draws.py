@@ -50,10 +50,8 @@ from benchmarks.variants import (
     PEER_OVERRIDES,
     compress_and_score,
     markdown,
-    our_command,
-    peer_command,
     peer_options,
-    peer_samples,
+    run_command,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,11 +97,10 @@ def peer_fingerprint(spec: str) -> str:
     scheme, *overrides = spec.removeprefix(PEER).split()
     if scheme not in SCHEMES:
         raise ValueError(f"no llm-compressor preset {scheme!r}: pick one of {', '.join(SCHEMES)}")
-    keys = [override.split("=", 1)[0] for override in overrides]
-    settings = [key for key in PEER_OVERRIDES if key != "seed"]
-    if any(key not in settings for key in keys):
-        raise ValueError(f"a peer spec takes only {', '.join(settings)} (the seeds come from --seeds); got {overrides}")
-    _, generated, num_samples = peer_options(overrides)
+    try:
+        _, generated, num_samples = peer_options(overrides, takes=tuple(k for k in PEER_OVERRIDES if k != "seed"))
+    except SystemExit as error:
+        raise ValueError(f"{error} (the seeds come from --seeds)") from None
     return settings_digest(
         {"peer": scheme, "version": peer_version(), "generated": generated, "num_samples": num_samples}
     )
@@ -232,12 +229,7 @@ def main() -> None:
         for index, (spec, seed) in enumerate(todo):
             folder = Path(tmp) / str(index)
             recipe, *overrides = spec.split()
-            if recipe.startswith(PEER):
-                _, generated, num_samples = peer_options(overrides)
-                samples = peer_samples(args.model, seed, generated, num_samples)
-                command = peer_command(recipe.removeprefix(PEER), model_dir, samples, folder)
-            else:
-                command = our_command(recipe, [*overrides, f"seed={seed}"], model_dir, folder)
+            command = run_command(recipe, [*overrides, f"seed={seed}"], args.model, model_dir, folder)
             row = {**compress_and_score(command, folder, ids, args.max_windows, args.timeout),
                    "recipe_fingerprint": spec_fingerprints[spec], "date": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
             report["rows"][run_name(spec, seed)] = row

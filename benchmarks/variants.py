@@ -67,15 +67,15 @@ def peer_command(scheme: str, model_dir: Path, samples: torch.Tensor, output: Pa
 PEER_OVERRIDES = ("seed", "data.generated", "data.num_samples")  # what decides a run's calibration ids
 
 
-def peer_options(overrides: list[str]) -> tuple[int, float, int]:
-    """``(seed, data.generated, data.num_samples)`` of a peer run's overrides; anything else is refused before any
-    run starts."""
+def peer_options(overrides: list[str], takes: tuple[str, ...] = PEER_OVERRIDES) -> tuple[int, float, int]:
+    """``(seed, data.generated, data.num_samples)`` of a peer run's overrides; a key outside ``takes`` is refused
+    before any run starts."""
     from compress.base.data import DataSpec
 
     options = dict(override.split("=", 1) for override in overrides)
-    unknown = sorted(set(options) - set(PEER_OVERRIDES))
+    unknown = sorted(set(options) - set(takes))
     if unknown:
-        raise SystemExit(f"a peer run takes only {', '.join(PEER_OVERRIDES)}; got {', '.join(unknown)}")
+        raise SystemExit(f"a peer run takes only {', '.join(takes)}; got {', '.join(unknown)}")
     default = DataSpec()
     generated = float(options.get("data.generated", default.generated))
     return int(options.get("seed", 0)), generated, int(options.get("data.num_samples", default.num_samples))
@@ -91,6 +91,18 @@ def peer_samples(model_name: str, seed: int, generated: float, num_samples: int)
     model, tokenizer = load(ModelSpec(path=model_name, lazy=False))
     spec = DataSpec(generated=generated, num_samples=num_samples)
     return calibration_set(model, tokenizer, load_corpus(spec).calibration_text, spec, seed)
+
+
+def run_command(
+    recipe: str, overrides: list[str], model: str, model_dir: Path, folder: Path, shared: torch.Tensor | None = None
+) -> list[str]:
+    """The command compressing one run into ``folder``: our recipe, or llm-compressor's preset on the calibration ids
+    our run with the same settings cuts (``shared``: those of the default settings, when already cut)."""
+    if not recipe.startswith(PEER):
+        return our_command(recipe, overrides, model_dir, folder)
+    options = peer_options(overrides)
+    samples = shared if shared is not None and options == peer_options([]) else peer_samples(model, *options)
+    return peer_command(recipe.removeprefix(PEER), model_dir, samples, folder)
 
 
 def compress_and_score(
@@ -178,7 +190,9 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     runs = [(run, run.split()[0], run.split()[1:]) for run in args.runs]
-    peers = {name: peer_options(overrides) for name, recipe, overrides in runs if recipe.startswith(PEER)}
+    for _, recipe, overrides in runs:  # a bad peer setting is refused before any run
+        if recipe.startswith(PEER):
+            peer_options(overrides)
     model_dir, ids, report = scored_baseline("python -m benchmarks.variants", args.max_windows, args.model, panel=True)
     samples = report.pop("samples")
     report.update(title=args.title, rows={})
@@ -186,12 +200,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="variants-") as tmp:
         for index, (name, recipe, overrides) in enumerate(runs):
             folder = Path(tmp) / str(index)
-            if recipe.startswith(PEER):
-                options = peers[name]
-                shared = samples if options == peer_options([]) else peer_samples(args.model, *options)
-                command = peer_command(recipe.removeprefix(PEER), model_dir, shared, folder)
-            else:
-                command = our_command(recipe, overrides, model_dir, folder)
+            command = run_command(recipe, overrides, args.model, model_dir, folder, samples)
             report["rows"][name] = compress_and_score(command, folder, ids, args.max_windows, args.timeout)
             print(f"{name}: {json.dumps(report['rows'][name])}", flush=True)
             (args.results / f"{args.name}.json").write_text(json.dumps(report, indent=2))
