@@ -258,6 +258,10 @@ class DistillStage(Stage):
                 if self.metrics_sink is not None:
                     self.metrics_sink({**values, "distill_lr": schedule.get_last_lr()[0]}, step)
                 planned["steps"] = steps_within(budget, time.perf_counter() - start, step + 1, c.steps)
+                if (step + 1) % max(1, c.steps // 10) == 0:  # the log keeps what a disabled or cleared bar does not
+                    pace = (time.perf_counter() - start) / (step + 1)
+                    shown = (step + 1, planned["steps"], losses[-1], pace)
+                    log.info("distill: step %d/%d, loss %.4f, %.1f s/step", *shown)
                 if deadline is not None and time.perf_counter() > deadline:
                     log.info("distill: %.1f-minute budget reached after %d steps", c.max_minutes, step + 1)
                     break

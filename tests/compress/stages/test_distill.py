@@ -124,6 +124,15 @@ def test_scale_training_keeps_every_code_and_learns_the_group_scales():
     assert mean_kl(student, teacher, held_out, 4) < mean_kl(quantized, teacher, held_out, 4)
 
 
+def test_progress_reaches_the_log_every_tenth_of_the_steps(caplog):
+    """A run's log (and a benchmark's, whose tqdm is off) shows how far a long distillation is and its pace."""
+    with caplog.at_level("INFO", logger="compress.stages.distill"):
+        _chain([{"type": "rtn", "group_size": 32}, {**DISTILL, "steps": 20, "held_out": 0}], _confident_model())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("distill: step")]
+    assert [line.split(",")[0] for line in lines] == [f"distill: step {n}/20" for n in range(2, 21, 2)]
+    assert all(" loss " in line and " s/step" in line for line in lines), lines
+
+
 def test_scale_training_without_a_quantizer_before_it_is_refused_before_any_work():
     with pytest.raises(CompressError, match=r"stages.1 \(distill\) trains what a weight quantizer packs"):
         build_chain([{"type": "magnitude_prune"}, {**DISTILL, "trains": "scales"}])
