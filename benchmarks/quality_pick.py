@@ -4,6 +4,9 @@ mean with a 95% t over calibration draws, and the mean over the out-of-domain te
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+
+import yaml
 
 from benchmarks.quality_rows import OUT_OF_DOMAIN, PENDING, shipped, threads_cell
 from evals.gate.stats import mean_interval
@@ -25,15 +28,30 @@ def panel_interval(draws: list[dict]) -> dict | None:
     return interval([sum(found["ratios"][t] for t in OUT_OF_DOMAIN) / len(OUT_OF_DOMAIN) for found in draws])
 
 
-INT4_G64 = ("rtn_int4", "awq_int4", "gptq_int4", "autoround_int4", "rotate_gptq_int4")
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+# stages that compress something besides the int4 weights, or ask the user for input: their recipes are not ranked
+OTHER_COMPRESSION = {"kv_cache", "sparsegpt", "wanda", "magnitude_prune", "lora_merge"}
 
 
-def pick(runs: list[dict]) -> dict | None:
-    """The int4 recipe a user should pick by the measured numbers (PICK_RULE), with the runner-up and the verdict."""
+def int4_g64_recipes(folder: Path = RECIPES) -> list[str]:
+    """The recipes the pick ranks, read from their files: int4 weights in groups of 64 (not an FP4 format), nothing
+    else compressed and no input asked of the user; a new such recipe is ranked without a list to update."""
+    found = []
+    for path in sorted(folder.glob("*.yaml")):
+        stages = (yaml.safe_load(path.read_text()) or {}).get("stages") or []
+        int4 = any(s.get("bits") == 4 and s.get("group_size") == 64 and "format" not in s for s in stages)
+        if int4 and not any(stage["type"] in OTHER_COMPRESSION for stage in stages):
+            found.append(path.stem)
+    return found
+
+
+def pick(runs: list[dict], pairs: list[dict] = ()) -> dict | None:
+    """The int4 recipe a user should pick by the measured numbers (PICK_RULE), with the runner-up and the verdict:
+    from their paired difference where they share calibration draws (``pairs``), else from their own intervals."""
     reference = shipped(runs, "gptq_int4")
     if reference is None or reference["size_mb"] is None:
         return None
-    rows = [shipped(runs, recipe) for recipe in INT4_G64 if recipe not in PENDING]
+    rows = [shipped(runs, recipe) for recipe in int4_g64_recipes() if recipe not in PENDING]
     ranked = sorted(
         (row for row in rows if row and not row["overrides"] and row["size_mb"] is not None and row["panel"]),
         key=_headline,
@@ -46,7 +64,12 @@ def pick(runs: list[dict]) -> dict | None:
     verdict = "no other candidate"
     if runner:
         a, b = best["panel"], runner["panel"]
-        if a["low"] is None or b["low"] is None:
+        paired = _paired_panel(pairs, best["run"], runner["run"])
+        if paired is not None:
+            ahead = "ahead" if paired["high"] < 0 else "a tie (the paired interval reaches zero)"
+            verdict = (f"{ahead}: paired difference {paired['mean']:+.3f} ({paired['low']:+.3f} to "
+                       f"{paired['high']:+.3f}, {paired['n']} draws on the same calibration ids)")  # fmt: skip
+        elif a["low"] is None or b["low"] is None:
             verdict = "not established (one of them has 1 draw)"
         else:
             verdict = "a tie (95% intervals overlap)" if a["high"] >= b["low"] else "ahead (95% intervals apart)"
@@ -58,6 +81,19 @@ def pick(runs: list[dict]) -> dict | None:
         "size_mb": best["size_mb"], "larger": None if larger is None else
         {"recipe": larger["recipe"], "panel": larger["panel"], "size_mb": larger["size_mb"]},
     }  # fmt: skip
+
+
+def _paired_panel(pairs: list[dict], best: str, runner: str) -> dict | None:
+    """best − runner-up of the out-of-domain mean, draw by draw, when a pair of the two has it over >= 2 draws."""
+    for pair in pairs:
+        found = pair.get("panel")
+        if found is None or found["low"] is None:
+            continue
+        if (pair["ours"], pair["peer"]) == (best, runner):
+            return found
+        if (pair["ours"], pair["peer"]) == (runner, best):
+            return {**found, "mean": -found["mean"], "low": -found["high"], "high": -found["low"]}
+    return None
 
 
 def _headline(run: dict) -> float:

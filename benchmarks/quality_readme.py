@@ -17,6 +17,7 @@ MODEL = "smollm2-135m-instruct"  # the default model: the README's table
 # The rows the README quotes, in this order after the pick; every other run is in quality.md.
 README_RECIPES = [
     "awq_int4",
+    "awq_int4_train_scales",
     "gptq_int4",
     "rtn_int4",
     "rotate_gptq_int4",

@@ -27,7 +27,9 @@ CALIBRATION_FREE = ("rtn_int4", "fp8_dynamic", "fp8_block")
 PICK_RULE = (
     "the lowest mean ratio over the three out-of-domain texts (Shakespeare, code, technical: averaged per draw, "
     "then a 95% t over draws) among the int4 g64 recipes as shipped, every draw scored on all three, whose "
-    "checkpoint is no larger than `gptq_int4`'s; a tie where its interval overlaps the runner-up's"
+    "checkpoint is no larger than `gptq_int4`'s; ahead of the runner-up when the 95% interval of their paired "
+    "difference (where both ran on the same calibration draws) stays below zero, else when their own intervals do not "
+    "overlap; otherwise a tie"
 )
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from benchmarks.quality_pick import interval, panel_interval, pick, pick_sentences
 from benchmarks.quality_readme import README, readme_section, replace_section
 from benchmarks.quality_rows import (
+    OUT_OF_DOMAIN,
     PICK_RULE,
     STANDARD,
     TEXT_LABELS,
@@ -75,6 +76,7 @@ ORDER = [
     ("awq_int4", "awq_w4a16"),
     ("awq_int4", "awq_gptq_w4a16"),  # the peer chain nearest awq_int4 (AWQ scales, GPTQ rounding)
     ("awq_int4", "awq_gptq_w4a16_mse"),  # like for like: the same chain with clipping searched, as ours does
+    ("awq_int4_train_scales", "awq_gptq_w4a16_mse"),  # the same chain, then its scales trained
     ("gptq_int4", "gptq_w4a16"),
     ("gptq_int4", "gptq_w4a16_mse"),  # like for like: its mse observer searches clipping, as our GPTQ does
     ("autoround_int4", None),
@@ -129,9 +131,16 @@ CHANGED = {  # oldest change first
 SAMPLED_CHANGED = ("2026-11-27 10:18", "data.num_samples=64")
 SAMPLED_NOW = {"num_samples": 32, "seq_len": 512}  # recipes/data/sampled.yaml (checked by tests/test_quality_table.py)
 PYDOC_NUM_SAMPLES = 64  # recipes/data/pydoc.yaml and compress.base.data.DataSpec
-SHIPS_SAMPLED = {"awq_int4", "awq_int4_kv_int8", "rotate_gptq_int4", "rotate_gptq_int3"}  # `override data: sampled`
-# A run spelled as overrides of one recipe that another recipe ships (after CHANGED): shown under the shipped name.
-SHIPPED_AS = {"rotate_gptq_int4 data=pydoc stages.1.bits=3": "rotate_gptq_int3 data=pydoc"}
+SHIPS_SAMPLED = {"awq_int4", "awq_int4_kv_int8", "awq_int4_train_scales", "rotate_gptq_int4", "rotate_gptq_int3"}
+# A run spelled as overrides of one recipe that another recipe ships (after CHANGED): shown under the shipped name
+# (tests/test_quality_draws.py checks that both compose to the same stages and calibration).
+SHIPPED_AS = {
+    "rotate_gptq_int4 data=pydoc stages.1.bits=3": "rotate_gptq_int3 data=pydoc",
+    "awq_int4 stages=[{type:awq,bits:4,group_size:64,symmetric:true,rounding:gptq,act_order:true,ignore:[lm_head]},"
+    "{type:distill,trains:scales,learning_rate:5e-5,steps:200,max_minutes:10}]": "awq_int4_train_scales",
+}
+# A shipped recipe that is another's stages and data plus more stages: paired with it (what the added stages buy).
+EXTENDS = {"awq_int4_train_scales": "awq_int4"}
 HEADLINE_RECIPE = "awq_int4"  # benchmarks/headline_tradeoff.py compresses with this recipe only
 
 
@@ -266,7 +275,7 @@ def build(sources: list[str], results: Path) -> dict:
         models.setdefault(model, {"runs": [], "pairs": []})["runs"].append(entry)
     for tables in models.values():
         tables["pairs"] = pairs(tables["runs"])
-        tables["pick"] = pick(tables["runs"])
+        tables["pick"] = pick(tables["runs"], tables["pairs"])
     return models
 
 
@@ -285,11 +294,13 @@ def _rank(run: str) -> tuple[int, int, str]:
 
 
 def rival(ours: dict, other: dict) -> str | None:
-    """What ``other`` is to ``ours``: the peer preset it competes with (ORDER), or for a recipe as shipped the same
+    """What ``other`` is to ``ours``: the peer preset it competes with (ORDER); for a recipe as shipped the same
     recipe with stage settings changed or its stage list replaced (``stages=[...]``: what the shipped stages buy
-    against, say, an added stage); else None."""
+    against, say, an added stage), or the shipped recipe whose stages it extends (EXTENDS); else None."""
     if other["recipe"].startswith(PEER):
         return "peer" if (ours["recipe"], other["recipe"].removeprefix(PEER)) in ORDER else None
+    if not ours["overrides"] and not other["overrides"] and EXTENDS.get(ours["recipe"]) == other["recipe"]:
+        return "added stages"
     same_data = other["overrides"] and all(o.startswith(("stages.", "stages=")) for o in other["overrides"])
     return "setting" if not ours["overrides"] and other["recipe"] == ours["recipe"] and same_data else None
 
@@ -315,6 +326,8 @@ def pairs(runs: list[dict]) -> list[dict]:
                 "difference": {
                     t: interval([mine[k]["ratios"][t] - theirs[k]["ratios"][t] for k in shared]) for t in texts
                 },
+                "panel": interval([_panel(mine[k]) - _panel(theirs[k]) for k in shared])
+                if all(t in texts for t in OUT_OF_DOMAIN) else None,
                 "sources": sorted({d[k]["source"] for d in (mine, theirs) for k in shared}),
             })  # fmt: skip
             found[-1]["short_of_standard"] = shortfall({
@@ -322,6 +335,11 @@ def pairs(runs: list[dict]) -> list[dict]:
                 "threads": ours["threads"], "ratios": found[-1]["difference"],
             })  # fmt: skip
     return found
+
+
+def _panel(draw: dict) -> float:
+    """A draw's mean ratio over the out-of-domain texts (what the pick ranks on)."""
+    return sum(draw["ratios"][text] for text in OUT_OF_DOMAIN) / len(OUT_OF_DOMAIN)
 
 
 def cell(stats: dict | None, digits: int = 3) -> str:
@@ -418,8 +436,9 @@ def markdown(models: dict, command: str) -> str:
             lines += [
                 "",
                 "Paired on the same calibration ids, ours − rival per draw (negative: ours lower); the rival is "
-                "llm-compressor's preset, or the recipe as shipped with a stage setting changed (what the shipped "
-                "setting buys). To the standard:" + ("" if standard else " no pair yet."),
+                "llm-compressor's preset, the recipe as shipped with a stage setting changed (what the shipped "
+                "setting buys), or the shipped recipe whose stages ours extends (what the added stages buy). To the "
+                "standard:" + ("" if standard else " no pair yet."),
             ]
             if standard:
                 lines += ["", header, rule, *(_pair_line(pair, texts) for pair in standard)]

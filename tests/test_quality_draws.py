@@ -120,3 +120,13 @@ def test_one_command_measures_what_is_missing_and_the_table_reads_it(tiny_model_
     quality_draws.main()  # lists, runs nothing: the file keeps its one row
     assert "  gptq_int4 seed=1: not measured before" in capsys.readouterr().out
     assert list(json.loads((tmp_path / "quality-draws.json").read_text())["rows"]) == ["rtn_int4"]
+
+
+def test_a_run_shown_under_a_shipped_name_is_that_recipe():
+    """The quality table shows a run spelled as overrides under the recipe that ships them (SHIPPED_AS): only while
+    both compose to the same stages and calibration, which is what decides a draw."""
+    from benchmarks.quality_table import SHIPPED_AS
+
+    assert SHIPPED_AS
+    for spelled, name in SHIPPED_AS.items():
+        assert quality_draws.recipe_fingerprint(spelled) == quality_draws.recipe_fingerprint(name), spelled

@@ -12,6 +12,7 @@ import yaml
 from benchmarks import quality_table
 from benchmarks.quality_readme import README, current_section, readme_section, replace_section
 from benchmarks.quality_table import (
+    EXTENDS,
     PYDOC_NUM_SAMPLES,
     RESULTS,
     SAMPLED_NOW,
@@ -142,6 +143,26 @@ def test_a_recipe_is_paired_with_itself_under_changed_stage_settings_or_a_replac
     assert rival(run("awq_int4 data.num_samples=64"), run("awq_int4 stages.0.act_order=false")) is None
 
 
+def test_a_recipe_that_adds_stages_to_another_is_paired_with_it():
+    """awq_int4_train_scales is awq_int4's stages and data plus scale training: the pair says what the training buys."""
+
+    def run(name: str) -> dict:
+        recipe, *overrides = name.split()
+        return {"recipe": recipe, "overrides": overrides}
+
+    assert rival(run("awq_int4_train_scales"), run("awq_int4")) == "added stages"
+    assert rival(run("awq_int4"), run("awq_int4_train_scales")) is None  # one direction: ours is the longer chain
+    assert rival(run("awq_int4_train_scales"), run("awq_int4 data.num_samples=64")) is None  # other ids
+    assert rival(run("awq_int4_train_scales"), run("gptq_int4")) is None
+
+
+def test_each_recipe_said_to_add_stages_to_another_does_so_on_the_same_data():
+    for recipe, base in EXTENDS.items():
+        longer, shorter = (yaml.safe_load((ROOT / "recipes" / f"{name}.yaml").read_text()) for name in (recipe, base))
+        assert longer["stages"][: len(shorter["stages"])] == shorter["stages"]
+        assert len(longer["stages"]) > len(shorter["stages"]) and longer["defaults"] == shorter["defaults"]
+
+
 def test_panel_texts_get_a_column_each_shakespeare_first_in_domain_last(tmp_path: Path):
     panel = {"out_of_domain": 12.0, "zeta": 11.0, "technical": 13.0, "in_domain": 6.0, "code": 14.0}
     row = {text: {"perplexity": value} for text, value in panel.items()} | {"seconds": 1.0}
@@ -221,6 +242,20 @@ def test_a_shipped_recipe_is_paired_with_its_other_stage_settings_on_the_same_dr
     assert pair["difference"]["out_of_domain"]["values"] == pytest.approx([-0.1, -0.05])
 
 
+def test_the_pick_ranks_every_int4_g64_recipe_file_without_a_list_to_update(tmp_path: Path):
+    """A new int4 g64 recipe is a candidate by its file (a hard-coded list left awq_int4_train_scales out); one that
+    also quantizes the KV cache, prunes, needs adapters or stores FP4 is not."""
+    from benchmarks.quality_pick import int4_g64_recipes
+
+    found = int4_g64_recipes()
+    assert {"rtn_int4", "awq_int4", "gptq_int4", "autoround_int4", "rotate_gptq_int4"} < set(found)
+    assert "awq_int4_train_scales" in found
+    assert not {"awq_int4_kv_int8", "prune_2of4_gptq_int4", "lora_merge_awq_int4", "nvfp4a16", "gptq_int3"} & set(found)
+    (tmp_path / "mine_int4.yaml").write_text("stages:\n  - {type: gptq, bits: 4, group_size: 64}\n")
+    (tmp_path / "mine_g128.yaml").write_text("stages:\n  - {type: gptq, bits: 4, group_size: 128}\n")
+    assert int4_g64_recipes(tmp_path) == ["mine_int4"]
+
+
 def test_the_pick_ranks_on_the_mean_over_every_out_of_domain_text_not_on_shakespeare(tmp_path: Path):
     def row(shakespeare: float, code: float, technical: float) -> dict:
         texts = {"out_of_domain": shakespeare, "code": code, "technical": technical, "in_domain": 6.0}
@@ -247,3 +282,28 @@ def test_the_pick_ranks_on_the_mean_over_every_out_of_domain_text_not_on_shakesp
     assert chosen["verdict"] == "ahead (95% intervals apart)"
     assert "Pick: `gptq_int4`, out-of-domain mean 1.133 (" in markdown({"m": tables}, "cmd")
     assert (chosen["larger"]["recipe"], chosen["larger"]["size_mb"]) == ("rtn_int4", 200.0)
+
+
+def test_the_pick_reads_the_paired_difference_where_best_and_runner_up_share_their_draws(tmp_path: Path):
+    """Seeds move both recipes alike (same calibration ids): the unpaired intervals overlap, but the difference draw
+    by draw is the same every time, so the pick is ahead, and says it by the paired interval."""
+
+    def row(value: float) -> dict:
+        texts = ("out_of_domain", "code", "technical", "in_domain")
+        return {text: {"perplexity": value} for text in texts} | {"seconds": 1.0, "size_mb": 90.0}
+
+    rows = {}
+    for seed, wobble in enumerate((0.0, 0.5, -0.5)):
+        suffix = f" seed={seed}" if seed else ""
+        rows[f"awq_int4{suffix}"] = row(11.2 + wobble)
+        rows[f"awq_int4_train_scales{suffix}"] = row(11.0 + wobble)
+        rows[f"gptq_int4{suffix}"] = row(13.0)
+    base = {text: {"perplexity": 10.0, "tokens": 100} for text in ("out_of_domain", "code", "technical", "in_domain")}
+    report = {"model": "m", "date": "2030-01-01 00:00", "command": "c", "threads": 2, "baseline": base, "rows": rows}
+    (tmp_path / "p.json").write_text(json.dumps(report))
+    chosen = build(["p"], tmp_path)["m"]["pick"]
+    assert (chosen["recipe"], chosen["runner_up"]) == ("awq_int4_train_scales", "awq_int4")
+    assert chosen["panel"]["high"] > chosen["runner_up_panel"]["low"]  # unpaired: they would overlap
+    assert (
+        chosen["verdict"] == "ahead: paired difference -0.020 (-0.020 to -0.020, 3 draws on the same calibration ids)"
+    )

@@ -57,6 +57,7 @@ BOUNDS = {
     "autoround_int4": (0.35, EXACT),
     "awq_int4": (0.35, EXACT),
     "awq_int4_kv_int8": (0.35, KV_INT8),
+    "awq_int4_train_scales": (0.35, EXACT),
     "fp8_block": (0.1, EXACT),
     "fp8_dynamic": (0.1, FP8_TOKEN),
     "fp8_static": (0.1, EXACT),
