@@ -33,7 +33,7 @@ from compress.compression.model_free import goes_model_free
 from compress.formats import w4a16_linear, w8a8_linear
 from compress.grids.int_grid import FP4_GROUP_SIZES
 from compress.model.calibration_set import SAMPLING_BATCH, generated_windows, spec_for_chain
-from compress.stages.base import FORWARD_EFFICIENCY, LayerWork
+from compress.stages.base import FORWARD_EFFICIENCY, LayerWork, ModelWork
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I8": 1}
 DTYPE_BYTES.update({"U8": 1, "I16": 2, "BOOL": 1})
@@ -241,6 +241,9 @@ def estimate(
     streams = 2 + sum(s.extra_streams() for s in stages)
     working = max((s.working_bytes(work) for s in stages), default=0)
     phases["compress"] = held["compress"] + 2 * layer32 + calibration_tokens * hidden_act * streams + working
+    whole = ModelWork(work, shape.layers, shape.params, shape.vocab)  # a whole-model stage runs outside the walk
+    trainer = max((s.model_working_bytes(whole) for s in stages), default=0.0)
+    phases["compress"] = max(phases["compress"], held["compress"] + trainer)
     model_free = goes_model_free(config, stages)
     if model_free:  # one group of linears (or the embedding) read, widened and quantized
         embedding = shape.vocab * shape.hidden * (shape.dtype_bytes + fp32)
@@ -265,7 +268,7 @@ def estimate(
     walk = calibration_tokens * layer_flops / (rate * FORWARD_EFFICIENCY) if calibrated else 0.0  # the forward
     compress = shape.layers * (walk + shape.layer_params * shape.dtype_bytes / READ_BYTES_PER_SECOND)
     for stage in stages:
-        compress += shape.layers * stage.layer_seconds(work)
+        compress += shape.layers * stage.layer_seconds(work) + stage.model_seconds(whole)
     seconds["compress"] = compress
     seconds["save"] = disk / (200 * MB)  # writing the checkpoint: ~200 MB/s including serialization
     notes = []

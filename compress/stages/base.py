@@ -9,7 +9,8 @@ Lifecycle, driven by ``compress.compression.in_memory.compress_model``:
 4. ``finalize(model)`` returns a summary for the report (what was done, per-layer statistics).
 
 A stage also prices its own work for the pre-flight plan (``compress.app.preflight``, which names no stage): its
-activation streams, its working memory and its seconds per decoder layer, from a ``LayerWork``; and it says whether
+activation streams, its working memory and its seconds per decoder layer, from a ``LayerWork``, and a whole-model
+stage its own memory and seconds from a ``ModelWork``; and it says whether
 ``compress.compression.model_free`` may run it straight from the weight files (``runs_model_free``).
 """
 
@@ -61,6 +62,34 @@ class LayerWork:
     def forward_seconds(self) -> float:
         """The layer's forward over every calibration token, at the measured rate."""
         return 2 * self.layer_params * self.tokens / (self.rate * FORWARD_EFFICIENCY)
+
+
+@dataclass(frozen=True)
+class ModelWork:
+    """What the plan knows of the whole model, for a stage that works on all of it at once (distillation) to price
+    its own work: one layer's work, the layer count, every parameter and the vocabulary."""
+
+    layer: LayerWork
+    layers: int
+    params: int  # embeddings and head included (a tied head once)
+    vocab: int
+
+    @property
+    def linear_params(self) -> int:
+        """The decoder layers' linear weights: what a weight trainer trains."""
+        return self.layers * sum(o * i for o, i in self.layer.linears)
+
+    def forward_seconds(self, tokens: int) -> float:
+        """One forward of the whole model over ``tokens`` at the measured rate: every layer and the head."""
+        flops = 2 * tokens * (self.layers * self.layer.layer_params + self.layer.hidden * self.vocab)
+        return flops / (self.layer.rate * FORWARD_EFFICIENCY)
+
+    def backward_bytes(self, tokens: int) -> float:
+        """What autograd keeps of a forward over ``tokens`` for its backward: each linear's input and output in
+        every layer and about half as many again for the norms, activation and residual sums between them (fitted
+        to a measured distillation, tests/compress/test_plan.py), and the logits with their log-softmax."""
+        per_token = 3 * self.layers * sum(o + i for o, i in self.layer.linears) + 2 * self.vocab
+        return tokens * per_token * FP32_BYTES
 
 
 @dataclass
@@ -147,6 +176,15 @@ class Stage(ABC):
         if self.needs_calibration:
             return work.forward_seconds()
         return 20 * work.layer_params / (work.rate * ELEMENTWISE_EFFICIENCY)
+
+    def model_working_bytes(self, work: ModelWork) -> float:
+        """A whole-model stage's own peak memory beyond the model the walk holds (a teacher, training state): none
+        by default."""
+        return 0.0
+
+    def model_seconds(self, work: ModelWork) -> float:
+        """A whole-model stage's work beyond its ``layer_seconds`` (training steps): none by default."""
+        return 0.0
 
     def prepare(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
         """Fail fast on a model this stage cannot handle."""

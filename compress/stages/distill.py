@@ -33,7 +33,7 @@ from compress.formats import QuantizedLinear
 from compress.grids.sparsity import mask_of
 from compress.kernels.dequant import group_index
 from compress.model.layer_walk import decoder_layers
-from compress.stages.base import Stage
+from compress.stages.base import FP32_BYTES, LayerWork, ModelWork, Stage
 from compress.stages.weights import replace_module
 
 log = logging.getLogger(__name__)
@@ -184,6 +184,28 @@ class DistillStage(Stage):
     def needs_quantized_weights(self) -> bool:
         """Scale training keeps a weight quantizer's codes: without one before it, it has nothing to train."""
         return self.config.trains == "scales"
+
+    def layer_seconds(self, work: LayerWork) -> float:
+        return 0.0  # no per-layer work: model_seconds prices the training
+
+    def model_seconds(self, work: ModelWork) -> float:
+        """Each step a teacher forward, a student forward and its backward (~2 forwards), up to the time budget;
+        the held-out KL before and after (teacher and student each time)."""
+        c = self.config
+        training = c.steps * 4 * work.forward_seconds(c.batch_size * c.seq_len)
+        if c.max_minutes is not None:
+            training = min(training, 60 * c.max_minutes)
+        return training + 4 * work.forward_seconds(c.held_out * c.seq_len)
+
+    def model_working_bytes(self, work: ModelWork) -> float:
+        """The teacher and the student in fp32 (trained linears widen their codes for the step), a step's
+        activations for the backward and the teacher's logits, and AdamW's gradient and two moments of what
+        trains: every decoder linear's weights, or one scale per group (fewer than 1 in 32 weights)."""
+        c = self.config
+        tokens = c.batch_size * c.seq_len
+        trained = work.linear_params if c.trains == "weights" else work.linear_params / 32
+        models = 2 * work.params * FP32_BYTES
+        return models + work.backward_bytes(tokens) + 2 * tokens * work.vocab * FP32_BYTES + 3 * trained * FP32_BYTES
 
     def before_stage(self, model: nn.Module, position: int) -> None:
         if position == self.teacher_position:
