@@ -6,9 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
-
-from benchmarks.quality_rows import OUT_OF_DOMAIN, PENDING, shipped, threads_cell
+from benchmarks.quality_rows import OUT_OF_DOMAIN, PENDING, RECIPES_DIR, recipe_files, shipped, threads_cell
 from evals.gate.stats import mean_interval
 
 
@@ -28,20 +26,19 @@ def panel_interval(draws: list[dict]) -> dict | None:
     return interval([sum(found["ratios"][t] for t in OUT_OF_DOMAIN) / len(OUT_OF_DOMAIN) for found in draws])
 
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 # stages that compress something besides the int4 weights, or ask the user for input: their recipes are not ranked
 OTHER_COMPRESSION = {"kv_cache", "sparsegpt", "wanda", "magnitude_prune", "lora_merge"}
 
 
-def int4_g64_recipes(folder: Path = RECIPES) -> list[str]:
+def int4_g64_recipes(folder: Path = RECIPES_DIR) -> list[str]:
     """The recipes the pick ranks, read from their files: int4 weights in groups of 64 (not an FP4 format), nothing
     else compressed and no input asked of the user; a new such recipe is ranked without a list to update."""
     found = []
-    for path in sorted(folder.glob("*.yaml")):
-        stages = (yaml.safe_load(path.read_text()) or {}).get("stages") or []
+    for name, recipe in recipe_files(folder).items():
+        stages = recipe.get("stages") or []
         int4 = any(s.get("bits") == 4 and s.get("group_size") == 64 and "format" not in s for s in stages)
         if int4 and not any(stage["type"] in OTHER_COMPRESSION for stage in stages):
-            found.append(path.stem)
+            found.append(name)
     return found
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
+
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DRAWS_GOAL = 3  # calibration draws a quality claim averages (the brief's rule)
 TEXTS_GOAL = ("out_of_domain", "code", "technical", "in_domain")  # Shakespeare, the panel's code and technical, pydoc
@@ -67,6 +69,32 @@ def no_interval(stats: dict) -> str:
 
 def shipped_recipes() -> list[str]:
     return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml") if not path.stem.startswith("_"))
+
+
+def recipe_files(folder: Path = RECIPES_DIR) -> dict[str, dict]:
+    """Every shipped recipe file as parsed YAML (its ``defaults``, ``stages`` and any other key), by name."""
+    return {path.stem: yaml.safe_load(path.read_text()) or {} for path in sorted(folder.glob("[!_]*.yaml"))}
+
+
+def extended_recipes(folder: Path = RECIPES_DIR) -> dict[str, str]:
+    """``{recipe: the shipped recipe it extends}``: the same file but for more stages after the other's (same
+    defaults, so the same calibration), the nearest such when several are; read from the files, so a new recipe
+    is paired with its base without a list to update."""
+    files = recipe_files(folder)
+    found = {}
+    for name, longer in files.items():
+        rest = {key: value for key, value in longer.items() if key != "stages"}
+        bases = [
+            (len(shorter["stages"]), other)
+            for other, shorter in files.items()
+            if other != name
+            and 0 < len(shorter.get("stages") or []) < len(longer.get("stages") or [])
+            and longer["stages"][: len(shorter["stages"])] == shorter["stages"]
+            and {key: value for key, value in shorter.items() if key != "stages"} == rest
+        ]
+        if bases:
+            found[name] = max(bases)[1]
+    return found
 
 
 def shortfall(row: dict) -> list[str]:

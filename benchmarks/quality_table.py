@@ -32,6 +32,7 @@ from benchmarks.quality_rows import (
     STANDARD,
     TEXT_LABELS,
     calibration_free,
+    extended_recipes,
     no_interval,
     row_seed,
     shortfall,
@@ -139,8 +140,7 @@ SHIPPED_AS = {
     "awq_int4 stages=[{type:awq,bits:4,group_size:64,symmetric:true,rounding:gptq,act_order:true,ignore:[lm_head]},"
     "{type:distill,trains:scales,learning_rate:5e-5,steps:200,max_minutes:10}]": "awq_int4_train_scales",
 }
-# A shipped recipe that is another's stages and data plus more stages: paired with it (what the added stages buy).
-EXTENDS = {"awq_int4_train_scales": "awq_int4"}
+EXTENDS = extended_recipes()  # recipe → the shipped recipe whose stages it extends: paired (what the added ones buy)
 HEADLINE_RECIPE = "awq_int4"  # benchmarks/headline_tradeoff.py compresses with this recipe only
 
 
@@ -296,7 +296,8 @@ def _rank(run: str) -> tuple[int, int, str]:
 def rival(ours: dict, other: dict) -> str | None:
     """What ``other`` is to ``ours``: the peer preset it competes with (ORDER); for a recipe as shipped the same
     recipe with stage settings changed or its stage list replaced (``stages=[...]``: what the shipped stages buy
-    against, say, an added stage), or the shipped recipe whose stages it extends (EXTENDS); else None."""
+    against, say, an added stage), or the shipped recipe whose stages it extends (``extended_recipes``); else
+    None."""
     if other["recipe"].startswith(PEER):
         return "peer" if (ours["recipe"], other["recipe"].removeprefix(PEER)) in ORDER else None
     if not ours["overrides"] and not other["overrides"] and EXTENDS.get(ours["recipe"]) == other["recipe"]:

@@ -11,6 +11,7 @@ import yaml
 
 from benchmarks import quality_table
 from benchmarks.quality_readme import README, current_section, readme_section, replace_section
+from benchmarks.quality_rows import extended_recipes
 from benchmarks.quality_table import (
     EXTENDS,
     PYDOC_NUM_SAMPLES,
@@ -156,11 +157,15 @@ def test_a_recipe_that_adds_stages_to_another_is_paired_with_it():
     assert rival(run("awq_int4_train_scales"), run("gptq_int4")) is None
 
 
-def test_each_recipe_said_to_add_stages_to_another_does_so_on_the_same_data():
-    for recipe, base in EXTENDS.items():
-        longer, shorter = (yaml.safe_load((ROOT / "recipes" / f"{name}.yaml").read_text()) for name in (recipe, base))
-        assert longer["stages"][: len(shorter["stages"])] == shorter["stages"]
-        assert len(longer["stages"]) > len(shorter["stages"]) and longer["defaults"] == shorter["defaults"]
+def test_the_recipes_that_add_stages_to_another_are_read_from_the_files(tmp_path: Path):
+    assert EXTENDS == {"awq_int4_kv_int8": "awq_int4", "awq_int4_train_scales": "awq_int4",
+                       "prune_2of4_distill": "prune_2of4", "prune_2of4_gptq_int4": "prune_2of4"}  # fmt: skip
+    rtn, gptq, distill = "{type: rtn}", "{type: gptq}", "{type: distill}"
+    files = {"a": [rtn], "ab": [rtn, gptq], "abc": [rtn, gptq, distill], "b": [gptq], "other_data": [rtn, gptq]}
+    for name, stages in files.items():
+        data = "defaults: [_base, {override data: sampled}, _self_]\n" if name == "other_data" else ""
+        (tmp_path / f"{name}.yaml").write_text(f"{data}stages: [{', '.join(stages)}]\n")
+    assert extended_recipes(tmp_path) == {"ab": "a", "abc": "ab"}  # the nearest base, on the same calibration
 
 
 def test_panel_texts_get_a_column_each_shakespeare_first_in_domain_last(tmp_path: Path):
