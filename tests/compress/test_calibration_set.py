@@ -131,10 +131,30 @@ def test_the_rotation_and_awq_recipes_calibrate_on_samples_until_the_user_names_
     assert compose("gptq_int4", ["data=sampled"]).data == compose("rotate_gptq_int4").data
 
 
-def test_awq_int4_kv_int8_quantizes_the_weights_exactly_as_awq_int4():
-    """Its name promises awq_int4 plus an int8 KV cache: the same weight stage, the same calibration."""
+def test_awq_int4_kv_int8_runs_awq_int4s_weight_stage_on_its_calibration():
+    """Its name promises awq_int4 plus an int8 KV cache: the same weight stage, the same calibration (the weights
+    themselves differ past the first layer: test_the_layers_after_a_kv_cache_stage_calibrate_on_its_quantized_cache)."""
     from compress.app.recipe import compose
 
     with_kv, plain = compose("awq_int4_kv_int8"), compose("awq_int4")
     assert with_kv.stages[0] == plain.stages[0] and with_kv.data == plain.data
     assert [stage["type"] for stage in with_kv.stages] == ["awq", "kv_cache"]
+
+
+def test_the_layers_after_a_kv_cache_stage_calibrate_on_its_quantized_cache():
+    """The walk feeds each layer the previous layer's outputs as the compressed model computes them, KV cache
+    quantized: awq_int4_kv_int8's first layer is awq_int4's, its later layers are calibrated on what int8 K/V make
+    of their inputs (as the model will run), so their weights differ from awq_int4's."""
+    from compress.app.recipe import compose
+    from compress.compression.in_memory import compress_model
+    from compress.stages import build_chain
+
+    samples = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(0))
+    packed = {}
+    for recipe in ("awq_int4", "awq_int4_kv_int8"):
+        model = build_tiny_llama(num_hidden_layers=2, tie_word_embeddings=False)
+        compress_model(model, build_chain(compose(recipe, ["stages.0.group_size=32"]).stages), samples, batch_size=2)
+        packed[recipe] = {k: v for k, v in model.state_dict().items() if k.endswith("weight_packed")}
+    plain, with_kv = packed.values()
+    differs = {key.split(".")[2] for key in plain if not torch.equal(plain[key], with_kv[key])}
+    assert differs == {"1"}
