@@ -253,10 +253,15 @@ def reusable(previous: dict, recipe: str, folder: Path, vllm_python: str | None)
     return row if row["fingerprint"] == fingerprint(folder) and row.get("vllm_python") == vllm_python else None
 
 
-def merged(measured: list[dict], previous: dict[str, dict]) -> list[dict]:
-    """This run's rows, plus --json's rows of shipped recipes it did not measure (``--recipes`` fills in some)."""
+def merged(measured: list[dict], previous: dict[str, dict], previous_cpu: str | None = None) -> list[dict]:
+    """This run's rows, plus --json's rows of shipped recipes it did not measure (``--recipes`` fills in some), each
+    with the CPU it was measured on (``previous_cpu``: that of the run that wrote --json, for rows that lack one)."""
     asked = {row["recipe"] for row in measured}
-    kept = [row for recipe, row in previous.items() if recipe not in asked and recipe in recipes()]
+    kept = [
+        {**row, "cpu": row.get("cpu", previous_cpu)}
+        for recipe, row in previous.items()
+        if recipe not in asked and recipe in recipes()
+    ]
     return sorted(measured + kept, key=lambda row: row["recipe"])
 
 
@@ -273,6 +278,7 @@ def measure(recipe: str, workdir: Path, adapter: Path | None, vllm_python: str |
     gc.collect()
     row["fingerprint"], row["vllm_python"] = fingerprint(folder), vllm_python
     row["measured"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    row["cpu"] = cpu_model()  # vLLM's CPU kernels differ by machine
     row["format"] = checkpoint_format(folder)
     row["transformers"] = transformers_check(folder)
     row["vllm"] = vllm_check(vllm_python, folder, timeout)
@@ -322,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[interop] {recipe} ...", file=sys.stderr, flush=True)
         rows.append(measure(recipe, workdir, adapter, vllm_python, args.timeout))
         print(f"[interop] {format_row(rows[-1])}", file=sys.stderr, flush=True)
-    rows = merged(rows, previous)
+    rows = merged(rows, previous, saved.get("meta", {}).get("cpu"))
     command = "python -m benchmarks.interop_matrix" + (" --vllm-python " + args.vllm_python if args.vllm_python else "")
     if args.recipes:
         command += " --recipes " + " ".join(args.recipes)

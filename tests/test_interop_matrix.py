@@ -22,7 +22,7 @@ from benchmarks.interop_matrix import (
     vllm_check,
     vllm_outcome,
 )
-from benchmarks.interop_report import format_row, summary
+from benchmarks.interop_report import format_row, render, summary
 from compress import oneshot
 
 RTN = [{"type": "rtn", "bits": 4, "group_size": 64, "symmetric": True, "ignore": ["lm_head"]}]
@@ -124,3 +124,20 @@ def test_rows_of_recipes_not_asked_for_are_kept_from_the_previous_json():
     }
     rows = merged([{"recipe": "awq_int4", "old": False}], previous)
     assert [(row["recipe"], row["old"]) for row in rows] == [("awq_int4", False), ("gptq_int4", True)]
+
+
+def test_a_row_keeps_the_cpu_it_was_measured_on():
+    """vLLM's CPU kernels differ by machine (int4 GEMM needs AMX): a row measured before on another CPU keeps that
+    CPU, and the page names each row's CPU once they differ, instead of stamping this run's CPU on every row."""
+    ran = {"loaded": True, "ran": True, "dtype": "auto", "max_abs": 0.0, "relative": 0.0, "same_top1": 1.0}
+    vllm = {"accepted": True, "generated": False, "text": None, "error": "AttributeError: no cpu_gemm_wna16"}
+    previous = {"gptq_int4": {"recipe": "gptq_int4", "format": "f", "transformers": ran, "vllm": vllm}}
+    new = {"recipe": "awq_int4", "format": "f", "transformers": ran, "vllm": vllm, "cpu": "AMD EPYC"}
+    rows = merged([new], previous, previous_cpu="Intel Xeon (amx_int8)")
+    assert [row["cpu"] for row in rows] == ["AMD EPYC", "Intel Xeon (amx_int8)"]
+    meta = {"date": "d", "cpu": "AMD EPYC", "versions": {}, "vllm": None, "command": "c"}
+    page = render(rows, meta, [], ["p"])
+    assert "| vLLM message | CPU |" in page and page.count("| Intel Xeon (amx_int8) |") == 1
+    assert "rows measured on another CPU" in page
+    alone = render(rows[:1], meta, [], ["p"])
+    assert "| CPU |" not in alone and "| vLLM message |" in alone  # one CPU: said once, above the table
