@@ -23,7 +23,12 @@ def panel_interval(draws: list[dict]) -> dict | None:
     draw was scored on all of them (a mean over different texts per draw would compare nothing)."""
     if not draws or not all(text in found["ratios"] for found in draws for text in OUT_OF_DOMAIN):
         return None
-    return interval([sum(found["ratios"][t] for t in OUT_OF_DOMAIN) / len(OUT_OF_DOMAIN) for found in draws])
+    return interval([draw_panel(found) for found in draws])
+
+
+def draw_panel(draw: dict) -> float:
+    """A draw's mean ratio over the out-of-domain texts (what the pick ranks on)."""
+    return sum(draw["ratios"][text] for text in OUT_OF_DOMAIN) / len(OUT_OF_DOMAIN)
 
 
 # stages that compress something besides the int4 weights, or ask the user for input: their recipes are not ranked

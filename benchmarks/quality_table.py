@@ -24,7 +24,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.quality_pick import interval, panel_interval, pick, pick_sentences
+from benchmarks.quality_pick import draw_panel, interval, panel_interval, pick, pick_sentences
 from benchmarks.quality_readme import README, readme_section, replace_section
 from benchmarks.quality_rows import (
     OUT_OF_DOMAIN,
@@ -327,7 +327,7 @@ def pairs(runs: list[dict]) -> list[dict]:
                 "difference": {
                     t: interval([mine[k]["ratios"][t] - theirs[k]["ratios"][t] for k in shared]) for t in texts
                 },
-                "panel": interval([_panel(mine[k]) - _panel(theirs[k]) for k in shared])
+                "panel": interval([draw_panel(mine[k]) - draw_panel(theirs[k]) for k in shared])
                 if all(t in texts for t in OUT_OF_DOMAIN) else None,
                 "sources": sorted({d[k]["source"] for d in (mine, theirs) for k in shared}),
             })  # fmt: skip
@@ -336,11 +336,6 @@ def pairs(runs: list[dict]) -> list[dict]:
                 "threads": ours["threads"], "ratios": found[-1]["difference"],
             })  # fmt: skip
     return found
-
-
-def _panel(draw: dict) -> float:
-    """A draw's mean ratio over the out-of-domain texts (what the pick ranks on)."""
-    return sum(draw["ratios"][text] for text in OUT_OF_DOMAIN) / len(OUT_OF_DOMAIN)
 
 
 def cell(stats: dict | None, digits: int = 3) -> str:

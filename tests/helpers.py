@@ -321,3 +321,14 @@ def small_gate_policy(models_in_memory: int) -> dict:
         "needle": {"context_lengths": [160], "depths": [0.5], "trials": 1},
         "latency": {"prompt_tokens": 16, "new_tokens": 2, "repeats": 1, "warmup": 0, "blocking": False},
     }
+
+
+def adapters_for(recipe: str) -> list[str]:
+    """An adapter for each adapter-merging stage of a shipped recipe, which it leaves to the command line (the name
+    is never read: enough to compose it)."""
+    import yaml
+
+    from compress.base.paths import recipes_dir
+
+    stages = yaml.safe_load((recipes_dir() / f"{recipe}.yaml").read_text())["stages"]
+    return [f"stages.{i}.adapters=[adapter]" for i, stage in enumerate(stages) if stage["type"] == "lora_merge"]

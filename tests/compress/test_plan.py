@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from helpers import adapters_for
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -17,7 +17,6 @@ from compress.__main__ import main
 from compress.app.preflight import ModelShape, Plan, Probe, estimate, model_shape
 from compress.app.recipe import available, compose
 from compress.base.errors import CompressError
-from compress.base.paths import recipes_dir
 from compress.compression.in_memory import compress_model
 from compress.model.resume import WalkProgress
 from compress.stages import STAGES, Stage, build_chain
@@ -137,12 +136,6 @@ SMOLLM2 = ModelShape(
     dtype_bytes=2,
 )
 RECORDED = Path(__file__).with_name("plan_estimates.json")
-
-
-def adapters_for(recipe: str) -> list[str]:
-    """An adapter for each adapter-merging stage, which a recipe leaves to the command line (never read here)."""
-    stages = yaml.safe_load((recipes_dir() / f"{recipe}.yaml").read_text())["stages"]
-    return [f"stages.{i}.adapters=[adapter]" for i, stage in enumerate(stages) if stage["type"] == "lora_merge"]
 
 
 def recorded_estimates() -> dict[str, dict]:

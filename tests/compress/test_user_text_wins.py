@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-import yaml
+from helpers import adapters_for
 
 from compress import api
 from compress.__main__ import main
@@ -26,14 +26,8 @@ SMALL_DISTILL = {"steps": 2, "seq_len": 16, "held_out": 1, "batch_size": 2}  # k
 MY_TEXT = [f"my own workload, line {i}: the quick brown fox jumps over the lazy dog." for i in range(60)]
 
 
-def _composed(recipe: str):
-    """The recipe as a run composes it; a LoRA merge is given an adapter name (never read here)."""
-    stages = yaml.safe_load((recipes_dir() / f"{recipe}.yaml").read_text())["stages"]
-    return compose(recipe, [f"stages.{i}.adapters=[a]" for i, s in enumerate(stages) if s["type"] == "lora_merge"])
-
-
 def test_every_recipe_that_samples_is_listed():
-    sampling = [name for name in available() if _composed(name).data.generated > 0]
+    sampling = [name for name in available() if compose(name, adapters_for(name)).data.generated > 0]
     assert sampling == SAMPLING_RECIPES and {"awq_int4", "rotate_gptq_int4"} <= set(sampling)
 
 
