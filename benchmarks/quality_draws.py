@@ -97,10 +97,9 @@ def peer_fingerprint(spec: str) -> str:
     scheme, *overrides = spec.removeprefix(PEER).split()
     if scheme not in SCHEMES:
         raise ValueError(f"no llm-compressor preset {scheme!r}: pick one of {', '.join(SCHEMES)}")
-    try:
-        _, generated, num_samples = peer_options(overrides, takes=tuple(k for k in PEER_OVERRIDES if k != "seed"))
-    except SystemExit as error:
-        raise ValueError(f"{error} (the seeds come from --seeds)") from None
+    if any(override.startswith("seed=") for override in overrides):
+        raise ValueError("a draw's seed is not part of its spec: the seeds come from --seeds")
+    _, generated, num_samples = peer_options(overrides, takes=tuple(k for k in PEER_OVERRIDES if k != "seed"))
     return settings_digest(
         {"peer": scheme, "version": peer_version(), "generated": generated, "num_samples": num_samples}
     )

@@ -76,6 +76,20 @@ def recipe_files(folder: Path = RECIPES_DIR) -> dict[str, dict]:
     return {path.stem: yaml.safe_load(path.read_text()) or {} for path in sorted(folder.glob("[!_]*.yaml"))}
 
 
+def sampled_recipes(folder: Path = RECIPES_DIR) -> set[str]:
+    """The recipes that calibrate on the model's own samples: their ``defaults`` select the sampled data group."""
+    return {
+        name
+        for name, parsed in recipe_files(folder).items()
+        if {"override data": "sampled"} in (parsed.get("defaults") or [])
+    }
+
+
+def data_group_file(group: str, folder: Path = RECIPES_DIR) -> dict:
+    """A calibration data group as its file ships it (``recipes/data/<group>.yaml``)."""
+    return yaml.safe_load((folder / "data" / f"{group}.yaml").read_text())
+
+
 def extended_recipes(folder: Path = RECIPES_DIR) -> dict[str, str]:
     """``{recipe: the shipped recipe it extends}``: the same file but for more stages after the other's (same
     defaults, so the same calibration), the nearest such when several are; read from the files, so a new recipe

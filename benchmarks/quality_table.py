@@ -32,9 +32,11 @@ from benchmarks.quality_rows import (
     STANDARD,
     TEXT_LABELS,
     calibration_free,
+    data_group_file,
     extended_recipes,
     no_interval,
     row_seed,
+    sampled_recipes,
     shortfall,
     still_to_measure,
     threads_cell,
@@ -130,9 +132,9 @@ CHANGED = {  # oldest change first
 }
 # The sampled data group's size before it changed (8700e76): a run on it measured before then gets this override.
 SAMPLED_CHANGED = ("2026-11-27 10:18", "data.num_samples=64")
-SAMPLED_NOW = {"num_samples": 32, "seq_len": 512}  # recipes/data/sampled.yaml (checked by tests/test_quality_table.py)
-PYDOC_NUM_SAMPLES = 64  # recipes/data/pydoc.yaml and compress.base.data.DataSpec
-SHIPS_SAMPLED = {"awq_int4", "awq_int4_kv_int8", "awq_int4_train_scales", "rotate_gptq_int4", "rotate_gptq_int3"}
+SAMPLED_NOW = {key: data_group_file("sampled")[key] for key in ("num_samples", "seq_len")}
+PYDOC_NUM_SAMPLES = data_group_file("pydoc")["num_samples"]
+SHIPS_SAMPLED = sampled_recipes()  # the recipes whose calibration is the sampled group, read from their files
 # A run spelled as overrides of one recipe that another recipe ships (after CHANGED): shown under the shipped name
 # (tests/test_quality_draws.py checks that both compose to the same stages and calibration).
 SHIPPED_AS = {

@@ -75,7 +75,7 @@ def peer_options(overrides: list[str], takes: tuple[str, ...] = PEER_OVERRIDES) 
     options = dict(override.split("=", 1) for override in overrides)
     unknown = sorted(set(options) - set(takes))
     if unknown:
-        raise SystemExit(f"a peer run takes only {', '.join(takes)}; got {', '.join(unknown)}")
+        raise ValueError(f"a peer run takes only {', '.join(takes)}; got {', '.join(unknown)}")
     default = DataSpec()
     generated = float(options.get("data.generated", default.generated))
     return int(options.get("seed", 0)), generated, int(options.get("data.num_samples", default.num_samples))
@@ -190,9 +190,12 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     runs = [(run, run.split()[0], run.split()[1:]) for run in args.runs]
-    for _, recipe, overrides in runs:  # a bad peer setting is refused before any run
+    for run, recipe, overrides in runs:  # a bad peer setting is refused before any run
         if recipe.startswith(PEER):
-            peer_options(overrides)
+            try:
+                peer_options(overrides)
+            except ValueError as error:
+                raise SystemExit(f"{run}: {error}") from None
     model_dir, ids, report = scored_baseline("python -m benchmarks.variants", args.max_windows, args.model, panel=True)
     samples = report.pop("samples")
     report.update(title=args.title, rows={})

@@ -15,8 +15,21 @@ def test_seed_sampling_share_and_sample_count_reach_the_peer():
 
 
 def test_an_override_that_does_not_decide_the_ids_is_refused():
-    with pytest.raises(SystemExit, match="stages.0.bits"):
+    with pytest.raises(ValueError, match="stages.0.bits"):
         peer_options(["stages.0.bits=3"])
+
+
+def test_the_variants_command_refuses_a_bad_peer_setting_in_one_line_before_any_run(monkeypatch):
+    from benchmarks import variants
+
+    def no_baseline(*args, **kwargs):
+        raise AssertionError("the baseline was scored before the bad setting was refused")
+
+    monkeypatch.setattr(variants, "scored_baseline", no_baseline)
+    run = "llm-compressor:gptq_w4a16 stages.0.bits=3"
+    monkeypatch.setattr("sys.argv", ["variants", "gptq_int4", run, "--name", "x"])
+    with pytest.raises(SystemExit, match=f"^{run}: a peer run takes only .*got stages.0.bits"):
+        variants.main()
 
 
 def test_every_scored_text_gets_its_columns_and_a_failed_run_keeps_the_table_square():

@@ -64,7 +64,11 @@ def test_a_peer_spec_is_refused_by_name_until_the_peer_is_installed(tmp_path, mo
         quality_draws.fingerprints(["gptq_int4", PEER_SPEC])
     install_peer(tmp_path, "0.14.0.1")
     assert set(quality_draws.fingerprints([PEER_SPEC])) == {PEER_SPEC}
-    refused = [(f"{PEER_SPEC} seed=1", "seeds come from --seeds"), ("llm-compressor:w9", "no llm-compressor preset")]
+    refused = [
+        (f"{PEER_SPEC} seed=1", "seeds come from --seeds"),
+        ("llm-compressor:w9", "no llm-compressor preset"),
+        (f"{PEER_SPEC} stages.0.bits=3", "takes only data.generated, data.num_samples; got stages.0.bits"),
+    ]
     for bad, why in refused:
         with pytest.raises(SystemExit, match=why):
             quality_draws.fingerprints([bad])

@@ -11,7 +11,7 @@ import yaml
 
 from benchmarks import quality_table
 from benchmarks.quality_readme import README, current_section, readme_section, replace_section
-from benchmarks.quality_rows import extended_recipes
+from benchmarks.quality_rows import extended_recipes, sampled_recipes
 from benchmarks.quality_table import (
     EXTENDS,
     PYDOC_NUM_SAMPLES,
@@ -65,6 +65,14 @@ def test_calibration_constants_match_the_recipe_files():
     assert pydoc["num_samples"] == PYDOC_NUM_SAMPLES
     ships = {path.stem for path in (ROOT / "recipes").glob("*.yaml") if "override data: sampled" in path.read_text()}
     assert ships == SHIPS_SAMPLED
+    assert "awq_int4" in SHIPS_SAMPLED and "gptq_int4" not in SHIPS_SAMPLED
+
+
+def test_sampled_recipes_are_read_from_their_defaults(tmp_path):
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - _base\n  - override data: sampled\n  - _self_\n")
+    (tmp_path / "theirs.yaml").write_text("defaults:\n  - _base\n  - _self_\nstages: []\n")
+    (tmp_path / "_base.yaml").write_text("defaults:\n  - override data: sampled\n")
+    assert sampled_recipes(tmp_path) == {"mine"}
 
 
 def _file(path: Path, command: str, rows: dict, threads: int | None = None) -> None:
