@@ -321,3 +321,38 @@ def test_published_defaults_learn_a_layer_closer_to_full_precision_than_round_to
         stage.process_layer(ctx)
         errors[name] = _output_error(ctx, targets)
     assert errors["autoround"] < 0.7 * errors["rtn"], errors
+
+
+@pytest.mark.parametrize("with_zero", [False, True])
+def test_the_fused_fake_quantize_gradients_equal_autograd_of_the_expression(with_zero):
+    """The hand-written backward (offsets, grid units, scales, zero points) against autograd of the expression it
+    fuses, codes clamped at both ends included: a wrong gradient would only show as a worse rounding."""
+    from compress.stages.learned_rounding import _FakeQuantize, round_ste
+
+    gen = torch.Generator().manual_seed(3)
+    shape, group = (6, 4, 16), (6, 4, 1)
+    position = torch.randn(shape, generator=gen, dtype=torch.float64) * 5  # some codes beyond [-8, 7]
+    leaves = {
+        "offset": torch.rand(shape, generator=gen, dtype=torch.float64) - 0.5,
+        "units": 0.8 + 0.4 * torch.rand(group, generator=gen, dtype=torch.float64),
+        "scale": 0.01 + torch.rand(group, generator=gen, dtype=torch.float64),
+        "zero": torch.randint(-2, 3, group, generator=gen).double() if with_zero else None,
+    }
+    grad = torch.randn(shape, generator=gen, dtype=torch.float64)
+
+    def grads(fused: bool) -> dict[str, torch.Tensor]:
+        own = {k: None if v is None else v.clone().requires_grad_(True) for k, v in leaves.items()}
+        offset, units, scale, zero = own["offset"], own["units"], own["scale"], own["zero"]
+        if fused:
+            out = _FakeQuantize.apply(position, offset, units, scale, zero, -8, 7)
+        else:
+            shifted = round_ste(position * units + offset) + (0 if zero is None else zero)
+            out = (shifted.clamp(-8, 7) - (0 if zero is None else zero)) * scale
+        out.backward(grad)
+        return {k: v.grad for k, v in own.items() if v is not None}
+
+    fused, reference = grads(True), grads(False)
+    assert set(fused) == set(reference)
+    for name in reference:
+        torch.testing.assert_close(fused[name], reference[name], msg=name)
+    assert (position * leaves["units"] + leaves["offset"]).abs().max() > 8  # the clamp was exercised
