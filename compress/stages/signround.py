@@ -54,7 +54,7 @@ INITS = ("rtn", "gptq")
 @dataclass
 class SignRoundConfig(WeightQuantConfig):
     iterations: int = 200  # signed-gradient steps per decoder layer (AutoRound: 200)
-    batch_size: int = 8  # calibration sequences per step, all from one calibration batch (AutoRound: 8)
+    batch_size: int = 8  # calibration sequences per step, across calibration batches if needed (AutoRound: 8)
     lr: float | None = None  # first step size, decaying linearly to 0; None: 1 / iterations (AutoRound)
     tune_clip: bool = True  # also learn each group's min/max scales α, β (AutoRound); false: offsets only
     min_clip: float = 0.5  # the smallest value α and β may take (AutoRound: 0.5)
@@ -238,15 +238,27 @@ class SignRoundStage(WeightQuantizerStage):
         return [lr * (1 - step / c.iterations) for step in range(c.iterations)]
 
     def _minibatch_loss(self, ctx: LayerContext, targets: LayerInputs, generator: torch.Generator) -> torch.Tensor:
-        """Output MSE on ``batch_size`` sequences of one calibration batch (at the first step the parameters are
-        round-to-nearest's, so that step's loss is the baseline the best iterate must beat)."""
-        batch = int(torch.randint(len(ctx.inputs.hidden), (1,), generator=generator))
-        hidden = ctx.inputs.hidden[batch]
-        size = hidden.shape[0]
-        rows = torch.randperm(size, generator=generator)[: self.config.batch_size].sort().values
-        out = ctx.layer(hidden[rows], **_rows(ctx.inputs.kwargs[batch], rows, size))
-        out = checked_output(out[0] if isinstance(out, tuple) else out, ctx.name)
-        return F.mse_loss(out, targets.hidden[batch][rows])
+        """Output MSE on ``batch_size`` sequences (at the first step the parameters are round-to-nearest's, so that
+        step's loss is the baseline the best iterate must beat). They come from one calibration batch when it holds
+        enough; a larger step, as AutoRound's draw from the whole calibration set, takes the rest from other batches,
+        all in one graph: one signed step on all of them."""
+        count = len(ctx.inputs.hidden)
+        first = int(torch.randint(count, (1,), generator=generator))
+        batches = [first]
+        if self.config.batch_size > ctx.inputs.hidden[first].shape[0]:
+            batches += [b for b in torch.randperm(count, generator=generator).tolist() if b != first]
+        losses, taken = [], []
+        for batch in batches:
+            hidden = ctx.inputs.hidden[batch]
+            size = hidden.shape[0]
+            rows = torch.randperm(size, generator=generator)[: self.config.batch_size - sum(taken)].sort().values
+            out = ctx.layer(hidden[rows], **_rows(ctx.inputs.kwargs[batch], rows, size))
+            out = checked_output(out[0] if isinstance(out, tuple) else out, ctx.name)
+            losses.append(F.mse_loss(out, targets.hidden[batch][rows]))
+            taken.append(len(rows))
+            if sum(taken) == self.config.batch_size:
+                break
+        return sum(loss * (n / sum(taken)) for loss, n in zip(losses, taken, strict=True))
 
     def finalize(self, model: nn.Module) -> dict:
         summary = super().finalize(model)

@@ -221,14 +221,14 @@ def test_the_next_layer_is_fed_by_the_refined_layer_not_by_gptq():
         assert all(torch.equal(a, b) for a, b in zip(ctx.outputs.hidden, expected, strict=True))
 
 
-def _first_layer(config: dict, samples: torch.Tensor = SAMPLES):
-    """A stage prepared on a tiny model, the context of its layer 0 (one calibration batch of every sample) and the
-    full-precision layer's outputs, the stage's targets."""
+def _first_layer(config: dict, samples: torch.Tensor = SAMPLES, per_batch: int | None = None):
+    """A stage prepared on a tiny model, the context of its layer 0 (calibration batches of ``per_batch`` samples,
+    by default one batch of every sample) and the full-precision layer's outputs, the stage's targets."""
     from compress.model.layer_walk import capture_first_layer_inputs, run_layer
     from compress.stages.base import LayerContext
 
     model = build_tiny_llama()
-    inputs = capture_first_layer_inputs(model, samples, len(samples), torch.device("cpu"))
+    inputs = capture_first_layer_inputs(model, samples, per_batch or len(samples), torch.device("cpu"))
     [stage] = build_chain([{"group_size": 32, **config}])
     stage.prepare(model)
     layer = decoder_layers(model)[0]
@@ -311,6 +311,20 @@ def test_the_best_iterate_is_kept_not_the_last():
     assert losses[-1] > min(losses) and kept["best_loss"] == min(losses)
     tokens = sum(h.numel() for h in targets.hidden)
     assert _output_error(ctx, targets) / tokens == pytest.approx(min(losses), rel=1e-4)
+
+
+def test_a_step_larger_than_a_calibration_batch_draws_from_several():
+    """AutoRound draws a step's sequences from the whole calibration set. Eight sequences a step over calibration
+    batches of two must use all four batches: the first step's loss (round-to-nearest's parameters) is then the
+    error over every calibration token, not over one batch's two sequences."""
+    stage, ctx, targets = _first_layer({"type": "signround", "iterations": 1, "batch_size": 8}, per_batch=2)
+    assert len(ctx.inputs.hidden) == 4
+    stage.process_layer(ctx)
+    [first] = stage.step_losses["model.layers.0"]
+    rtn, rtn_ctx, _ = _first_layer({"type": "rtn"}, per_batch=2)
+    rtn.process_layer(rtn_ctx)
+    tokens = sum(h.numel() for h in targets.hidden)
+    assert first == pytest.approx(_output_error(rtn_ctx, targets) / tokens, rel=1e-4)
 
 
 def test_published_defaults_learn_a_layer_closer_to_full_precision_than_round_to_nearest():
