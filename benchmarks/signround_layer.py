@@ -107,7 +107,7 @@ def write(args: argparse.Namespace, rows: dict[str, dict]) -> None:
         "",
         "Output error ‖layer′(x) − layer(x)‖² over all 64 x 512 calibration tokens (pydoc), relative to the first "
         "row; the layer's inputs come from the full-precision model. A run naming `samples=` / `seq_len=` trained on "
-        f"that draw of the same text instead. {platform.machine()} {os.cpu_count()} CPUs (shared with other jobs), "
+        f"that draw of the same text instead. {platform.machine()} {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, {torch.get_num_threads()} torch threads; {time.strftime('%Y-%m-%d %H:%M')}.",
         "",
         f"Command: `python -m benchmarks.signround_layer {' '.join(shlex.quote(a) for a in sys.argv[1:])}`",
