@@ -15,8 +15,8 @@ STANDARD = "≥ 3 calibration draws unless calibration-free, torch threads recor
 OUT_OF_DOMAIN = TEXTS_GOAL[:3]  # the texts no recipe calibrates on: the pick ranks on their mean, not on one of them
 
 PENDING = {  # shipped recipes kept out of the README's rows until >= 3 draws of them as shipped exist
-    "autoround_int4": "AutoRound as published now; one draw of its CPU preset, behind gptq_int4 "
-    "(benchmarks/results/autoround-int4-vs-gptq.md); quality.md's autoround rows are of the old stage",
+    "autoround_int4": "AutoRound's CPU preset of 512-token sequences (2026-11-29): one draw so far, below gptq_int4 "
+    "on every text (docs/quantization.md)",
 }
 # Shipped recipes that run only with the user's own input: no draw of them as shipped exists to measure
 NEEDS_INPUT = dict.fromkeys(

@@ -126,7 +126,12 @@ CHANGED = {  # oldest change first
             ["stages.0.init=gptq", "stages.0.iterations=40", "stages.0.batch_size=4", "stages.0.lr=0.005"]
             + ["stages.0.tune_clip=false", "data.num_samples=64", "data.seq_len=512"],
             ["stages.0.init=rtn"],
-        )
+        ),
+        (  # the CPU preset of 64-token sequences, before 512-token ones
+            "2026-11-29 11:30",
+            ["stages.0.iterations=50", "stages.0.batch_size=8", "data.seq_len=64"],
+            ["stages.0.iterations=200", "stages.0.batch_size=2", "data.seq_len=512"],
+        ),
     ],
     "gptq_int4": [("2026-11-28 05:15", ["stages.0.act_order=false"], ["stages.0.act_order=true"])],
 }
@@ -156,10 +161,13 @@ def as_measured(run: str, date: str) -> str:
     def overridden(key: str) -> bool:  # the row sets it, or a key inside it (data.generated=1.0 sets data)
         return any(mine == key or mine.startswith(f"{key}.") for mine in own)
 
-    before = [
-        o for changed_at, then, _ in changes if date < changed_at for o in then if not overridden(o.split("=")[0])
-    ]
-    overrides = list(dict.fromkeys(before)) + overrides
+    before = {}  # key → the value the row ran with: the oldest change after its date that lists the key says it
+    for changed_at, then, _ in changes:
+        for override in then if date < changed_at else []:
+            key = override.split("=")[0]
+            if not overridden(key):
+                before.setdefault(key, override)
+    overrides = list(before.values()) + overrides
     now = {override for _, _, ships in changes for override in ships}
     spelled = " ".join([recipe, *(override for override in overrides if override not in now)])
     spelled = SHIPPED_AS.get(spelled, spelled)

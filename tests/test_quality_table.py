@@ -235,6 +235,17 @@ def test_a_row_is_spelled_by_its_own_date_against_every_change_of_its_recipe(tmp
     assert runs == ["awq_int4 stages.0.act_order=false"]
 
 
+def test_a_setting_changed_twice_is_spelled_with_the_value_the_row_ran_with(monkeypatch):
+    """Both changes list the same key: a row older than both ran with the first change's value, not both values."""
+    changes = [("2030-01-01 00:00", ["stages.0.iterations=40", "stages.0.lr=0.005"], ["stages.0.lr=null"]),
+               ("2030-06-01 00:00", ["stages.0.iterations=50"], ["stages.0.iterations=200"])]  # fmt: skip
+    monkeypatch.setitem(quality_table.CHANGED, "autoround_int4", changes)
+    spell = quality_table.as_measured
+    assert spell("autoround_int4", "2029-12-31 00:00") == "autoround_int4 stages.0.iterations=40 stages.0.lr=0.005"
+    assert spell("autoround_int4", "2030-02-01 00:00") == "autoround_int4 stages.0.iterations=50"
+    assert spell("autoround_int4 stages.0.iterations=200", "2030-02-01 00:00") == "autoround_int4"
+
+
 def test_a_shipped_recipe_is_paired_with_its_other_stage_settings_on_the_same_draws(tmp_path: Path):
     """What a shipped setting buys, by the same paired arithmetic as a peer pair; a data override changes the
     calibration ids and a row with overrides of its own is not 'as shipped': neither is paired."""
