@@ -128,7 +128,7 @@ CHANGED = {  # oldest change first
             ["stages.0.init=rtn"],
         ),
         (  # the CPU preset of 64-token sequences, before 512-token ones
-            "2026-11-29 11:30",
+            "2026-11-29 11:12",
             ["stages.0.iterations=50", "stages.0.batch_size=8", "data.seq_len=64"],
             ["stages.0.iterations=200", "stages.0.batch_size=2", "data.seq_len=512"],
         ),
