@@ -17,6 +17,7 @@ OUT_OF_DOMAIN = TEXTS_GOAL[:3]  # the texts no recipe calibrates on: the pick ra
 PENDING = {  # shipped recipes kept out of the README's rows until >= 3 draws of them as shipped exist
     "autoround_int4": "AutoRound's CPU preset of 512-token sequences (2026-11-29): one draw so far, below gptq_int4 "
     "on every text (docs/quantization.md)",
+    "autoround_int3": "the same preset at 3 bits: one draw so far, below gptq_int3 on every text",
 }
 # Shipped recipes that run only with the user's own input: no draw of them as shipped exists to measure
 NEEDS_INPUT = dict.fromkeys(

@@ -133,6 +133,13 @@ CHANGED = {  # oldest change first
             ["stages.0.iterations=200", "stages.0.batch_size=2", "data.seq_len=512"],
         ),
     ],
+    "autoround_int3": [  # the CPU preset of 64-token sequences, before 512-token ones
+        (
+            "2026-11-29 11:47",
+            ["stages.0.iterations=50", "stages.0.batch_size=8", "data.seq_len=64"],
+            ["stages.0.iterations=200", "stages.0.batch_size=2", "data.seq_len=512"],
+        )
+    ],
     "gptq_int4": [("2026-11-28 05:15", ["stages.0.act_order=false"], ["stages.0.act_order=true"])],
 }
 # The sampled data group's size before it changed (8700e76): a run on it measured before then gets this override.
