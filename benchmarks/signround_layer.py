@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = [
     "rtn",
     "gptq",
-    "signround iterations=200 batch_size=8 samples=128 seq_len=64",  # autoround_int4's CPU preset
+    "signround iterations=200 batch_size=2 samples=128 seq_len=512",  # autoround_int4's CPU preset
     "signround init=gptq iterations=40 batch_size=4 lr=0.005 tune_clip=false",  # the recipe before AutoRound
 ]
 CALIBRATION = (64, 512)  # the recipes' default calibration: what every run is scored on
