@@ -109,7 +109,11 @@ def _text_order(text: str) -> tuple[bool, int, str]:
 # list (the overrides the row does not set itself: `data.generated=...` keeps its own data); overrides that spell what
 # ships now are dropped from any row. A row's date is its own where the file records one (quality_draws), else its
 # file's.
-SAMPLED = ["data=sampled", "data.generated=1.0"]  # data: sampled is pydoc's group with every window generated
+SAMPLED = ["data=sampled", "data.generated=1.0"]
+AUTOROUND_SEQUENCES = (  # AutoRound's CPU preset of 64-token sequences, before 512-token ones (both bit widths)
+    ["stages.0.iterations=50", "stages.0.batch_size=8", "data.seq_len=64"],
+    ["stages.0.iterations=200", "stages.0.batch_size=2", "data.seq_len=512"],
+)  # data: sampled is pydoc's group with every window generated
 CHANGED = {  # oldest change first
     "rotate_gptq_int4": [("2026-11-26 19:00", ["data=pydoc"], SAMPLED)],
     "awq_int4": [
@@ -127,19 +131,9 @@ CHANGED = {  # oldest change first
             + ["stages.0.tune_clip=false", "data.num_samples=64", "data.seq_len=512"],
             ["stages.0.init=rtn"],
         ),
-        (  # the CPU preset of 64-token sequences, before 512-token ones
-            "2026-11-29 11:12",
-            ["stages.0.iterations=50", "stages.0.batch_size=8", "data.seq_len=64"],
-            ["stages.0.iterations=200", "stages.0.batch_size=2", "data.seq_len=512"],
-        ),
+        ("2026-11-29 11:12", *AUTOROUND_SEQUENCES),
     ],
-    "autoround_int3": [  # the CPU preset of 64-token sequences, before 512-token ones
-        (
-            "2026-11-29 11:47",
-            ["stages.0.iterations=50", "stages.0.batch_size=8", "data.seq_len=64"],
-            ["stages.0.iterations=200", "stages.0.batch_size=2", "data.seq_len=512"],
-        )
-    ],
+    "autoround_int3": [("2026-11-29 11:47", *AUTOROUND_SEQUENCES)],
     "gptq_int4": [("2026-11-28 05:15", ["stages.0.act_order=false"], ["stages.0.act_order=true"])],
 }
 # The sampled data group's size before it changed (8700e76): a run on it measured before then gets this override.
