@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.quality_rows import OUT_OF_DOMAIN, PENDING, RECIPES_DIR, recipe_files, shipped, threads_cell
+from benchmarks.quality_rows import OUT_OF_DOMAIN, RECIPES_DIR, recipe_files, shipped, shortfall, threads_cell
 from evals.gate.stats import mean_interval
 
 
@@ -53,7 +53,7 @@ def pick(runs: list[dict], pairs: list[dict] = ()) -> dict | None:
     reference = shipped(runs, "gptq_int4")
     if reference is None or reference["size_mb"] is None:
         return None
-    rows = [shipped(runs, recipe) for recipe in int4_g64_recipes() if recipe not in PENDING]
+    rows = [row for row in (shipped(runs, recipe) for recipe in int4_g64_recipes()) if row and not shortfall(row)]
     ranked = sorted(
         (row for row in rows if row and not row["overrides"] and row["size_mb"] is not None and row["panel"]),
         key=_headline,

@@ -14,11 +14,6 @@ TEXT_LABELS = {"out_of_domain": "Shakespeare", "code": "code", "technical": "tec
 STANDARD = "≥ 3 calibration draws unless calibration-free, torch threads recorded, every text of the panel scored"
 OUT_OF_DOMAIN = TEXTS_GOAL[:3]  # the texts no recipe calibrates on: the pick ranks on their mean, not on one of them
 
-PENDING = {  # shipped recipes kept out of the README's rows until >= 3 draws of them as shipped exist
-    "autoround_int4": "AutoRound's CPU preset of 512-token sequences (2026-11-29): one draw so far, below gptq_int4 "
-    "on every text (docs/quantization.md)",
-    "autoround_int3": "the same preset at 3 bits: one draw so far, below gptq_int3 on every text",
-}
 # Shipped recipes that run only with the user's own input: no draw of them as shipped exists to measure
 NEEDS_INPUT = dict.fromkeys(
     ("lora_merge_awq_int4", "prune_2of4_distill_gptq_int4"),
