@@ -24,6 +24,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from benchmarks.quality_goals import goal_lines, loss_goals
 from benchmarks.quality_pick import draw_panel, interval, panel_interval, pick, pick_sentences
 from benchmarks.quality_readme import README, readme_section, replace_section
 from benchmarks.quality_rows import (
@@ -287,6 +288,7 @@ def build(sources: list[str], results: Path) -> dict:
     for tables in models.values():
         tables["pairs"] = pairs(tables["runs"])
         tables["pick"] = pick(tables["runs"], tables["pairs"])
+        tables["goals"] = loss_goals(tables["runs"])
     return models
 
 
@@ -413,6 +415,10 @@ def markdown(models: dict, command: str) -> str:
         if chosen:
             first, *larger = pick_sentences(chosen, cell)
             lines += [f"Pick: {first}", ""] + [line for sentence in larger for line in (sentence, "")]
+        if tables["goals"]:
+            lines += ["Goals against another recipe's loss over fp32 (the share of it removed; interval: Welch's 95% "
+                      "t of the difference of the two means over their draws, divided by the reference's mean loss):",
+                      "", *goal_lines(tables["goals"]), ""]  # fmt: skip
         standard = [run for run in tables["runs"] if not shortfall(run)]
         earlier = [run for run in tables["runs"] if shortfall(run)]
         header = f"| run | draws (seeds) | threads | {' | '.join(names)} | size MB | compress s | peak RSS MB | files |"

@@ -1,0 +1,73 @@
+"""Goals a recipe is held to against another recipe's loss over fp32, read from the quality table's rows: the figure
+that decides a goal comes from this script with its interval, not from arithmetic in a note."""
+
+from __future__ import annotations
+
+import math
+
+from benchmarks.quality_rows import OUT_OF_DOMAIN, TEXT_LABELS, shipped, shortfall
+from evals.gate.stats import _critical
+
+# (ours, the reference, the share of the reference's loss over fp32 ours must remove): AutoRound's goal against
+# GPTQ (the paper closes 31% of GPTQ's accuracy gap at W4G128 on Mistral-7B; W3G128 Llama-2-7B 56.68 against 54.14)
+LOSS_GOALS = [("autoround_int4", "gptq_int4", 0.35), ("autoround_int3", "gptq_int3", 0.40)]
+
+
+def share_removed(ours: list[float], reference: list[float], confidence: float = 0.95) -> dict:
+    """``1 - (ours - 1) / (reference - 1)`` over the mean ratios. Interval: Welch's t interval of the difference of
+    the two means (the draws are not paired: each recipe cuts its own calibration ids; degrees of freedom rounded
+    down), divided by the reference's mean loss, whose own spread it leaves out."""
+    mean_ours, mean_reference = sum(ours) / len(ours), sum(reference) / len(reference)
+    loss = mean_reference - 1
+    sides = [(_variance(values) / len(values), len(values) - 1) for values in (ours, reference)]
+    spread = math.sqrt(sum(variance for variance, _ in sides))
+    if spread == 0:
+        half = 0.0
+    else:
+        degrees = spread**4 / sum(variance**2 / free for variance, free in sides if variance)
+        half = _critical(confidence, max(1, math.floor(degrees))) * spread
+    gained = mean_reference - mean_ours
+    return {"share": gained / loss, "low": (gained - half) / loss, "high": (gained + half) / loss}
+
+
+def _variance(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return sum((value - mean) ** 2 for value in values) / (len(values) - 1)
+
+
+def loss_goals(runs: list[dict]) -> list[dict]:
+    """Each goal whose two recipes have rows to the table's standard: the share removed per text and on the
+    out-of-domain mean (what the goal is read on), with the verdict: met when the interval clears the goal, missed
+    when it stays below, else undecided."""
+    found = []
+    for ours_recipe, reference_recipe, goal in LOSS_GOALS:
+        ours, reference = shipped(runs, ours_recipe), shipped(runs, reference_recipe)
+        if not ours or not reference or shortfall(ours) or shortfall(reference) or not ours["panel"]:
+            continue
+        panel = share_removed(ours["panel"]["values"], reference["panel"]["values"])
+        texts = {
+            text: share_removed(ours["ratios"][text]["values"], reference["ratios"][text]["values"])
+            for text in ours["ratios"]
+            if text in reference["ratios"]
+        }
+        verdict = "met" if panel["low"] >= goal else "missed" if panel["high"] < goal else "undecided"
+        found.append({"ours": ours["run"], "reference": reference["run"], "goal": goal, "panel": panel,
+                      "texts": texts, "verdict": verdict})  # fmt: skip
+    return found
+
+
+def goal_lines(goals: list[dict]) -> list[str]:
+    """The markdown lines of ``loss_goals``, one per goal."""
+    lines = []
+    for goal in goals:
+        texts = ", ".join(f"{TEXT_LABELS.get(text, text)} {_percent(share)}" for text, share in goal["texts"].items())
+        lines.append(
+            f"- `{goal['ours']}` against `{goal['reference']}` (goal: remove ≥ {goal['goal']:.0%} of its loss over "
+            f"fp32, out of domain): {_percent(goal['panel'])} on the mean of the {len(OUT_OF_DOMAIN)} out-of-domain "
+            f"texts, **{goal['verdict']}**; per text: {texts}."
+        )
+    return lines
+
+
+def _percent(share: dict) -> str:
+    return f"{share['share']:.0%} ({share['low']:.0%} to {share['high']:.0%})"
