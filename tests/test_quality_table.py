@@ -80,6 +80,22 @@ def _row(out: float, inside: float) -> dict:
     return {"out_of_domain": {"perplexity": out}, "in_domain": {"perplexity": inside}, "seconds": 1.0}
 
 
+PANEL = ("out_of_domain", "code", "technical", "in_domain")
+
+
+def _panel_row(value: float) -> dict:
+    """One draw that scored ``value`` on every text of the panel (whose baseline is 10.0 on each)."""
+    return {text: {"perplexity": value} for text in PANEL} | {"seconds": 1.0, "size_mb": 90.0}
+
+
+def _panel_tables(tmp_path: Path, rows: dict, model: str = "m") -> dict:
+    """The quality table built from one results file of ``rows``, at 2 threads, scored on the whole panel."""
+    base = {text: {"perplexity": 10.0, "tokens": 100} for text in PANEL}
+    report = {"model": model, "date": "2030-01-01 00:00", "command": "c", "threads": 2, "baseline": base, "rows": rows}
+    (tmp_path / "p.json").write_text(json.dumps(report))
+    return build(["p"], tmp_path)
+
+
 def test_draws_threads_intervals_and_peer_pairs_are_computed(tmp_path: Path):
     rows = {"gptq_int4": _row(12.0, 6.0), "llm-compressor:gptq_w4a16": _row(15.0, 6.5)}
     _file(tmp_path / "a.json", "python -m benchmarks.variants ...", rows)
@@ -288,10 +304,7 @@ def test_the_pick_ranks_on_the_mean_over_every_out_of_domain_text_not_on_shakesp
     for draw in rows.values():
         if draw["technical"] is None:
             del draw["technical"]
-    base = {text: {"perplexity": 10.0, "tokens": 100} for text in ("out_of_domain", "code", "technical", "in_domain")}
-    report = {"model": "m", "date": "2030-01-01 00:00", "command": "c", "threads": 2, "baseline": base, "rows": rows}
-    (tmp_path / "p.json").write_text(json.dumps(report))
-    tables = build(["p"], tmp_path)["m"]
+    tables = _panel_tables(tmp_path, rows)["m"]
     chosen = tables["pick"]
     assert (chosen["recipe"], chosen["runner_up"]) == ("gptq_int4", "awq_int4")
     assert chosen["panel"]["values"] == pytest.approx([(1.2 + 1.1 + 1.1) / 3, (1.21 + 1.11 + 1.11) / 3,
@@ -305,20 +318,13 @@ def test_the_pick_reads_the_paired_difference_where_best_and_runner_up_share_the
     """Seeds move both recipes alike (same calibration ids): the unpaired intervals overlap, but the difference draw
     by draw is the same every time, so the pick is ahead, and says it by the paired interval."""
 
-    def row(value: float) -> dict:
-        texts = ("out_of_domain", "code", "technical", "in_domain")
-        return {text: {"perplexity": value} for text in texts} | {"seconds": 1.0, "size_mb": 90.0}
-
     rows = {}
     for seed, wobble in enumerate((0.0, 0.5, -0.5)):
         suffix = f" seed={seed}" if seed else ""
-        rows[f"awq_int4{suffix}"] = row(11.2 + wobble)
-        rows[f"awq_int4_train_scales{suffix}"] = row(11.0 + wobble)
-        rows[f"gptq_int4{suffix}"] = row(13.0)
-    base = {text: {"perplexity": 10.0, "tokens": 100} for text in ("out_of_domain", "code", "technical", "in_domain")}
-    report = {"model": "m", "date": "2030-01-01 00:00", "command": "c", "threads": 2, "baseline": base, "rows": rows}
-    (tmp_path / "p.json").write_text(json.dumps(report))
-    chosen = build(["p"], tmp_path)["m"]["pick"]
+        rows[f"awq_int4{suffix}"] = _panel_row(11.2 + wobble)
+        rows[f"awq_int4_train_scales{suffix}"] = _panel_row(11.0 + wobble)
+        rows[f"gptq_int4{suffix}"] = _panel_row(13.0)
+    chosen = _panel_tables(tmp_path, rows)["m"]["pick"]
     assert (chosen["recipe"], chosen["runner_up"]) == ("awq_int4_train_scales", "awq_int4")
     assert chosen["panel"]["high"] > chosen["runner_up_panel"]["low"]  # unpaired: they would overlap
     assert (
@@ -332,19 +338,12 @@ def test_one_lucky_draw_neither_leads_the_pick_nor_enters_the_readme_rows(tmp_pa
     kept by hand)."""
     from benchmarks.quality_readme import MODEL
 
-    def row(value: float) -> dict:
-        texts = ("out_of_domain", "code", "technical", "in_domain")
-        return {text: {"perplexity": value} for text in texts} | {"seconds": 1.0, "size_mb": 90.0}
-
-    rows = {"awq_int4_train_scales": row(10.5)}  # one draw, lowest
+    rows = {"awq_int4_train_scales": _panel_row(10.5)}  # one draw, lowest
     for seed, wobble in enumerate((0.0, 0.1, -0.1)):
         suffix = f" seed={seed}" if seed else ""
-        rows[f"awq_int4{suffix}"] = row(11.0 + wobble)
-        rows[f"gptq_int4{suffix}"] = row(12.0 + wobble)
-    base = {text: {"perplexity": 10.0, "tokens": 100} for text in ("out_of_domain", "code", "technical", "in_domain")}
-    report = {"model": MODEL, "date": "2030-01-01 00:00", "command": "c", "threads": 2, "baseline": base, "rows": rows}
-    (tmp_path / "p.json").write_text(json.dumps(report))
-    stored = {"command": "python -m benchmarks.quality_table", "models": build(["p"], tmp_path)}
+        rows[f"awq_int4{suffix}"] = _panel_row(11.0 + wobble)
+        rows[f"gptq_int4{suffix}"] = _panel_row(12.0 + wobble)
+    stored = {"command": "python -m benchmarks.quality_table", "models": _panel_tables(tmp_path, rows, MODEL)}
     assert stored["models"][MODEL]["pick"]["recipe"] == "awq_int4"
     section = readme_section(json.loads(json.dumps(stored)))
     assert "| `awq_int4_train_scales` |" not in section
@@ -361,19 +360,12 @@ def test_the_share_of_the_reference_loss_removed_is_computed_with_its_interval_a
     assert found["low"] < 0.5 < found["high"]
     assert share_removed([1.10, 1.10, 1.10], [1.20, 1.20, 1.20])["low"] == pytest.approx(0.5)  # no spread: exact
 
-    def row(value: float) -> dict:
-        texts = ("out_of_domain", "code", "technical", "in_domain")
-        return {text: {"perplexity": value} for text in texts} | {"seconds": 1.0, "size_mb": 90.0}
-
     rows = {}
     for seed, wobble in enumerate((0.0, 0.01, -0.01)):
         suffix = f" seed={seed}" if seed else ""
-        rows[f"autoround_int4{suffix}"] = row(11.8 + wobble)  # 0.18 over fp32 against gptq's 0.20: 10% removed
-        rows[f"gptq_int4{suffix}"] = row(12.0 + wobble)
-    base = {text: {"perplexity": 10.0, "tokens": 100} for text in ("out_of_domain", "code", "technical", "in_domain")}
-    report = {"model": "m", "date": "2030-01-01 00:00", "command": "c", "threads": 2, "baseline": base, "rows": rows}
-    (tmp_path / "p.json").write_text(json.dumps(report))
-    tables = build(["p"], tmp_path)["m"]
+        rows[f"autoround_int4{suffix}"] = _panel_row(11.8 + wobble)  # 0.18 over fp32 against gptq's 0.20: 10% removed
+        rows[f"gptq_int4{suffix}"] = _panel_row(12.0 + wobble)
+    tables = _panel_tables(tmp_path, rows)["m"]
     (goal,) = tables["goals"]
     assert (goal["ours"], goal["reference"], goal["goal"]) == ("autoround_int4", "gptq_int4", 0.35)
     assert goal["panel"]["share"] == pytest.approx(0.1)
