@@ -3,10 +3,8 @@ that decides a goal comes from this script with its interval, not from arithmeti
 
 from __future__ import annotations
 
-import math
-
-from benchmarks.quality_rows import OUT_OF_DOMAIN, TEXT_LABELS, shipped, shortfall
-from evals.gate.stats import _critical
+from benchmarks.quality_rows import OUT_OF_DOMAIN, TEXT_LABELS, shipped
+from evals.gate.stats import welch_difference
 
 # (ours, the reference, the share of the reference's loss over fp32 ours must remove): AutoRound's goal against
 # GPTQ (the paper closes 31% of GPTQ's accuracy gap at W4G128 on Mistral-7B; W3G128 Llama-2-7B 56.68 against 54.14)
@@ -15,24 +13,11 @@ LOSS_GOALS = [("autoround_int4", "gptq_int4", 0.35), ("autoround_int3", "gptq_in
 
 def share_removed(ours: list[float], reference: list[float], confidence: float = 0.95) -> dict:
     """``1 - (ours - 1) / (reference - 1)`` over the mean ratios. Interval: Welch's t interval of the difference of
-    the two means (the draws are not paired: each recipe cuts its own calibration ids; degrees of freedom rounded
-    down), divided by the reference's mean loss, whose own spread it leaves out."""
-    mean_ours, mean_reference = sum(ours) / len(ours), sum(reference) / len(reference)
-    loss = mean_reference - 1
-    sides = [(_variance(values) / len(values), len(values) - 1) for values in (ours, reference)]
-    spread = math.sqrt(sum(variance for variance, _ in sides))
-    if spread == 0:
-        half = 0.0
-    else:
-        degrees = spread**4 / sum(variance**2 / free for variance, free in sides if variance)
-        half = _critical(confidence, max(1, math.floor(degrees))) * spread
-    gained = mean_reference - mean_ours
-    return {"share": gained / loss, "low": (gained - half) / loss, "high": (gained + half) / loss}
-
-
-def _variance(values: list[float]) -> float:
-    mean = sum(values) / len(values)
-    return sum((value - mean) ** 2 for value in values) / (len(values) - 1)
+    the two means (the draws are not paired: each recipe cuts its own calibration ids), divided by the reference's
+    mean loss, whose own spread it leaves out."""
+    loss = sum(reference) / len(reference) - 1
+    gained = welch_difference(reference, ours, confidence)
+    return {"share": gained.estimate / loss, "low": gained.low / loss, "high": gained.high / loss}
 
 
 def loss_goals(runs: list[dict]) -> list[dict]:
@@ -42,7 +27,8 @@ def loss_goals(runs: list[dict]) -> list[dict]:
     found = []
     for ours_recipe, reference_recipe, goal in LOSS_GOALS:
         ours, reference = shipped(runs, ours_recipe), shipped(runs, reference_recipe)
-        if not ours or not reference or shortfall(ours) or shortfall(reference) or not ours["panel"]:
+        rows = (ours, reference)
+        if not all(row and not row["short_of_standard"] and row["panel"] for row in rows):
             continue
         panel = share_removed(ours["panel"]["values"], reference["panel"]["values"])
         texts = {

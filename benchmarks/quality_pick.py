@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.quality_rows import OUT_OF_DOMAIN, RECIPES_DIR, recipe_files, shipped, shortfall, threads_cell
+from benchmarks.quality_rows import OUT_OF_DOMAIN, RECIPES_DIR, recipe_files, shipped, threads_cell
 from evals.gate.stats import mean_interval
 
 
@@ -53,9 +53,17 @@ def pick(runs: list[dict], pairs: list[dict] = ()) -> dict | None:
     reference = shipped(runs, "gptq_int4")
     if reference is None or reference["size_mb"] is None:
         return None
-    rows = [row for row in (shipped(runs, recipe) for recipe in int4_g64_recipes()) if row and not shortfall(row)]
+    rows = [shipped(runs, recipe) for recipe in int4_g64_recipes()]
     ranked = sorted(
-        (row for row in rows if row and not row["overrides"] and row["size_mb"] is not None and row["panel"]),
+        (
+            row
+            for row in rows
+            if row
+            and not row["short_of_standard"]
+            and not row["overrides"]
+            and row["size_mb"] is not None
+            and row["panel"]
+        ),
         key=_headline,
     )
     rows = [row for row in ranked if row["size_mb"] <= reference["size_mb"] * 1.001]

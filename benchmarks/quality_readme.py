@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.quality_pick import pick_sentences
-from benchmarks.quality_rows import PICK_RULE, TEXT_LABELS, TEXTS_GOAL, no_interval, shipped, shortfall, threads_cell
+from benchmarks.quality_rows import PICK_RULE, TEXT_LABELS, TEXTS_GOAL, no_interval, shipped, threads_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -69,9 +69,9 @@ def readme_section(stored: dict) -> str:
     order = [chosen["recipe"]] if chosen else []
     order += [recipe for recipe in README_RECIPES if recipe not in order]
     readme_rows = {recipe: shipped(tables["runs"], recipe) for recipe in order}
-    rows = [row for row in readme_rows.values() if row and not shortfall(row)]  # a row short of the standard: named
-    short = [f"`{recipe}`: {'; '.join(shortfall(row)) if row else 'not measured'}"
-             for recipe, row in readme_rows.items() if not row or shortfall(row)]  # fmt: skip
+    rows = [row for row in readme_rows.values() if row and not row["short_of_standard"]]  # a short row: named
+    short = [f"`{recipe}`: {'; '.join(row['short_of_standard']) if row else 'not measured'}"
+             for recipe, row in readme_rows.items() if not row or row["short_of_standard"]]  # fmt: skip
     lines = [  # the heading's next line: a comment ends its own HTML block, so the table still renders
         START,
         "| recipe | draws | torch threads | Shakespeare | code | technical | in domain | MB |",

@@ -110,11 +110,11 @@ def _text_order(text: str) -> tuple[bool, int, str]:
 # list (the overrides the row does not set itself: `data.generated=...` keeps its own data); overrides that spell what
 # ships now are dropped from any row. A row's date is its own where the file records one (quality_draws), else its
 # file's.
-SAMPLED = ["data=sampled", "data.generated=1.0"]
+SAMPLED = ["data=sampled", "data.generated=1.0"]  # data: sampled is pydoc's group with every window generated
 AUTOROUND_SEQUENCES = (  # AutoRound's CPU preset of 64-token sequences, before 512-token ones (both bit widths)
     ["stages.0.iterations=50", "stages.0.batch_size=8", "data.seq_len=64"],
     ["stages.0.iterations=200", "stages.0.batch_size=2", "data.seq_len=512"],
-)  # data: sampled is pydoc's group with every window generated
+)
 CHANGED = {  # oldest change first
     "rotate_gptq_int4": [("2026-11-26 19:00", ["data=pydoc"], SAMPLED)],
     "awq_int4": [
@@ -419,8 +419,8 @@ def markdown(models: dict, command: str) -> str:
             lines += ["Goals against another recipe's loss over fp32 (the share of it removed; interval: Welch's 95% "
                       "t of the difference of the two means over their draws, divided by the reference's mean loss):",
                       "", *goal_lines(tables["goals"]), ""]  # fmt: skip
-        standard = [run for run in tables["runs"] if not shortfall(run)]
-        earlier = [run for run in tables["runs"] if shortfall(run)]
+        standard = [run for run in tables["runs"] if not run["short_of_standard"]]
+        earlier = [run for run in tables["runs"] if run["short_of_standard"]]
         header = f"| run | draws (seeds) | threads | {' | '.join(names)} | size MB | compress s | peak RSS MB | files |"
         rule = "|---|---|---|" + "---|" * len(texts) + "---|---|---|---|"
         lines += [
@@ -439,7 +439,7 @@ def markdown(models: dict, command: str) -> str:
                 "",
                 header.replace(" files |", " files | short of the standard by |"),
                 rule + "---|",
-                *(f"{_run_line(run, texts)} {'; '.join(shortfall(run))} |" for run in earlier),
+                *(f"{_run_line(run, texts)} {'; '.join(run['short_of_standard'])} |" for run in earlier),
             ]
         if tables["pairs"]:
             header = f"| ours | rival | draws (seeds) | threads | {' | '.join(names)} | files |"

@@ -74,9 +74,27 @@ def mean_interval(values: list[float], confidence: float = 0.95) -> Interval:
     mean = sum(values) / count
     if count == 1:
         return Interval(mean, -math.inf, math.inf, 1, confidence)
-    deviation = math.sqrt(sum((value - mean) ** 2 for value in values) / (count - 1))
-    half = _critical(confidence, count - 1) * deviation / math.sqrt(count)
+    half = _critical(confidence, count - 1) * math.sqrt(_variance(values)) / math.sqrt(count)
     return Interval(mean, mean - half, mean + half, count, confidence)
+
+
+def welch_difference(first: list[float], second: list[float], confidence: float = 0.95) -> Interval:
+    """Welch's interval of mean(first) − mean(second) over two independent samples of two or more each (not
+    paired: e.g. two recipes' calibration draws, each cutting its own ids); degrees of freedom rounded down."""
+    sides = [(_variance(values) / len(values), len(values) - 1) for values in (first, second)]
+    spread = math.sqrt(sum(variance for variance, _ in sides))
+    half = 0.0
+    if spread:
+        degrees = spread**4 / sum(variance**2 / free for variance, free in sides if variance)
+        half = _critical(confidence, max(1, math.floor(degrees))) * spread
+    difference = sum(first) / len(first) - sum(second) / len(second)
+    return Interval(difference, difference - half, difference + half, len(first) + len(second), confidence)
+
+
+def _variance(values: list[float]) -> float:
+    """The sample variance (n − 1 in the denominator)."""
+    mean = sum(values) / len(values)
+    return sum((value - mean) ** 2 for value in values) / (len(values) - 1)
 
 
 def blocks_of(positions: list[int], block: int) -> list[int]:

@@ -130,3 +130,13 @@ def test_the_kl_check_reads_its_interval_on_the_log_scale():
     assert 0 < check.low and check.high - check.estimate > check.estimate - check.low and check.verdict == stats.PASS
     near = checks.kl_check("kl", "kl_mean", [0.049, 0.051, 0.050, 0.052], 0.05, 0.95)
     assert near.verdict == stats.INCONCLUSIVE
+
+
+def test_welch_difference_matches_the_textbook_case_and_is_exact_without_spread():
+    """[1, 2, 3] against [4, 5, 6]: variances 1 and 1, standard error sqrt(2/3), 4 degrees of freedom (t 2.776)."""
+    found = stats.welch_difference([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
+    assert found.estimate == pytest.approx(-3.0)
+    assert found.high - found.estimate == pytest.approx(2.776 * math.sqrt(2 / 3), rel=2e-3)
+    assert found.estimate - found.low == pytest.approx(found.high - found.estimate)
+    still = stats.welch_difference([2.0, 2.0], [1.0, 1.0, 1.0])
+    assert (still.low, still.high) == (1.0, 1.0)
