@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.quality_rows import OUT_OF_DOMAIN, RECIPES_DIR, recipe_files, shipped, threads_cell
-from evals.gate.stats import mean_interval
+from evals.gate.stats import mean_interval, welch_difference
 
 
 def interval(values: list[float]) -> dict:
@@ -49,7 +49,8 @@ def int4_g64_recipes(folder: Path = RECIPES_DIR) -> list[str]:
 
 def pick(runs: list[dict], pairs: list[dict] = ()) -> dict | None:
     """The int4 recipe a user should pick by the measured numbers (PICK_RULE), with the runner-up and the verdict:
-    from their paired difference where they share calibration draws (``pairs``), else from their own intervals."""
+    from their paired difference where they share calibration draws (``pairs``), else from Welch's interval of the
+    difference of their means (overlap of their own intervals would call many real gaps a tie)."""
     reference = shipped(runs, "gptq_int4")
     if reference is None or reference["size_mb"] is None:
         return None
@@ -82,7 +83,10 @@ def pick(runs: list[dict], pairs: list[dict] = ()) -> dict | None:
         elif a["low"] is None or b["low"] is None:
             verdict = "not established (one of them has 1 draw)"
         else:
-            verdict = "a tie (95% intervals overlap)" if a["high"] >= b["low"] else "ahead (95% intervals apart)"
+            found = welch_difference(a["values"], b["values"])
+            ahead = "ahead" if found.high < 0 else "a tie (the interval reaches zero)"
+            verdict = (f"{ahead}: difference {found.estimate:+.3f} ({found.low:+.3f} to {found.high:+.3f}, Welch's 95% "
+                       f"interval: {a['n']} and {b['n']} draws on different calibration ids)")  # fmt: skip
         if best["threads"] != runner["threads"]:
             verdict += f", torch threads {threads_cell(best['threads'])} against {threads_cell(runner['threads'])}"
     return {

@@ -309,7 +309,7 @@ def test_the_pick_ranks_on_the_mean_over_every_out_of_domain_text_not_on_shakesp
     assert (chosen["recipe"], chosen["runner_up"]) == ("gptq_int4", "awq_int4")
     assert chosen["panel"]["values"] == pytest.approx([(1.2 + 1.1 + 1.1) / 3, (1.21 + 1.11 + 1.11) / 3,
                                                        (1.19 + 1.09 + 1.09) / 3])  # fmt: skip
-    assert chosen["verdict"] == "ahead (95% intervals apart)"
+    assert chosen["verdict"].startswith("ahead: difference -0.100 (-0.123 to -0.077, Welch's 95% interval: 3 and 3")
     assert "Pick: `gptq_int4`, out-of-domain mean 1.133 (" in markdown({"m": tables}, "cmd")
     assert (chosen["larger"]["recipe"], chosen["larger"]["size_mb"]) == ("rtn_int4", 200.0)
 
@@ -329,6 +329,23 @@ def test_the_pick_reads_the_paired_difference_where_best_and_runner_up_share_the
     assert chosen["panel"]["high"] > chosen["runner_up_panel"]["low"]  # unpaired: they would overlap
     assert (
         chosen["verdict"] == "ahead: paired difference -0.020 (-0.020 to -0.020, 3 draws on the same calibration ids)"
+    )
+
+
+def test_the_pick_tests_unpaired_recipes_by_welchs_interval_of_their_difference_not_by_overlap(tmp_path: Path):
+    """Two recipes on different calibration ids: their own 95% intervals overlap, yet the interval of the difference
+    of their means excludes zero (overlap is a far stricter test than the difference's own interval), so the pick
+    is ahead and says so with Welch's interval."""
+    rows = {}
+    for seed, wobble in enumerate((0.0, 0.1, -0.1)):
+        suffix = f" seed={seed}" if seed else ""
+        rows[f"awq_int4{suffix}"] = _panel_row(10.0 + wobble)
+        rows[f"gptq_int4{suffix}"] = _panel_row(10.35 + wobble)
+    chosen = _panel_tables(tmp_path, rows)["m"]["pick"]
+    assert (chosen["recipe"], chosen["runner_up"]) == ("awq_int4", "gptq_int4")
+    assert chosen["panel"]["high"] > chosen["runner_up_panel"]["low"]  # their own intervals overlap
+    assert chosen["verdict"] == (
+        "ahead: difference -0.035 (-0.058 to -0.012, Welch's 95% interval: 3 and 3 draws on different calibration ids)"
     )
 
 
