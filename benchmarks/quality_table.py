@@ -72,6 +72,7 @@ SOURCES = [  # oldest first; a later file's draw replaces an earlier one of the 
     "awq-gptq-w4a16-mse-seeds",
     "awq-gptq-w4a16-mse-seed1",
     "awq-gptq-w4a16-mse-seed2",
+    "quality-draws-gemma3-270m",
 ]
 PEER = "llm-compressor:"
 # llm-compressor's presets beside the recipe they compete with (benchmarks/peer_comparison.SCHEMES, reversed)
