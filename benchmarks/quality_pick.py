@@ -80,6 +80,8 @@ def pick(runs: list[dict], pairs: list[dict] = ()) -> dict | None:
             ahead = "ahead" if paired["high"] < 0 else "a tie (the paired interval reaches zero)"
             verdict = (f"{ahead}: paired difference {paired['mean']:+.3f} ({paired['low']:+.3f} to "
                        f"{paired['high']:+.3f}, {paired['n']} draws on the same calibration ids)")  # fmt: skip
+        elif a.get("calibration_free") or b.get("calibration_free"):
+            verdict = _against_one_value(a, b)
         elif a["low"] is None or b["low"] is None:
             verdict = "not established (one of them has 1 draw)"
         else:
@@ -108,6 +110,21 @@ def _paired_panel(pairs: list[dict], best: str, runner: str) -> dict | None:
         if (pair["ours"], pair["peer"]) == (runner, best):
             return {**found, "mean": -found["mean"], "low": -found["high"], "high": -found["low"]}
     return None
+
+
+def _against_one_value(best: dict, runner: dict) -> str:
+    """The verdict when one side is calibration-free: its one draw is every draw, so the difference's interval is
+    the other side's own t-interval shifted by that value (both calibration-free: the difference is exact)."""
+    drawn, exact, sign = (best, runner, 1.0) if runner.get("calibration_free") else (runner, best, -1.0)
+    if drawn.get("calibration_free"):
+        difference = best["mean"] - runner["mean"]
+        return f"{'ahead' if difference < 0 else 'a tie'}: difference {difference:+.3f} (both calibration-free: exact)"
+    if drawn["low"] is None:
+        return "not established (the calibrated recipe has 1 draw)"
+    low, high = sorted((sign * (drawn["low"] - exact["mean"]), sign * (drawn["high"] - exact["mean"])))
+    ahead = "ahead" if high < 0 else "a tie (the interval reaches zero)"
+    return (f"{ahead}: difference {best['mean'] - runner['mean']:+.3f} ({low:+.3f} to {high:+.3f}, 95% t over "
+            f"{drawn['n']} draws against the calibration-free recipe's one value)")  # fmt: skip
 
 
 def _headline(run: dict) -> float:

@@ -27,7 +27,7 @@ PICK_RULE = (
     "then a 95% t over draws) among the int4 g64 recipes as shipped, every draw scored on all three, whose "
     "checkpoint is no larger than `gptq_int4`'s; ahead of the runner-up when the 95% interval of their paired "
     "difference (where both ran on the same calibration draws) stays below zero, else when Welch's 95% interval of "
-    "the difference of their means does; otherwise a tie"
+    "the difference of their means does (a calibration-free recipe's one draw counting as exact); otherwise a tie"
 )
 
 

@@ -271,11 +271,12 @@ def build(sources: list[str], results: Path) -> dict:
         size = sizes.get((model, recipe, tuple(o for o in overrides if not o.startswith("data"))))
         texts = sorted({text for found in draws for text in found["ratios"]}, key=_text_order)
         marks = {"calibration_free": True} if calibration_free(recipe, overrides) else {}
+        panel = panel_interval(draws)
         entry = {
             "run": run, "recipe": recipe, "overrides": overrides, "model": model, "family": FAMILY.get(model, "-"),
             "threads": threads, "draws": len(draws), "seeds": [found["seed"] for found in draws],
             "ratios": {t: interval([f["ratios"][t] for f in draws if t in f["ratios"]]) | marks for t in texts},
-            "panel": panel_interval(draws),
+            "panel": panel and panel | marks,
             "size_mb": size[0] if size else None, "size_from": size[1] if size else None,
             "seconds": _mean([found["seconds"] for found in draws]),
             "peak_rss_mb": _mean([found["peak_rss_mb"] for found in draws]),

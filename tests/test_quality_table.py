@@ -349,6 +349,21 @@ def test_the_pick_tests_unpaired_recipes_by_welchs_interval_of_their_difference_
     )
 
 
+def test_a_calibration_free_runner_up_is_one_exact_value_not_an_unestablished_single_draw(tmp_path: Path):
+    """rtn_int4's one draw is every draw (no calibration): the pick against it is the best recipe's own interval
+    less that value, not 'not established'."""
+    rows = {"rtn_int4": _panel_row(10.5)}
+    for seed, wobble in enumerate((0.0, 0.1, -0.1)):
+        suffix = f" seed={seed}" if seed else ""
+        rows[f"gptq_int4{suffix}"] = _panel_row(10.0 + wobble)
+    chosen = _panel_tables(tmp_path, rows)["m"]["pick"]
+    assert (chosen["recipe"], chosen["runner_up"]) == ("gptq_int4", "rtn_int4")
+    assert chosen["verdict"] == (
+        "ahead: difference -0.050 (-0.075 to -0.025, 95% t over 3 draws against the calibration-free recipe's one "
+        "value)"
+    )
+
+
 def test_one_lucky_draw_neither_leads_the_pick_nor_enters_the_readme_rows(tmp_path: Path):
     """A recipe lowest on every text but with one draw is short of the standard: the pick ranks only rows to it, and
     the README names the short recipe and what it lacks instead of quoting it (read from the rows, not from a list
