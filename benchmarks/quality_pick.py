@@ -114,16 +114,19 @@ def _paired_panel(pairs: list[dict], best: str, runner: str) -> dict | None:
 
 def _against_one_value(best: dict, runner: dict) -> str:
     """The verdict when one side is calibration-free: its one draw is every draw, so the difference's interval is
-    the other side's own t-interval shifted by that value (both calibration-free: the difference is exact)."""
-    drawn, exact, sign = (best, runner, 1.0) if runner.get("calibration_free") else (runner, best, -1.0)
-    if drawn.get("calibration_free"):
+    the t-interval of the other side's draws less that value (both calibration-free: the difference is exact)."""
+    if best.get("calibration_free") and runner.get("calibration_free"):
         difference = best["mean"] - runner["mean"]
         return f"{'ahead' if difference < 0 else 'a tie'}: difference {difference:+.3f} (both calibration-free: exact)"
+    drawn = runner if best.get("calibration_free") else best
     if drawn["low"] is None:
         return "not established (the calibrated recipe has 1 draw)"
-    low, high = sorted((sign * (drawn["low"] - exact["mean"]), sign * (drawn["high"] - exact["mean"])))
-    ahead = "ahead" if high < 0 else "a tie (the interval reaches zero)"
-    return (f"{ahead}: difference {best['mean'] - runner['mean']:+.3f} ({low:+.3f} to {high:+.3f}, 95% t over "
+    if drawn is best:
+        found = mean_interval([value - runner["mean"] for value in best["values"]])
+    else:
+        found = mean_interval([best["mean"] - value for value in runner["values"]])
+    ahead = "ahead" if found.high < 0 else "a tie (the interval reaches zero)"
+    return (f"{ahead}: difference {found.estimate:+.3f} ({found.low:+.3f} to {found.high:+.3f}, 95% t over "
             f"{drawn['n']} draws against the calibration-free recipe's one value)")  # fmt: skip
 
 
