@@ -53,6 +53,7 @@ from benchmarks.variants import (
     peer_options,
     run_command,
 )
+from compress.base.staging import write_file_atomically
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "quality-draws"
@@ -163,6 +164,15 @@ def compress_seconds(recipes: list[str], results: Path, model: str) -> dict[str,
     return {spec: row["seconds"] if row else None for spec, row in rows.items()}
 
 
+def save_report(report: dict, results: Path, name: str) -> None:
+    """The draws so far as ``NAME.json`` and its table as ``NAME.md``, rewritten after every draw: each file whole or
+    as it was, so a kill mid-write loses at most the draw just measured, never the hours before it."""
+    text = json.dumps(report, indent=2)
+    write_file_atomically(results / f"{name}.json", lambda temporary: temporary.write_text(text))
+    table = markdown(report)
+    write_file_atomically(results / f"{name}.md", lambda temporary: temporary.write_text(table))
+
+
 def check_same_baseline(stored: dict, fresh: dict, path: Path) -> None:
     for text, found in fresh.items():
         before = stored.get(text, {}).get("perplexity")
@@ -233,8 +243,7 @@ def main() -> None:
                    "recipe_fingerprint": spec_fingerprints[spec], "date": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
             report["rows"][run_name(spec, seed)] = row
             print(f"{run_name(spec, seed)}: {json.dumps(row)}", flush=True)
-            path.write_text(json.dumps(report, indent=2))
-            (args.results / f"{args.name}.md").write_text(markdown(report))
+            save_report(report, args.results, args.name)
     failed = [name for name, row in report["rows"].items() if "error" in row]
     if failed:  # kept in the file (the table skips them) and run again next time
         sys.exit(f"{len(failed)} draws failed: {', '.join(failed)}; see {args.name}.md")

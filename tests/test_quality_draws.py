@@ -134,3 +134,23 @@ def test_a_run_shown_under_a_shipped_name_is_that_recipe():
     assert SHIPPED_AS
     for spelled, name in SHIPPED_AS.items():
         assert quality_draws.recipe_fingerprint(spelled) == quality_draws.recipe_fingerprint(name), spelled
+
+
+def test_a_write_cut_short_keeps_every_earlier_draw_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """Hours of draws live in one file rewritten after every draw: a kill or a full disk in the middle of that write
+    must leave the previous file whole, not a torn JSON that the next invocation cannot read."""
+    before = json.loads((Path(__file__).parents[1] / "benchmarks" / "results" / "quality-draws.json").read_text())
+    quality_draws.save_report(before, tmp_path, "draws")
+    after = {**before, "rows": {**before["rows"], "gptq_int4 seed=9": next(iter(before["rows"].values()))}}
+    write_text = Path.write_text
+
+    def torn(self: Path, text: str, *args, **kwargs) -> int:
+        write_text(self, text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", torn)
+    with pytest.raises(OSError, match="No space"):
+        quality_draws.save_report(after, tmp_path, "draws")
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "draws.json").read_text()) == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["draws.json", "draws.md"]

@@ -11,12 +11,12 @@ says why in one line.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from compress.base.staging import write_file_atomically
 from compress.evals.divergence import model_fingerprint, token_digest
 
 PASSES_FILE = "perplexity-passes.json"
@@ -53,12 +53,7 @@ def write_passes(
         "passes": passes,
     }
     path = passes_path(checkpoint)
-    partial = path.with_name(f".{path.name}.partial")
-    with open(partial, "w") as file:
-        json.dump(data, file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(partial, path)
+    write_file_atomically(path, lambda temporary: temporary.write_text(json.dumps(data)))
     return path
 
 

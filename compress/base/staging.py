@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from compress.base.signals import raise_if_signalled, signals_deferred
@@ -69,6 +70,19 @@ def publish(staging: Path, target: Path) -> None:
         raise_if_signalled()  # a Ctrl-C or SIGTERM that a finalizer swallowed: nothing is published
         os.replace(staging, target)
     _fsync_folder(target.parent)  # the rename itself
+
+
+def write_file_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """One file's ``publish``: ``write(temporary)`` beside ``path``, flushed to disk, then renamed over it. A kill, a
+    full disk or a failed write leaves the old file whole (or none), never a torn one, and no temporary behind."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(temporary)
+        with temporary.open("rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def _fsync_folder(folder: Path) -> None:

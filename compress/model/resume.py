@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +40,7 @@ from torch import nn
 
 from compress.base import distributed
 from compress.base.locks import FileLock, lock_beside
+from compress.base.staging import write_file_atomically
 from compress.model.layer_walk import LayerInputs
 from compress.model.sources import resolve_model_path
 
@@ -135,7 +135,7 @@ class WalkProgress:
             log.warning("resume: the %s changed since %s was kept; starting over", changed, self.folder)
             _clear(self.folder)
         if stored != expected:
-            _write_atomically(self.folder / "fingerprint.json", lambda path: path.write_text(json.dumps(expected)))
+            write_file_atomically(self.folder / "fingerprint.json", lambda path: path.write_text(json.dumps(expected)))
 
     def release(self) -> None:
         """The walk is done with the folder: the next run of the same recipe and model may take it."""
@@ -167,9 +167,9 @@ class WalkProgress:
         rank = distributed.rank()
         if distributed.is_main():
             with _hooks_set_aside(layer):
-                _write_atomically(self._layer(index), lambda path: _torch_save(layer, path))
+                write_file_atomically(self._layer(index), lambda path: _torch_save(layer, path))
         cursor = {"inputs": next_inputs, "stages": [stage_state(s) for s in stages], "rng": torch.get_rng_state()}
-        _write_atomically(self._cursor(index + 1, rank), lambda path: _torch_save(cursor, path))
+        write_file_atomically(self._cursor(index + 1, rank), lambda path: _torch_save(cursor, path))
         for old in self._cursor_indices(rank):
             if old < index:
                 self._cursor(old, rank).unlink(missing_ok=True)
@@ -233,19 +233,6 @@ def _read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def _write_atomically(path: Path, write) -> None:
-    """``write(temporary path)``, flushed to disk, then renamed to ``path``: a kill leaves the old file or the new,
-    a failed write neither."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(temporary)
-        with temporary.open("rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 class _Writes:
