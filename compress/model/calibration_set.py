@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -34,6 +33,7 @@ from compress.base.data import DataSpec, calibration_samples, tokenize, window_s
 from compress.base.errors import CompressError, EnvironmentFailure
 from compress.base.locks import file_lock, lock_beside
 from compress.base.paths import artifacts_dir
+from compress.base.staging import write_file_atomically
 from compress.model.layer_walk import decoder_layers
 from compress.model.lazy_weights import materialize_layer, release_layer
 
@@ -179,9 +179,8 @@ def _cached_batch(sample, identity: str, count: int, seq_len: int, seed: int, st
         )
         windows = sample(count, seed)
         cache.parent.mkdir(parents=True, exist_ok=True)
-        staged = cache.with_suffix(f".{os.getpid()}.partial")  # ranks of one torchrun sample alike
-        torch.save(windows, staged)
-        staged.replace(cache)
+        # a temporary per process: the ranks of one torchrun sample alike
+        write_file_atomically(cache, lambda temporary: torch.save(windows, temporary))
         return windows
 
 
