@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from compress.base.staging import write_file_atomically
 
 TOP_K = 32
 FORMAT = "compress-reference-v1"
@@ -170,12 +171,10 @@ def load_reference(path: Path | None, windows: int) -> dict[str, torch.Tensor] |
 
 
 def save_reference(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Written beside, fsynced, then renamed: a killed gate never leaves a torn reference under the final name."""
-    from safetensors.torch import save_file
+    """Written whole or not at all: a killed gate or a full disk never leaves a torn reference under the final name,
+    nor a temporary beside it in the cache."""
+    import safetensors.torch
 
+    contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, staging, metadata=metadata)
-    with open(staging, "rb") as file:
-        os.fsync(file.fileno())
-    os.replace(staging, path)
+    write_file_atomically(path, lambda staged: safetensors.torch.save_file(contiguous, staged, metadata=metadata))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from pathlib import Path
 
+from compress.base.staging import write_file_atomically
 from compress.evals.gate.result import GateResult
 
 TITLES = {"pass": "PASSED", "block": "BLOCKED", "inconclusive": "INCONCLUSIVE"}
@@ -97,10 +97,8 @@ def write_report(result: GateResult, out_dir: Path) -> list[Path]:
         lines += ["", "## Needle in a haystack", "", "![needle accuracy](needle_heatmap.png)"]
     markdown = out_dir / "gate.md"
     markdown.write_text("\n".join(lines) + "\n")
-    data = out_dir / "gate.json"  # last and whole (written aside, renamed): CI reads it as the verdict
-    partial = out_dir / ".gate.json.partial"
-    partial.write_text(json.dumps(result.to_dict(), indent=2, default=str))
-    os.replace(partial, data)
+    data = out_dir / "gate.json"  # last and whole: CI reads it as the verdict
+    write_file_atomically(data, lambda staged: staged.write_text(json.dumps(result.to_dict(), indent=2, default=str)))
     return [data, markdown]
 
 

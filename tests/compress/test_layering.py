@@ -11,8 +11,9 @@ The third-party rules on top of the order:
   (the quantized layers and KV scheme a checkpoint loads into); never Hydra, MLflow, lm-eval, the pipeline or the gate.
 * ``evals/`` may add the gate's own libraries (lm-eval, matplotlib, jsonschema, omegaconf for its policy schema,
   tqdm) and the runtime side of ``compress`` (engine, checkpoint, formats, grids, the model sources with their lazy
-  weights and layer walk, and from ``compress.base``: errors, data, typed, memory, paths), but never ``compress.app``
-  (pipeline, tracking, run config), ``compress.commands`` nor MLflow: the app layer records the gate's verdict.
+  weights and layer walk, and from ``compress.base``: errors, data, typed, memory, paths, locks, staging), but never
+  ``compress.app`` (pipeline, tracking, run config), ``compress.commands`` nor MLflow: the app layer records the
+  gate's verdict.
 
 Each rule covers every file below its folder (``evals/gate/`` too), and the checkout's ``benchmarks/`` (not in the
 wheel) is loaded by the ``bench`` command alone.
@@ -49,6 +50,7 @@ EVALS_ALLOWED = RUNTIME_ALLOWED | {
     "compress.base.data",
     "compress.base.typed",
     "compress.base.locks",  # an OS file lock per baseline reference cache entry (evals/gate/windows.py)
+    "compress.base.staging",  # gate.json and the reference cache written whole (write_file_atomically)
     "lm_eval",
     "matplotlib",
     "jsonschema",
