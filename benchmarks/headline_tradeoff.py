@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from compress.base.staging import write_file_atomically
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -188,9 +190,8 @@ def main() -> None:
         for seed in args.seeds:
             path = work / f"{name}-seed{seed}.json"
             if not path.is_file() and not args.report_only:
-                staged = path.with_suffix(f".{os.getpid()}.partial")
-                staged.write_text(json.dumps(draw(model_dir, model, ids, count, length, seed, args.overrides)))
-                staged.replace(path)
+                measured = json.dumps(draw(model_dir, model, ids, count, length, seed, args.overrides))
+                write_file_atomically(path, lambda staged, text=measured: staged.write_text(text))
                 print(f"{name} seed {seed}: x{json.loads(path.read_text())['perplexity'] / base['perplexity']:.4f}")
             if path.is_file():
                 draws.append(json.loads(path.read_text()))
