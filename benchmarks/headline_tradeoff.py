@@ -30,6 +30,7 @@ import shlex
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -190,9 +191,9 @@ def main() -> None:
         for seed in args.seeds:
             path = work / f"{name}-seed{seed}.json"
             if not path.is_file() and not args.report_only:
-                measured = json.dumps(draw(model_dir, model, ids, count, length, seed, args.overrides))
-                write_file_atomically(path, lambda staged, text=measured: staged.write_text(text))
-                print(f"{name} seed {seed}: x{json.loads(path.read_text())['perplexity'] / base['perplexity']:.4f}")
+                measured = draw(model_dir, model, ids, count, length, seed, args.overrides)
+                write_file_atomically(path, partial(Path.write_text, data=json.dumps(measured)))
+                print(f"{name} seed {seed}: x{measured['perplexity'] / base['perplexity']:.4f}")
             if path.is_file():
                 draws.append(json.loads(path.read_text()))
         if draws:
