@@ -160,9 +160,21 @@ def on_device(model: nn.Module, device: torch.device | str | None) -> Iterator[N
         if lazy:
             for index in range(len(layers)):  # back to meta: nothing of them is copied to the host
                 release_layer(model, index)
-        model.to(home)
+        _move_resident(model, home)
         if target.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _move_resident(model: nn.Module, device: torch.device) -> None:
+    """``model.to(device)`` for the tensors that hold data: ``Module.to`` refuses a model whose released layers are on
+    meta (it cannot copy out of them), and they must stay there."""
+    for submodule in model.modules():
+        for param in submodule.parameters(recurse=False):
+            if not param.is_meta:
+                param.data = param.data.to(device)
+        for name, buffer in submodule.named_buffers(recurse=False):
+            if not buffer.is_meta:
+                setattr(submodule, name, buffer.to(device))
 
 
 def _cached_batch(sample, identity: str, count: int, seq_len: int, seed: int, start: int, path: str) -> torch.Tensor:

@@ -13,7 +13,6 @@ from compress.__main__ import main
 from compress.api import oneshot
 from compress.model import calibration_set as module
 from compress.model.calibration_set import _sample, _sample_engine, sampled_windows, sampling_path
-from compress.model.sources import load
 
 
 def _replayed(model, ids: torch.Tensor, generators: list[torch.Generator], batched: bool) -> torch.Tensor:
@@ -97,12 +96,3 @@ def test_a_run_samples_on_the_run_device_through_the_engine(tiny_model_dir, tmp_
     assert seen == [("_sample_engine", torch.device("cpu"))]
     [report] = tmp_path.glob("*/report.json")
     assert json.loads(report.read_text())["data"]["generated_tokens"] == 32
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to move the model to")
-def test_a_lazily_loaded_model_samples_on_the_gpu_and_comes_back(tiny_model_dir, artifacts, monkeypatch):
-    seen = _record_sampling(monkeypatch)
-    model, _ = load(str(tiny_model_dir))
-    windows = sampled_windows(model, 3, 16, seed=0, start=0, device="cuda")
-    assert windows.shape == (3, 16) and seen == [("_sample_engine", torch.device("cuda", 0))]
-    assert model.get_input_embeddings().weight.device.type == "cpu" and model.lazy_weights.loaded == set()
