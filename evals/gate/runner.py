@@ -313,7 +313,7 @@ def _baseline_pass(
     if _loading(verdicts.blocked, baseline, backend, engine_options):
         for run in measured:
             log.info("gate: %s (baseline)", run.name)
-            run.measure(context, [baseline])
+            _timed_measure(run, context, [baseline], f"{run.name} (baseline)")
     baseline.unload()
 
 
@@ -329,7 +329,7 @@ class _Verdicts:
             result.layers.append(LayerResult(run.name, "skipped"))
             return
         log.info("gate: %s", run.name)
-        run.measure(context, loaded)
+        _timed_measure(run, context, loaded, run.name)
         layer = run.judge(context)
         result.layers.append(layer)
         if layer.status == "error":
@@ -340,13 +340,23 @@ class _Verdicts:
             self.undecided += [check.describe() for check in layer.checks if check.verdict == INCONCLUSIVE]
 
 
+def _timed_measure(run: LayerRun, context: GateContext, subjects: list[Subject], what: str) -> None:
+    """Measure, then log how long it took: a run cut short writes no gate.json, and its log still says where the
+    gate's time went (an 8B's quick gate on an H200 outlasted its budget with no trace of which layer was slow)."""
+    start = time.perf_counter()
+    run.measure(context, subjects)
+    log.info("gate: %s measured in %.1f s", what, time.perf_counter() - start)
+
+
 def _loading(blocked: list[str], subject: Subject, backend: str, engine_options: dict) -> bool:
-    """Load one side and its generator; a failure blocks like any evaluator error."""
+    """Load one side and its generator, logging how long it took; a failure blocks like any evaluator error."""
+    start = time.perf_counter()
     try:
         subject.load(backend, engine_options)
     except Exception as error:  # fail closed
         blocked.append(_setup_failed(f"load the {subject.label}", error))
         return False
+    log.info("gate: loaded the %s (%s) in %.1f s", subject.label, backend, time.perf_counter() - start)
     return True
 
 

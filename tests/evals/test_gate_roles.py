@@ -81,3 +81,20 @@ def test_the_verdict_line_names_each_layer_s_role():
         "[blocking: perplexity (block); skipped: kl, latency] (gate.enforce=true: exiting 1)"
     )
     assert verdict_line({"passed": True, "verdict": "pass", "reasons": []}) == "release gate: PASSED"
+
+
+def test_the_log_says_how_long_each_load_and_layer_took(base, tmp_path, caplog):
+    """A run cut short writes no gate.json: its log alone must say where the gate's time went."""
+    policy = {
+        "backend": "transformers",
+        "layers": ["perplexity", "latency"],
+        "perplexity": {"seq_len": 64, "max_windows": 2},
+        "latency": {"prompt_tokens": 16, "new_tokens": 2, "repeats": 2, "warmup": 0},
+    }
+    with caplog.at_level("INFO", logger="compress.evals.gate.runner"):
+        run_gate(base, base, policy, tmp_path, evaluation_texts=load_corpus(DataSpec()).evaluation)
+    lines = [record.getMessage() for record in caplog.records]
+    timed = [line for line in lines if " measured in " in line and line.endswith(" s")]
+    assert {line.split(" measured in ")[0] for line in timed} >= {"gate: latency (baseline)", "gate: latency"}
+    assert "gate: perplexity" in {line.split(" measured in ")[0] for line in timed}
+    assert any(line.startswith("gate: loaded the baseline (transformers) in ") for line in lines), lines
