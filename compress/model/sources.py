@@ -13,9 +13,7 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +21,10 @@ from pathlib import Path
 import torch
 
 from compress.base.errors import CompressError
+from compress.base.locks import file_lock, lock_beside
 from compress.base.memory import release_freed_memory
 from compress.base.paths import artifacts_dir
+from compress.base.staging import make_staging, publish
 from compress.checkpoint import (
     check_model_files,
     load_checkpoint,
@@ -93,12 +93,14 @@ def gemma3_gguf_parts() -> list[Path]:
 def gemma3_model_dir() -> Path:
     """Gemma-3 270M converted once: the pieces joined into one GGUF (checked against its sha256), then converted."""
     target = artifacts_dir() / "models" / GEMMA3_FOLDER
-    if (target / "config.json").is_file():
-        return target
+    return _converted_once(target, lambda: _convert_gemma3(target))
+
+
+def _convert_gemma3(target: Path) -> None:
     parts = gemma3_gguf_parts()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".join-", dir=target.parent) as tmp:
-        gguf, digest = Path(tmp) / "gemma-3-270m-q4_k_m.gguf", hashlib.sha256()
+    join = make_staging(target.parent, "join")  # labelled: a killed join's 290 MB are swept by the next
+    try:
+        gguf, digest = join / "gemma-3-270m-q4_k_m.gguf", hashlib.sha256()
         with gguf.open("wb") as out:
             for part in parts:
                 data = part.read_bytes()
@@ -107,14 +109,24 @@ def gemma3_model_dir() -> Path:
         if digest.hexdigest() != GEMMA3_SHA256:
             raise CompressError(f"the joined Gemma-3 GGUF has sha256 {digest.hexdigest()}; reinstall its packages")
         convert_gguf(gguf, target)
-    return target
+    finally:
+        shutil.rmtree(join, ignore_errors=True)
 
 
 def default_model_dir() -> Path:
     """The converted default model, converting it on first use."""
     target = artifacts_dir() / "models" / SMOLLM2_FOLDER
-    if not (target / "config.json").is_file():
-        convert_gguf(smollm2_gguf_path(), target)
+    return _converted_once(target, lambda: convert_gguf(smollm2_gguf_path(), target))
+
+
+def _converted_once(target: Path, convert: Callable[[], None]) -> Path:
+    """``target``, converting it first if it is missing; under a lock, so two runs on a fresh machine convert once
+    (the second waits, then finds the folder) instead of replacing the folder the first is reading."""
+    if (target / "config.json").is_file():
+        return target
+    with file_lock(lock_beside(target), f"the conversion of {target.name}"):
+        if not (target / "config.json").is_file():
+            convert()
     return target
 
 
@@ -134,7 +146,7 @@ PACKAGED = {
 
 
 def convert_gguf(gguf_file: Path, target: Path) -> None:
-    """Dequantize a GGUF model into a plain HF folder, verify it, then move it into place atomically."""
+    """Dequantize a GGUF model into a plain HF folder, verify it, then publish it (compress.base.staging)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s into %s (once)", gguf_file.name, target)
@@ -144,8 +156,7 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
     source_model.config.quantization_config = None
     if hasattr(source_model, "hf_quantizer"):
         source_model.hf_quantizer = None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging = make_staging(target.parent, target.name)  # labelled with this process: swept if it is killed
     try:
         source_model.save_pretrained(staging, safe_serialization=True)
         source_tokenizer.save_pretrained(staging)
@@ -159,7 +170,7 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
         _verify_conversion(expected_ids, expected, staging)
         if target.exists():
             shutil.rmtree(target)
-        os.replace(staging, target)
+        publish(staging, target)  # flushed to disk, then renamed: a power cut leaves no config.json over empty files
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
