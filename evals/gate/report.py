@@ -96,7 +96,7 @@ def write_report(result: GateResult, out_dir: Path) -> list[Path]:
     ):
         lines += ["", "## Needle in a haystack", "", "![needle accuracy](needle_heatmap.png)"]
     markdown = out_dir / "gate.md"
-    markdown.write_text("\n".join(lines) + "\n")
+    write_file_atomically(markdown, lambda staged: staged.write_text("\n".join(lines) + "\n"))
     data = out_dir / "gate.json"  # last and whole: CI reads it as the verdict
     write_file_atomically(data, lambda staged: staged.write_text(json.dumps(result.to_dict(), indent=2, default=str)))
     return [data, markdown]

@@ -1,7 +1,7 @@
-"""The gate's own files are written whole or not at all: gate.json (the verdict CI reads) and the cached baseline
-reference (``evals.divergence.save_reference``). A write cut short (a full disk, a kill) must leave the previous
-file whole under its name and no temporary beside it: a stray ``.gate.json.partial`` or ``.reference.tmp`` would
-pile up in a reused gate folder or reference cache."""
+"""The gate's own files are written whole or not at all: gate.json (the verdict CI reads), gate.md and the cached
+baseline reference (``evals.divergence.save_reference``). A write cut short (a full disk, a kill) must leave the
+previous file whole under its name and no temporary beside it: a stray ``.gate.json.partial`` or ``.reference.tmp``
+would pile up in a reused gate folder or reference cache."""
 
 from __future__ import annotations
 
@@ -34,6 +34,26 @@ def test_a_gate_json_write_cut_short_keeps_the_previous_verdict_and_leaves_nothi
     with pytest.raises(OSError, match="No space"):
         write_report(verdict("second"), tmp_path)
     monkeypatch.undo()
+    assert json.loads((tmp_path / "gate.json").read_text())["candidate"] == "first"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["gate.json", "gate.md"]
+
+
+def test_a_gate_md_write_cut_short_keeps_the_previous_report_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """The reviewer's gate.md is written whole too: torn, it would say one verdict while gate.json says another."""
+    write_report(verdict("first"), tmp_path)
+    write_text = Path.write_text
+
+    def torn(self: Path, text: str, *args, **kwargs) -> int:
+        if "gate.md" in self.name:
+            write_text(self, text[: len(text) // 2])
+            raise OSError(28, "No space left on device")
+        return write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", torn)
+    with pytest.raises(OSError, match="No space"):
+        write_report(verdict("second"), tmp_path)
+    monkeypatch.undo()
+    assert "`first`" in (tmp_path / "gate.md").read_text()
     assert json.loads((tmp_path / "gate.json").read_text())["candidate"] == "first"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["gate.json", "gate.md"]
 
