@@ -9,6 +9,7 @@ overwrite each other in MLflow.
 from __future__ import annotations
 
 import json
+import logging
 import resource
 import sys
 import time
@@ -18,6 +19,8 @@ from pathlib import Path
 
 from compress.base.errors import ExitCode
 from compress.base.signals import raise_if_signalled
+
+log = logging.getLogger(__name__)
 
 
 def peak_rss_mb() -> float:
@@ -48,6 +51,7 @@ class Timer:
             raise_if_signalled()
         finally:
             elapsed = time.perf_counter() - start  # one clock for both: a span lasts what the phase's seconds say
+            log.info("%s: %.1f s", name, elapsed)  # a run cut short (a timeout, a kill) writes no report.json
             self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
             self.spans.append((name, began, began + elapsed))
             rise = peak_rss_mb() - peak

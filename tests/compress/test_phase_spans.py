@@ -21,3 +21,19 @@ def test_every_phase_is_recorded_as_a_span_in_order_and_repeats_are_summed():
     data = sum(end - start for name, start, end in timer.spans if name == "data")
     assert abs(timer.seconds["data"] - data) < 1e-6  # one measurement (epoch floats resolve ~0.2 µs), not two clocks
     assert timer.peak_gpu_mb == {}  # CUDA never initialised here
+
+
+def test_each_phase_logs_its_seconds_as_it_ends_even_when_it_raises(caplog):
+    """A run cut short writes no report.json; its log must still say what each finished phase took."""
+    timer = Timer()
+    with caplog.at_level("INFO", logger="compress.app.run_report"):
+        with timer.phase("sample"):
+            time.sleep(0.1)
+        try:
+            with timer.phase("compress"):
+                raise RuntimeError("killed")
+        except RuntimeError:
+            pass
+    lines = [record.getMessage() for record in caplog.records]
+    assert [line.split(":")[0] for line in lines] == ["sample", "compress"]
+    assert float(lines[0].split(": ")[1].removesuffix(" s")) >= 0.1
