@@ -20,6 +20,7 @@ O(in²) per candidate instead of a forward pass: that is what lets AWQ run on 2 
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +119,7 @@ class AWQStage(WeightQuantizerStage):
         super().prepare(model)
         self.scaled_mappings = 0
         self.rounder = self._rounder() if self.config.rounding == "gptq" else None
+        self.rounding_seconds = 0.0  # of the stage's seconds, GPTQ's rounding; the rest is AWQ's own search
         if self.rounder is not None:
             self.rounder.prepare(model)
 
@@ -138,7 +140,9 @@ class AWQStage(WeightQuantizerStage):
                 for name in mapping.linears:
                     input_scale[name] = self._expand(ctx, mapping, scale)
         if self.rounder is not None:  # its Hessians are gathered from the scaled layer, one input group at a time
-            self.rounder.process_layer(ctx)
+            start = time.perf_counter()
+            self.rounder.process_layer(ctx)  # ends in host reads of its errors: on a GPU the time is its own
+            self.rounding_seconds += time.perf_counter() - start
             self.stats.update({f"{ctx.name}.{name}": self.rounder.stats[f"{ctx.name}.{name}"] for name in targets})
             return
         for name in targets:
@@ -156,6 +160,7 @@ class AWQStage(WeightQuantizerStage):
         summary = super().finalize(model)
         if self.rounder is not None:
             summary.update({k: v for k, v in self.rounder.finalize(model).items() if k not in summary})
+            summary["rounding_seconds"] = self.rounding_seconds
         return summary
 
     # -- calibration statistics -------------------------------------------------------------------------------

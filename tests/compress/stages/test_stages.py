@@ -57,6 +57,8 @@ def test_awq_with_gptq_rounding_beats_awq_with_rtn():
     gptq, _ = _compress("gptq", samples)
     awq_gptq, summary = _compress("awq", samples, rounding="gptq")
     assert summary["quantized_linears"] == 14 and summary["mean_hessian_rel_error"] > 0
+    assert 0 < summary["rounding_seconds"] < summary["seconds"]  # the rest is the scale search: which to speed up
+    assert "rounding_seconds" not in _compress("awq", samples)[1]
     assert isinstance(awq_gptq.model.layers[1].mlp.down_proj, QuantizedLinear)
     error = _logit_error(awq_gptq, reference, held_out)
     assert error < 0.9 * _logit_error(awq, reference, held_out) and error < _logit_error(gptq, reference, held_out)
