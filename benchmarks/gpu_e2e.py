@@ -201,6 +201,10 @@ def measure(recipe: str, model: Path, overrides: list[str], work: Path, env: dic
         evaluation_tokens=report["data"]["evaluation_tokens"],
         checkpoint_mb=report["checkpoint"]["size_mb"],
         verdict=gate.get("verdict"),
+        stages={  # each stage's own seconds; AWQ with GPTQ rounding also says which part was the rounding
+            name: {key: summary[key] for key in ("seconds", "rounding_seconds") if key in summary}
+            for name, summary in report.get("stages", {}).items()
+        },
     )
     shutil.rmtree(runs, ignore_errors=True)  # the checkpoint: gigabytes on the GPU box's disk
     return row
@@ -250,6 +254,10 @@ def markdown(result: dict) -> str:
                 f"| {name} | {group['seconds']:.1f} | {_mb(group['peak_host_mb'])} | "
                 f"{_mb(group['peak_gpu_device_mb'])} | {_mb(group['peak_gpu_torch_mb'])} |"
             )
+        for name, stage in row.get("stages", {}).items():
+            rounding = stage.get("rounding_seconds")
+            split = "" if rounding is None else f" (GPTQ rounding {rounding:.1f} s, the rest its own search)"
+            lines.append(f"\nStage `{name}`: {stage.get('seconds', 0.0):.1f} s{split}.")
     goal = result["recipes"].get("awq_int4", {})
     if "run_wall_s" in goal and result["device"] != "cpu":
         met = "met" if goal["process_s"] <= 600 else "not met"
