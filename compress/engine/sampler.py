@@ -23,7 +23,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """One token per row of ``logits`` ``[rows, vocab]``; a seeded request draws from its own generator, so its
     output does not depend on what else is in the batch. Logits on an accelerator are sampled there
     (:func:`sample_on_device`): copying every row to the host and drawing there cost an 8B model's batch-16
-    sampling ~70 ms a step on an H200, ten times its forward."""
+    sampling 68-80 ms a step on an H200, against 10 ms a step, forward included, once drawn on the device."""
     if logits.device.type != "cpu":
         return sample_on_device(logits, params, generators)
     tokens = logits.argmax(-1).tolist()
