@@ -30,6 +30,7 @@ from compress.base.errors import CompressError
 from compress.commands.args import parse_options, usage, wants_help
 from compress.kernels import ops
 from compress.kernels.accuracy import relative_error
+from compress.kernels.fp8_block import dequantize_fp8_blocks, quantize_weight_fp8_blocks
 from compress.kernels.packing import pack_int32
 from compress.kernels.timing import graph_time_ms
 from compress.kernels.w4a16 import repack_n_contiguous
@@ -125,8 +126,12 @@ class QuantizedWeight:
 
 
 def quantized_weight(kind: str, n: int, k: int, device: torch.device, dtype: torch.dtype) -> QuantizedWeight:
-    """``kind`` is ``w4a16`` (symmetric int4, group GROUP_SIZE), ``int8`` or ``fp8`` (per-channel scales)."""
+    """``kind`` is ``w4a16`` (symmetric int4, group GROUP_SIZE), ``int8`` or ``fp8`` (per-channel scales), or
+    ``fp8_block`` (e4m3, one scale per 128x128 block: ``FP8_BLOCK``)."""
     generator = torch.Generator(device=device).manual_seed(0)
+    if kind == "fp8_block":
+        codes, scale = quantize_weight_fp8_blocks(torch.randn(n, k, device=device, generator=generator) * 0.02)
+        return QuantizedWeight(codes, scale, dequantize_fp8_blocks(codes, scale).double())
     if kind == "w4a16":
         codes = torch.randint(-8, 8, (n, k), device=device, dtype=torch.int8, generator=generator)
         scale = (torch.rand(n, k // GROUP_SIZE, device=device, generator=generator) * 0.01 + 0.001).to(dtype)
@@ -161,6 +166,8 @@ def our_op(kernel: str, weight: QuantizedWeight) -> Callable[[torch.Tensor], tor
             return ops.weight_only_linear(x, packed, scale, None, 4, k, GROUP_SIZE, None, None, repacked)
 
         return op
+    if kernel.startswith("fp8_block"):
+        return fp8_block_op(weight, quantize_activations=not kernel.endswith("-gemm"))
     if kernel.endswith("-gemm"):
         cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -174,6 +181,23 @@ def our_op(kernel: str, weight: QuantizedWeight) -> Callable[[torch.Tensor], tor
         return op
     linear = ops.int8_linear if weight.values.dtype == torch.int8 else ops.fp8_linear
     return lambda x: linear(x, weight.values, weight.scale)
+
+
+def fp8_block_op(weight: QuantizedWeight, quantize_activations: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Our FP8-block linear as the modules call it, or (``quantize_activations=False``) its GEMM alone, the
+    activations quantized per token and group of 128 once, outside the timed call."""
+    if quantize_activations:
+        return lambda x: ops.fp8_block_linear(x, weight.values, weight.scale)
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def op(x):
+        if x.data_ptr() not in cache:
+            cache.clear()
+            cache[x.data_ptr()] = ops.quantize_per_token_group(x)
+        codes, a_scale = cache[x.data_ptr()]
+        return ops.fp8_block_matmul(codes, a_scale, weight.values, weight.scale, None, x.dtype)
+
+    return op
 
 
 def run(args: BenchOptions, device: torch.device) -> tuple[list[Row], float]:

@@ -10,6 +10,10 @@ Per format, on the same random weight (``benchmarks.bench_kernels.quantized_weig
   quantization (``-gemm``); gemlite ``A8W8_INT8_dynamic``.
 * ``fp8`` (e4m3, same scales): ours, ours ``-gemm``; ``torch._scaled_mm`` with row-wise scales after the plain-torch
   quantization, and without it; gemlite ``A8W8_FP8_dynamic``.
+* ``fp8_block`` (e4m3, one scale per 128x128 weight block, activations per token and group of 128: ``FP8_BLOCK``):
+  ours, ours ``-gemm``; ``torch._scaled_mm`` with its block-wise scaling (1x128 activation scales, outer-dim-major,
+  and 128x128 weight scales; CUDA 12.9+ on Hopper) after the plain-torch group quantization, and without it. Where
+  a torch build lacks block-wise scaling, its cells say why.
 
 Every row also has ``torch.matmul`` on the bf16 dequantized weight and the float64 relative error against the
 quantized weight (a peer wired up wrongly shows as ``WRONG``). Prints each time, its ratio to bf16 and, for ours,
@@ -46,6 +50,7 @@ from benchmarks.bench_kernels import (
 from compress.base.errors import CompressError
 from compress.commands.args import parse_options, usage, wants_help
 from compress.kernels.accuracy import relative_error
+from compress.kernels.fp8_block import quantize_per_token_group_reference
 from compress.kernels.timing import NotCapturable, graph_time_ms
 from compress.kernels.w8a8 import quantize_per_token_reference
 
@@ -53,10 +58,10 @@ SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # weight [N, K]
 ROWS = [1, 16, 128, 1024, 4096]
 SMOKE_SHAPES = [(64, 256)]
 SMOKE_ROWS = [1, 17]
-FORMATS = ("w4a16", "int8", "fp8")
+FORMATS = ("w4a16", "int8", "fp8", "fp8_block")
 TINYGEMM_INNER_K_TILES = 8
 # Above these errors against the float64 product an implementation is computing something else (see bench_kernels).
-WRONG_ABOVE = {"w4a16": 2e-2, "int8": 4e-2, "fp8": 1e-1}
+WRONG_ABOVE = {"w4a16": 2e-2, "int8": 4e-2, "fp8": 1e-1, "fp8_block": 1e-1}
 BASELINE = "torch.matmul"  # on the dequantized weight in the activation dtype (bf16 by default)
 
 Op = Callable[[torch.Tensor], torch.Tensor]
@@ -122,6 +127,30 @@ def torch_w8a8_op(weight: QuantizedWeight, quantize_activations: bool) -> Op:
     return op
 
 
+def torch_fp8_block_op(weight: QuantizedWeight, quantize_activations: bool) -> Op:
+    """``torch._scaled_mm`` with block-wise scales: ``a [M, K]`` row-major with ``[M, K/128]`` scales laid out
+    outer-dim-major, ``b = w.T`` (column-major) with ``[K/128, N/128]`` scales; fed by the plain-torch per-token-group
+    quantization, or (``quantize_activations=False``) with the activations quantized once outside the timing."""
+    w_t, w_scale = weight.values.t(), weight.scale.float().t()
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if quantize_activations or x.data_ptr() not in cache:
+            codes, scale = quantize_per_token_group_reference(x)
+            pair = codes, scale.t().contiguous().t()  # outer-dim-major, as the block-wise kernel reads it
+            if quantize_activations:
+                return pair
+            cache.clear()
+            cache[x.data_ptr()] = pair
+        return cache[x.data_ptr()]
+
+    def op(x):
+        codes, a_scale = quantized(x)
+        return torch._scaled_mm(codes, w_t, scale_a=a_scale, scale_b=w_scale, out_dtype=x.dtype)
+
+    return op
+
+
 def gemlite_op(fmt: str, weight: QuantizedWeight, dtype: torch.dtype) -> Op:
     """gemlite's layer for ``fmt`` built from the same codes and scales (its bundled H100 tile cache loads on
     import, so no autotuning happens inside the timed runs)."""
@@ -149,6 +178,13 @@ def implementations(fmt: str) -> dict[str, Callable[[QuantizedWeight, torch.dtyp
             "ours": lambda w, d: our_op("w4a16", w),
             "tinygemm": tinygemm_op,
             "gemlite": lambda w, d: gemlite_op(fmt, w, d),
+        }
+    if fmt == "fp8_block":  # gemlite has no block-scaled FP8 format
+        return {
+            "ours": lambda w, d: our_op(fmt, w),
+            "ours-gemm": lambda w, d: our_op(f"{fmt}-gemm", w),
+            "torch._scaled_mm": lambda w, d: torch_fp8_block_op(w, quantize_activations=True),
+            "torch._scaled_mm-gemm": lambda w, d: torch_fp8_block_op(w, quantize_activations=False),
         }
     torch_name = "torch._int_mm" if fmt == "int8" else "torch._scaled_mm"
     return {

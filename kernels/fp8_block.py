@@ -110,11 +110,26 @@ def fp8_block_linear_reference(
     fp32; returns ``x.dtype``. The numerics every kernel of this format is judged against."""
     leading = x.shape[:-1]
     codes, scale = quantize_per_token_group_reference(x.reshape(-1, x.shape[-1]), group)
-    x_dequant = codes.float() * scale.repeat_interleave(group, dim=1)[:, : codes.shape[1]]
-    out = x_dequant @ dequantize_fp8_blocks(w_fp8, w_scale_blocks, block).T
+    out = fp8_block_matmul_reference(codes, scale, w_fp8, w_scale_blocks, bias, x.dtype, block, group)
+    return out.reshape(*leading, w_fp8.shape[0])
+
+
+def fp8_block_matmul_reference(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    block: tuple[int, int] = BLOCK,
+    group: int = GROUP,
+) -> torch.Tensor:
+    """Plain torch :func:`fp8_block_matmul`: both operands dequantized, one fp32 product."""
+    a_dequant = a.float() * a_scale.float().repeat_interleave(group, dim=1)[:, : a.shape[1]]
+    out = a_dequant @ dequantize_fp8_blocks(b, b_scale, block).T
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype).reshape(*leading, w_fp8.shape[0])
+    return out.to(out_dtype)
 
 
 @triton.jit

@@ -112,6 +112,27 @@ def fp8_block_linear(
     return fp8_block.fp8_block_linear(x, weight, weight_scale, bias)
 
 
+def quantize_per_token_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8-block activations: e4m3 codes of the 2-D ``x`` and fp32 scales ``[rows, ceil(K / 128)]``."""
+    if choose_backend(x.device) == "reference":
+        return fp8_block.quantize_per_token_group_reference(x)
+    return fp8_block.quantize_per_token_group(x)
+
+
+def fp8_block_matmul(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The block-scaled FP8 GEMM on operands :func:`quantize_per_token_group` and the checkpoint already hold."""
+    if choose_backend(a.device) == "reference":
+        return fp8_block.fp8_block_matmul_reference(a, a_scale, b, b_scale, bias, out_dtype)
+    return fp8_block.fp8_block_matmul(a, a_scale, b, b_scale, bias, out_dtype)
+
+
 def fp4_linear(
     x: torch.Tensor,
     weight_packed: torch.Tensor,

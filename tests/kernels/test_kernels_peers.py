@@ -41,6 +41,14 @@ def test_smoke_run_times_every_peer_on_the_same_weight(tmp_path):
                 assert row["relative_error"] < peers.WRONG_ABOVE[fmt], row
             assert rows[(fmt, "gemlite", m)]["time_us"] is None
             assert rows[(fmt, "gemlite", m)]["note"] == "gemlite needs CUDA"
+    for m in peers.SMOKE_ROWS:  # FP8-block: ours on the CPU reference; torch's block-wise scaling is CUDA 12.9+ only
+        for name in ("ours", "ours-gemm"):
+            row = rows[("fp8_block", name, m)]
+            assert row["time_us"] > 0 and row["relative_error"] < peers.WRONG_ABOVE["fp8_block"], row
+        for name in ("torch._scaled_mm", "torch._scaled_mm-gemm"):
+            row = rows[("fp8_block", name, m)]
+            assert row["time_us"] is not None or row["note"], row  # timed, or its cell says why not
+        assert ("fp8_block", "gemlite", m) not in rows
     best = {(b["format"], b["m"]): b for b in report["best_peer"]}
     assert best[("w4a16", 1)]["best_peer"] == "tinygemm"
     markdown = next(tmp_path.glob("kernel-peers-*-smoke.md")).read_text()
