@@ -109,6 +109,9 @@ def sampled_windows(
     if path not in SAMPLING_PATHS:
         raise CompressError(f"sampling path {path!r} is unknown; use one of {', '.join(SAMPLING_PATHS)}")
     identity = _model_identity(model)  # hashed once: the embedding table is the largest input
+    target = model.get_input_embeddings().weight.device if device is None else torch.device(device)
+    # the engine draws an accelerator's rows there, from other random streams (compress.engine.sampler): its own key
+    label = path if path == "loop" or target.type == "cpu" else f"{path} {target.type}"
     with ExitStack() as stack:
         moved = []
 
@@ -119,7 +122,7 @@ def sampled_windows(
             return _timed(sampler, model, size, seq_len, batch_seed, start)
 
         windows = [
-            _cached_batch(sample, identity, min(SAMPLING_BATCH, count - done), seq_len, seed + done, start, path)
+            _cached_batch(sample, identity, min(SAMPLING_BATCH, count - done), seq_len, seed + done, start, label)
             for done in range(0, count, SAMPLING_BATCH)
         ]
     for index in range(len(decoder_layers(model))):  # a lazily loaded model goes back to holding no layer

@@ -44,3 +44,22 @@ def test_a_lazily_loaded_model_samples_on_the_gpu_and_comes_back(tiny_model_dir,
     windows = sampled_windows(model, 3, 16, seed=0, start=0, device="cuda")
     assert windows.shape == (3, 16) and seen == [torch.device("cuda", 0)]
     _assert_home_and_lean(model)
+
+
+def test_windows_the_engine_draws_on_an_accelerator_are_cached_under_their_own_key(monkeypatch):
+    """On an accelerator the engine samples there, from other random streams than on the CPU: the same seed gives
+    other windows, so they must not share a cache entry (checked without a GPU: no batch is sampled here)."""
+    from helpers import build_tiny_llama
+
+    labels = []
+
+    def recorded(sample, identity, count, seq_len, seed, start, path):
+        labels.append(path)
+        return torch.zeros(count, seq_len, dtype=torch.long)
+
+    monkeypatch.setattr(module, "_cached_batch", recorded)
+    model = build_tiny_llama(bos_token_id=0)
+    for device in ("cpu", "meta"):  # meta stands for an accelerator: nothing moves unless a batch is sampled
+        sampled_windows(model, 2, 8, seed=0, start=0, device=device, path="engine")
+    sampled_windows(model, 2, 8, seed=0, start=0, device="meta", path="loop")
+    assert labels == ["engine", "engine meta", "loop"]
