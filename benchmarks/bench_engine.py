@@ -10,7 +10,11 @@ for a shared system prompt, and perplexity with each KV cache dtype. Results go 
 ``mode=decode`` instead times batch-1 decoding of the model as loaded (dense) against the same model with its
 decoder linears converted on the fly (``decode_weights=w4a16,int8,fp8``, round to nearest: speed only, not
 quality), in our engine, in the same run; ``w4a16-unfused`` runs W4A16 with one launch per projection instead of
-stacked q/k/v and gate/up (``EngineConfig.fuse_projections``), the A/B of that fusion.
+stacked q/k/v and gate/up (``EngineConfig.fuse_projections``), the A/B of that fusion. ``profile=true`` also
+profiles ``profile_steps`` batch-1 decode steps of each (torch profiler, CUDA graphs on as in the timing) and splits
+a step's device time by kind of kernel (our quantized linears, bf16 GEMMs such as the ``lm_head``, attention, norms,
+sampling, elementwise and copies), beside the step's wall time: where a step's time goes, and how much of it no
+kernel fills (launches, Python).
 ``checkpoint=random:<preset>`` builds a random-weight model of a real architecture on the device (no download; the
 speed of a forward pass does not depend on the weight values).
 """
@@ -59,6 +63,8 @@ class EngineBenchOptions:
     decode_weights: list[str] = field(default_factory=lambda: ["w4a16", "int8", "fp8"])
     decode_tokens: int = 256
     group_size: int = 128
+    profile: bool = False  # mode=decode: split a decode step's device time by kind of kernel
+    profile_steps: int = 32
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -336,15 +342,92 @@ def decode_tokens_per_second(model, tokens: int, **engine_options) -> float:
     return statistics.median(rates)
 
 
+# A kernel's kind, by the first pattern its lower-cased name matches (Triton kernels keep their Python names; on a CPU
+# the names are aten ops). Ours before the GEMMs: cuBLAS and CUTLASS names also say gemm.
+KERNEL_KINDS = (
+    ("attention", r"paged_attention|merge_splits|write_kv|quantize_store|attention|attn|flash|sdpa"),
+    (
+        "quantized linears (ours)",
+        r"gemv_kernel|skinny_kernel|gemm_kernel|dequantize_kernel|scaled_mm|quantize_rows|"
+        r"block_matmul|fp4_matmul|token_groups|weight_only|int8_linear|fp8_linear",
+    ),  # fmt: skip
+    (
+        "bf16 GEMMs (lm_head; every linear when dense)",
+        r"gemm|gemv|matmul|xmma|cutlass|nvjet|cublas|splitk|aten::mm|"
+        r"aten::addmm|aten::bmm|aten::linear",
+    ),  # fmt: skip
+    ("norms", r"norm|rsqrt"),
+    ("sampling", r"argmax|softmax|exponential|multinomial|topk|sort"),
+    ("copies", r"copy|memcpy|memset|aten::cat|index|gather|scatter|aten::to\b|contiguous"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce|silu|mul|add|pow|mean|neg|aten::"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, lowered)), "other")
+
+
+def decode_step_profile(model, steps: int, **engine_options) -> dict:
+    """``steps`` batch-1 decode steps (after the prompt's prefill and a warm-up, so compilation and graph capture stay
+    out) under the torch profiler: device time per step by kind of kernel, the top kernels, and the step's wall time.
+    On a CPU the "kernels" are the aten ops' self times (a smoke check of the script)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = next(model.parameters()).is_cuda
+    llm = LLM(model, max_num_seqs=4, max_model_len=128 + steps + 32, kv_cache_memory_gb=1.0, **engine_options)
+    rng = random.Random(1)
+    prompt = [rng.randrange(model.config.vocab_size) for _ in range(128)]
+    llm.generate([prompt], SamplingParams(max_tokens=8))  # warm-up
+    llm.add_request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    while not llm.step():  # the prefill, until the first token
+        pass
+    for _ in range(4):
+        llm.step()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as profiler:
+        start = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    del llm
+    kernels: dict[str, float] = {}
+    for event in profiler.key_averages():
+        on_device = event.device_type == torch.autograd.DeviceType.CUDA
+        if on_device != cuda:
+            continue
+        microseconds = getattr(event, "self_device_time_total", 0.0) if cuda else event.self_cpu_time_total
+        if microseconds > 0 and (cuda or event.key.startswith("aten::")):
+            kernels[event.key] = kernels.get(event.key, 0.0) + microseconds / steps
+    by_kind: dict[str, float] = {}
+    for name, microseconds in kernels.items():
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + microseconds
+    top = sorted(kernels.items(), key=lambda item: -item[1])[:8]
+    return {
+        "steps": steps,
+        "step_wall_us": wall / steps * 1e6,
+        "kernel_us": sum(kernels.values()),
+        "by_kind_us": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
+        "top_kernels_us": dict(top),
+    }
+
+
 def decode_speed(model, tokenizer, options: EngineBenchOptions, device: str) -> dict:
-    """Batch-1 decode tok/s: the dense model, then each converted format, same engine, same run."""
+    """Batch-1 decode tok/s: the dense model, then each converted format, same engine, same run; with ``profile``,
+    where a decode step's time goes for each."""
     tokens, group = options.decode_tokens, options.group_size
     dtype = str(model.dtype).removeprefix("torch.")
     rates = {"dense": decode_tokens_per_second(model, tokens)}
+    profiles = {"dense": decode_step_profile(model, options.profile_steps)} if options.profile else {}
     log(f"dense {dtype}: {rates['dense']:.1f} tok/s")
     for weights in options.decode_weights:
         replaced = convert_linears(model, weights.removesuffix("-unfused"), group)
-        rates[weights] = decode_tokens_per_second(model, tokens, fuse_projections=not weights.endswith("-unfused"))
+        fused = not weights.endswith("-unfused")
+        rates[weights] = decode_tokens_per_second(model, tokens, fuse_projections=fused)
+        if options.profile:
+            profiles[weights] = decode_step_profile(model, options.profile_steps, fuse_projections=fused)
         restore(replaced)
         del replaced
         if device == "cuda":
@@ -358,6 +441,7 @@ def decode_speed(model, tokenizer, options: EngineBenchOptions, device: str) -> 
         "options": {key: show_value(value) for key, value in asdict(options).items()},
         "decode_tok_s": rates,
         "speedup_vs_dense": {k: v / rates["dense"] for k, v in rates.items() if k != "dense"},
+        **({"decode_profile": profiles} if profiles else {}),
     }
 
 
@@ -371,6 +455,26 @@ def kv_perplexity(model, tokenizer, options: EngineBenchOptions) -> dict:
     for dtype in options.kv_dtypes:
         results[dtype] = LLM(model, tokenizer, kv_cache_dtype=dtype).perplexity(ids)
     return results
+
+
+def profile_lines(profiles: dict) -> list[str]:
+    """One table: per weight format, a decode step's wall time, the kernels' total and each kind's share."""
+    if not profiles:
+        return []
+    kinds = [kind for kind, _ in KERNEL_KINDS] + ["other"]
+    kinds = [kind for kind in kinds if any(kind in p["by_kind_us"] for p in profiles.values())]
+    steps = next(iter(profiles.values()))["steps"]
+    lines = [
+        "",
+        f"Where a decode step goes ({steps} steps profiled, us per step; kernels' device time, a step's wall time):",
+        "",
+        "| weights | wall | kernels | " + " | ".join(kinds) + " |",
+        "|---|---|---|" + "---|" * len(kinds),
+    ]
+    for weights, p in profiles.items():
+        cells = [f"{p['by_kind_us'].get(kind, 0.0):.0f}" for kind in kinds]
+        lines.append(f"| {weights} | {p['step_wall_us']:.0f} | {p['kernel_us']:.0f} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_results(results: dict, folder: Path) -> None:
@@ -397,6 +501,7 @@ def write_results(results: dict, folder: Path) -> None:
         for weights, rate in results["decode_tok_s"].items():
             ratio = results["speedup_vs_dense"].get(weights, 1.0)
             lines.append(f"| {weights} | {rate:.1f} | {ratio:.2f}x |")
+        lines += profile_lines(results.get("decode_profile", {}))
         (folder / f"{name}.md").write_text("\n".join(lines) + "\n")
         return
     lines += [
