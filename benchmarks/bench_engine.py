@@ -394,7 +394,9 @@ def decode_step_profile(model, steps: int, **engine_options) -> dict:
         wall = time.perf_counter() - start
     del llm
     kernels: dict[str, float] = {}
-    for event in profiler.key_averages():
+    averages = profiler.key_averages()
+    graph_launches = sum(event.count for event in averages if event.key == "cudaGraphLaunch")
+    for event in averages:
         on_device = event.device_type == torch.autograd.DeviceType.CUDA
         if on_device != cuda:
             continue
@@ -409,6 +411,7 @@ def decode_step_profile(model, steps: int, **engine_options) -> dict:
         "steps": steps,
         "step_wall_us": wall / steps * 1e6,
         "kernel_us": sum(kernels.values()),
+        "graph_launches_per_step": graph_launches / steps,  # kernels ≪ wall with graphs: the profiler missed theirs
         "by_kind_us": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
         "top_kernels_us": dict(top),
     }
