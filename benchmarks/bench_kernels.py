@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import triton
@@ -169,13 +169,10 @@ def our_op(kernel: str, weight: QuantizedWeight) -> Callable[[torch.Tensor], tor
     if kernel.startswith("fp8_block"):
         return fp8_block_op(weight, quantize_activations=not kernel.endswith("-gemm"))
     if kernel.endswith("-gemm"):
-        cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        quantized = quantized_once(lambda x: ops.quantize_per_token(x, weight.values.dtype))
 
-        def op(x):  # activations quantized once outside the timed call
-            if x.data_ptr() not in cache:
-                cache.clear()
-                cache[x.data_ptr()] = ops.quantize_per_token(x, weight.values.dtype)
-            codes, a_scale = cache[x.data_ptr()]
+        def op(x):
+            codes, a_scale = quantized(x)
             return ops.scaled_mm(codes, a_scale, weight.values, weight.scale, None, x.dtype)
 
         return op
@@ -188,16 +185,27 @@ def fp8_block_op(weight: QuantizedWeight, quantize_activations: bool) -> Callabl
     activations quantized per token and group of 128 once, outside the timed call."""
     if quantize_activations:
         return lambda x: ops.fp8_block_linear(x, weight.values, weight.scale)
-    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    quantized = quantized_once(ops.quantize_per_token_group)
 
     def op(x):
-        if x.data_ptr() not in cache:
-            cache.clear()
-            cache[x.data_ptr()] = ops.quantize_per_token_group(x)
-        codes, a_scale = cache[x.data_ptr()]
+        codes, a_scale = quantized(x)
         return ops.fp8_block_matmul(codes, a_scale, weight.values, weight.scale, None, x.dtype)
 
     return op
+
+
+def quantized_once(quantize: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """``quantize`` kept for the last input it saw (by its storage): a ``-gemm`` row times the GEMM alone, the
+    activations quantized once, outside the timed call."""
+    cache: dict[int, Any] = {}
+
+    def cached(x: torch.Tensor) -> Any:
+        if x.data_ptr() not in cache:
+            cache.clear()
+            cache[x.data_ptr()] = quantize(x)
+        return cache[x.data_ptr()]
+
+    return cached
 
 
 def run(args: BenchOptions, device: torch.device) -> tuple[list[Row], float]:

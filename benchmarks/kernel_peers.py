@@ -44,6 +44,7 @@ from benchmarks.bench_kernels import (
     device_slug,
     our_op,
     parse_shapes,
+    quantized_once,
     quantized_weight,
     timer,
 )
@@ -103,15 +104,11 @@ def torch_w8a8_op(weight: QuantizedWeight, quantize_activations: bool) -> Op:
     """``torch._int_mm`` (int8, scales applied after) or ``torch._scaled_mm`` (FP8, row-wise scales fused), fed by
     the plain-torch per-token quantization; without it, the activations are quantized once outside the timing."""
     w_t, w_scale = weight.values.t(), weight.scale.float()
-    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if quantize_activations:
-            return quantize_per_token_reference(x, weight.values.dtype)
-        if x.data_ptr() not in cache:
-            cache.clear()
-            cache[x.data_ptr()] = quantize_per_token_reference(x, weight.values.dtype)
-        return cache[x.data_ptr()]
+    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_per_token_reference(x, weight.values.dtype)
+
+    quantized = quantize if quantize_activations else quantized_once(quantize)
 
     if weight.values.dtype == torch.int8:
 
@@ -132,17 +129,12 @@ def torch_fp8_block_op(weight: QuantizedWeight, quantize_activations: bool) -> O
     outer-dim-major, ``b = w.T`` (column-major) with ``[K/128, N/128]`` scales; fed by the plain-torch per-token-group
     quantization, or (``quantize_activations=False``) with the activations quantized once outside the timing."""
     w_t, w_scale = weight.values.t(), weight.scale.float().t()
-    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if quantize_activations or x.data_ptr() not in cache:
-            codes, scale = quantize_per_token_group_reference(x)
-            pair = codes, scale.t().contiguous().t()  # outer-dim-major, as the block-wise kernel reads it
-            if quantize_activations:
-                return pair
-            cache.clear()
-            cache[x.data_ptr()] = pair
-        return cache[x.data_ptr()]
+    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, scale = quantize_per_token_group_reference(x)
+        return codes, scale.t().contiguous().t()  # outer-dim-major, as the block-wise kernel reads it
+
+    quantized = quantize if quantize_activations else quantized_once(quantize)
 
     def op(x):
         codes, a_scale = quantized(x)
