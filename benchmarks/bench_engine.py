@@ -350,12 +350,12 @@ KERNEL_KINDS = (
         "quantized linears (ours)",
         r"gemv_kernel|skinny_kernel|gemm_kernel|dequantize_kernel|scaled_mm|quantize_rows|"
         r"block_matmul|fp4_matmul|token_groups|weight_only|int8_linear|fp8_linear",
-    ),  # fmt: skip
+    ),
     (
         "bf16 GEMMs (lm_head; every linear when dense)",
         r"gemm|gemv|matmul|xmma|cutlass|nvjet|cublas|splitk|aten::mm|"
         r"aten::addmm|aten::bmm|aten::linear",
-    ),  # fmt: skip
+    ),
     ("norms", r"norm|rsqrt"),
     ("sampling", r"argmax|softmax|exponential|multinomial|topk|sort"),
     ("copies", r"copy|memcpy|memset|aten::cat|index|gather|scatter|aten::to\b|contiguous"),
@@ -405,7 +405,8 @@ def decode_step_profile(model, steps: int, **engine_options) -> dict:
             kernels[event.key] = kernels.get(event.key, 0.0) + microseconds / steps
     by_kind: dict[str, float] = {}
     for name, microseconds in kernels.items():
-        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + microseconds
+        kind = kernel_kind(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + microseconds
     top = sorted(kernels.items(), key=lambda item: -item[1])[:8]
     return {
         "steps": steps,
