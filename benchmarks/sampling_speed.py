@@ -1,14 +1,24 @@
-"""Calibration sampling speed: the per-token transformers loop against our engine's batched decode, in one run.
+"""Calibration sampling speed: two sampling paths against each other, in one run.
 
-    OMP_NUM_THREADS=2 python benchmarks/sampling_speed.py                  # 16 windows x 128 tokens per path
+    OMP_NUM_THREADS=2 python benchmarks/sampling_speed.py                  # 16 windows x 128 tokens, loop vs engine
     python benchmarks/sampling_speed.py --windows 16 --seq-len 512 --device cuda
+    # the loop as a CPU run samples 32 windows against the loop before (two batches of 16 over transformers' cache)
+    OMP_NUM_THREADS=2 python benchmarks/sampling_speed.py --windows 32 --seq-len 512 --paths loop-batches loop \
+        --out benchmarks/results/loop-cache
+
+Paths: ``loop`` (a KV-cached transformers forward per token over ``compress.model.decode_cache``, every window of the
+run decoded together: what a CPU run does for up to ``DECODE_BATCHES`` batches), ``loop-dynamic`` (the same over
+transformers' ``DynamicCache``, which copies the cache every step), ``loop-batches`` (one ``SAMPLING_BATCH`` after
+another over ``DynamicCache``: the loop before 2026-11-30), ``engine`` (our engine's batched decode over the paged KV
+cache).
 
 Both paths sample what ``compress.model.calibration_set`` samples for ``data.generated`` (temperature 1 from the model's
 start token, ``SAMPLING_BATCH`` windows together) from the default model
 (``compress.model.sources.default_model_dir()``,
-fp32, loaded whole), back to back on the same machine in the order loop, engine, engine, loop (a drift in the
-machine's load over the run weighs on both paths alike; the gap between rows of one path shows its size). Results:
-``benchmarks/results/sampling-speed.{json,md}``.
+fp32, loaded whole), back to back on the same machine in the order A, B, B, A of ``--paths A B`` (a drift in the
+machine's load over the run weighs on both paths alike; the gap between rows of one path shows its size), and checks
+that both drew the same windows where they must (the two loops). Results: ``--out`` ``.{json,md}``, by default
+``benchmarks/results/sampling-speed``.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import os
 import platform
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,10 +38,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from compress.base.data import window_start_token  # noqa: E402
-from compress.model.calibration_set import _sample, _sample_engine, on_device, start_token  # noqa: E402
+from compress.model.calibration_set import SAMPLING_BATCH, _sample, _sample_engine, on_device, start_token  # noqa: E402
 from compress.model.sources import default_model_dir, load  # noqa: E402
 
-SAMPLERS = {"loop": _sample, "engine": _sample_engine}
+
+def _batch_after_batch(model, count: int, seq_len: int, seed: int, start: int) -> torch.Tensor:
+    """The loop before 2026-11-30: each batch alone, over transformers' growing cache."""
+    return torch.cat(
+        [
+            _sample(model, min(SAMPLING_BATCH, count - done), seq_len, seed + done, start, preallocate=False)
+            for done in range(0, count, SAMPLING_BATCH)
+        ]
+    )
+
+
+SAMPLERS = {
+    "loop": _sample,
+    "loop-dynamic": partial(_sample, preallocate=False),
+    "loop-batches": _batch_after_batch,
+    "engine": _sample_engine,
+}
+SAME_WINDOWS = {"loop", "loop-dynamic", "loop-batches"}  # one generator per batch: their windows must be identical
 
 
 def measure(model, path: str, windows: int, seq_len: int, seed: int, start: int) -> dict:
@@ -44,12 +72,13 @@ def measure(model, path: str, windows: int, seq_len: int, seed: int, start: int)
         "tokens": tokens,
         "tokens_per_s": tokens / seconds,
         "shape": list(ids.shape),
+        "ids": ids,
     }
 
 
 def markdown(report: dict) -> str:
     lines = [
-        "# Calibration sampling speed: transformers loop vs engine (batched decode over the paged KV cache)",
+        f"# Calibration sampling speed: {report['paths'][0]} vs {report['paths'][1]}",
         "",
         f"Model `{report['model']}` (fp32), {report['windows']} windows x {report['seq_len']} tokens per row "
         f"(sampled from the start token at temperature 1, as `data.generated` samples them), device "
@@ -65,7 +94,8 @@ def markdown(report: dict) -> str:
     lines += [f"| {r['path']} | {r['tokens']} | {r['seconds']:.1f} | {r['tokens_per_s']:.1f} |" for r in report["rows"]]
     lines += [
         "",
-        f"Engine / loop (all tokens of a path over all its seconds): **{report['ratio']:.2f}x** tokens/s.",
+        f"{report['paths'][1]} / {report['paths'][0]} (all tokens of a path over all its seconds): "
+        f"**{report['ratio']:.2f}x** tokens/s.{report['same_windows']}",
         "",
     ]
     return "\n".join(lines)
@@ -77,6 +107,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--paths", nargs=2, choices=sorted(SAMPLERS), default=["loop", "engine"], metavar="PATH")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sampling-speed")
     args = parser.parse_args()
     folder = default_model_dir()
@@ -85,15 +116,21 @@ def main() -> None:
     load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
     rows = []
     with on_device(model, args.device):
-        for path in ("loop", "engine", "engine", "loop"):
+        for path in (*args.paths, *reversed(args.paths)):
             rows.append(measure(model, path, args.windows, args.seq_len, args.seed, start))
             print(f"{path}: {rows[-1]['tokens_per_s']:.1f} tokens/s ({rows[-1]['seconds']:.1f} s)", flush=True)
-    loop = sum(r["tokens"] for r in rows if r["path"] == "loop") / sum(
-        r["seconds"] for r in rows if r["path"] == "loop"
-    )
-    engine = sum(r["tokens"] for r in rows if r["path"] == "engine") / sum(
-        r["seconds"] for r in rows if r["path"] == "engine"
-    )
+    rate = {
+        path: sum(r["tokens"] for r in rows if r["path"] == path) / sum(r["seconds"] for r in rows if r["path"] == path)
+        for path in args.paths
+    }
+    same_windows = ""
+    if set(args.paths) <= SAME_WINDOWS:
+        identical = all(torch.equal(rows[0]["ids"], row["ids"]) for row in rows)
+        if not identical:
+            raise SystemExit(f"{' and '.join(args.paths)} sampled different windows: they must draw the same ones")
+        same_windows = " Both paths sampled identical windows (checked token by token)."
+    for row in rows:
+        del row["ids"]
     report = {
         "model": folder.name,
         "windows": args.windows,
@@ -108,10 +145,12 @@ def main() -> None:
             [f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"] * ("OMP_NUM_THREADS" in os.environ)
             + ["python", "benchmarks/sampling_speed.py", *sys.argv[1:]]
         ),
+        "paths": args.paths,
         "rows": rows,
-        "ratio": engine / loop,
+        "ratio": rate[args.paths[1]] / rate[args.paths[0]],
+        "same_windows": same_windows,
     }
-    print(f"engine / loop: {report['ratio']:.2f}x")
+    print(f"{args.paths[1]} / {args.paths[0]}: {report['ratio']:.2f}x{same_windows}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(report))

@@ -32,7 +32,7 @@ from compress.base.memory import current_rss_mb
 from compress.compression.model_free import goes_model_free
 from compress.formats import w4a16_linear, w8a8_linear
 from compress.grids.int_grid import FP4_GROUP_SIZES
-from compress.model.calibration_set import SAMPLING_BATCH, generated_windows, spec_for_chain
+from compress.model.calibration_set import DECODE_BATCHES, SAMPLING_BATCH, generated_windows, spec_for_chain
 from compress.stages.base import FORWARD_EFFICIENCY, LayerWork, ModelWork
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I8": 1}
@@ -233,9 +233,10 @@ def estimate(
         window_batch = evaluation.batch_size * evaluation.seq_len * hidden_act * 8  # a layer's activations
         phases["evaluate"] = held["evaluate"] + outside + layer32 + eval_tokens * hidden_act * 2 + window_batch + logits
     sampled = generated_windows(spec_for_chain(data, stages, config.recipe))  # sampled by the model: all its layers
+    rows = min(sampled, SAMPLING_BATCH * DECODE_BATCHES)  # windows decoded together
     if sampled:
-        cache = 2 * shape.layers * SAMPLING_BATCH * data.seq_len * shape.hidden * shape.dtype_bytes  # keys and values
-        phases["sample"] = shape.params * shape.dtype_bytes + cache + SAMPLING_BATCH * shape.vocab * fp32 * 2
+        cache = 2 * shape.layers * rows * data.seq_len * shape.hidden * shape.dtype_bytes  # keys and values
+        phases["sample"] = shape.params * shape.dtype_bytes + cache + rows * shape.vocab * fp32 * 2
     rate = probe.gflops * 1e9
     work = LayerWork(shape.layer_params, shape.hidden, shape.linears, calibration_tokens, data.seq_len, rate)
     streams = 2 + sum(s.extra_streams() for s in stages)
@@ -262,7 +263,7 @@ def estimate(
     if sampled:  # one token per forward pass of a batch: far below the matmul rate (0 when cached)
         seconds["sample"] = sampled * data.seq_len * token_flops / (rate * SAMPLE_EFFICIENCY)
         if accelerated:  # on the device: bound by reading the weights once per step of a batch
-            steps = -(-sampled // SAMPLING_BATCH) * data.seq_len
+            steps = -(-sampled // rows) * data.seq_len
             seconds["sample"] = steps * shape.params * shape.dtype_bytes / GPU_SAMPLING_BYTES_PER_SECOND
     calibrated = any(stage.needs_calibration for stage in stages)
     walk = calibration_tokens * layer_flops / (rate * FORWARD_EFFICIENCY) if calibrated else 0.0  # the forward

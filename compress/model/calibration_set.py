@@ -11,9 +11,10 @@ Sampling runs on the run's device (the model is moved there for it and back afte
 at a time), through one of two paths that draw from the same distribution (temperature 1, the model's full softmax):
 ``engine``, our engine's continuous batching over the paged KV cache (``compress.engine.LLM``), one generator per
 window seeded ``batch seed + row``; or ``loop``, a KV-cached transformers forward per token for the whole batch, one
-generator per batch (the windows cached before the engine path existed). The two give different windows for the
-same seed, so the engine's are cached under their own key. Each device type takes the path measured faster there
-(``SAMPLING_PATH``): the loop on a CPU (benchmarks/results/sampling-speed.md), the engine on a GPU.
+generator per batch (the windows cached before the engine path existed), its KV cache written into buffers sized once
+(``compress.model.decode_cache``: the same windows without transformers' per-step copies). The two give different
+windows for the same seed, so the engine's are cached under their own key. Each device type takes the path measured
+faster there (``SAMPLING_PATH``): the loop on a CPU (benchmarks/results/sampling-speed.md), the engine on a GPU.
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ from compress.model.lazy_weights import materialize_layer, release_layer
 
 log = logging.getLogger(__name__)
 
-SAMPLING_BATCH = 16  # sequences sampled together: a 135M model's cache for 16 x 512 tokens is ~100 MB
+SAMPLING_BATCH = 16  # windows per cached batch, each batch from its own seed (a smaller count reuses a larger one's)
+# Consecutive batches not in the cache are decoded together, this many at a time: a decode step then reads the weights
+# once for all of their windows, and each batch keeps its own generator (the loop) or per-row seeds (the engine), so
+# its windows are the ones it would get alone (tests/compress/test_calibration_set.py). KV cache of the default model
+# in fp32: ~46 KB a token, 0.75 GB for 2 x 16 windows of 512.
+DECODE_BATCHES = 2
 CACHE_VERSION = 1  # bump when the sampling changes, so old cached windows are not reused
 SAMPLING_PATHS = ("engine", "loop")
 # The default path per device type: on 2 CPU cores the loop measured faster (the engine 0.64x of its tokens/s at
@@ -103,8 +109,9 @@ def sampled_windows(
 ) -> torch.Tensor:
     """``[count, seq_len]`` token ids the model samples at temperature 1 from ``start`` on ``device`` (default: where
     the model is), in batches of ``SAMPLING_BATCH`` seeded ``seed + first row``: each batch is cached, so a smaller
-    count reuses a larger one's. Seeds ``s`` and ``s + SAMPLING_BATCH`` therefore share batches: draws meant to be
-    independent use seeds < 16. ``path``: ``engine`` or ``loop`` (default :func:`sampling_path`)."""
+    count reuses a larger one's, and up to ``DECODE_BATCHES`` of them not cached yet are decoded together. Seeds
+    ``s`` and ``s + SAMPLING_BATCH`` therefore share batches: draws meant to be independent use seeds < 16.
+    ``path``: ``engine`` or ``loop`` (default :func:`sampling_path`)."""
     path = path or sampling_path(model, device)
     if path not in SAMPLING_PATHS:
         raise CompressError(f"sampling path {path!r} is unknown; use one of {', '.join(SAMPLING_PATHS)}")
@@ -112,19 +119,19 @@ def sampled_windows(
     target = model.get_input_embeddings().weight.device if device is None else torch.device(device)
     # the engine draws an accelerator's rows there, from other random streams (compress.engine.sampler): its own key
     label = path if path == "loop" or target.type == "cpu" else f"{path} {target.type}"
+    batches = [(min(SAMPLING_BATCH, count - done), seed + done) for done in range(0, count, SAMPLING_BATCH)]
     with ExitStack() as stack:
         moved = []
 
-        def sample(size: int, batch_seed: int) -> torch.Tensor:
+        def sample(group: list[tuple[int, int]]) -> list[torch.Tensor]:
+            """Consecutive batches ``(size, seed)``, decoded together."""
             if not moved:  # the first batch not in the cache: the model goes to the device, once
                 moved.append(stack.enter_context(on_device(model, device)))
             sampler = _sample_engine if path == "engine" else _sample
-            return _timed(sampler, model, size, seq_len, batch_seed, start)
+            sizes = [size for size, _ in group]
+            return list(_timed(sampler, model, sum(sizes), seq_len, group[0][1], start).split(sizes))
 
-        windows = [
-            _cached_batch(sample, identity, min(SAMPLING_BATCH, count - done), seq_len, seed + done, start, label)
-            for done in range(0, count, SAMPLING_BATCH)
-        ]
+        windows = _cached_batches(sample, identity, batches, seq_len, start, label)
     for index in range(len(decoder_layers(model))):  # a lazily loaded model goes back to holding no layer
         release_layer(model, index)
     return torch.cat(windows)
@@ -180,23 +187,50 @@ def _move_resident(model: nn.Module, device: torch.device) -> None:
                 setattr(submodule, name, buffer.to(device))
 
 
-def _cached_batch(sample, identity: str, count: int, seq_len: int, seed: int, start: int, path: str) -> torch.Tensor:
+def _cache_entry(identity: str, count: int, seq_len: int, seed: int, start: int, path: str) -> Path:
     suffix = "" if path == "loop" else f" {path}"  # the loop keeps the key its windows were cached under before
     key = f"{CACHE_VERSION} {identity} {count} {seq_len} {seed} {start}{suffix}"
-    key = hashlib.sha256(key.encode()).hexdigest()[:24]
-    cache = artifacts_dir() / "calibration" / f"{key}.pt"
-    with file_lock(lock_beside(cache), f"the calibration cache entry {cache}"):  # a second run reads what one samples
-        if cache.is_file():
-            log.info("calibration: %d sampled windows from %s", count, cache)
-            return _read_cached(cache, count, seq_len)
-        log.info(
-            "calibration: sampling %d windows of %d tokens from the model (seed %d, %s)", count, seq_len, seed, path
-        )
-        windows = sample(count, seed)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        # a temporary per process: the ranks of one torchrun sample alike
-        write_file_atomically(cache, lambda temporary: torch.save(windows, temporary))
-        return windows
+    return artifacts_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
+
+
+def _cached_batches(
+    sample, identity: str, batches: list[tuple[int, int]], seq_len: int, start: int, path: str
+) -> list[torch.Tensor]:
+    """Each batch ``(size, seed)`` read from its cache entry, or sampled (runs of consecutive missing batches,
+    ``DECODE_BATCHES`` at a time) and written to it. Every entry's lock is held throughout, taken in order: a second
+    run of the same windows waits, then reads what this one sampled."""
+    entries = [_cache_entry(identity, size, seq_len, seed, start, path) for size, seed in batches]
+    with ExitStack() as locks:
+        for cache in entries:
+            locks.enter_context(file_lock(lock_beside(cache), f"the calibration cache entry {cache}"))
+        windows: list[torch.Tensor | None] = []
+        for cache, (size, _) in zip(entries, batches, strict=True):
+            if cache.is_file():
+                log.info("calibration: %d sampled windows from %s", size, cache)
+            windows.append(_read_cached(cache, size, seq_len) if cache.is_file() else None)
+        for run in _runs([index for index, found in enumerate(windows) if found is None], DECODE_BATCHES):
+            group = [batches[index] for index in run]
+            log.info(
+                "calibration: sampling %d windows of %d tokens from the model (seeds %s, %s)",
+                sum(size for size, _ in group), seq_len, ", ".join(str(seed) for _, seed in group), path,
+            )  # fmt: skip
+            for index, sampled in zip(run, sample(group), strict=True):
+                entries[index].parent.mkdir(parents=True, exist_ok=True)
+                # a temporary per process: the ranks of one torchrun sample alike
+                write_file_atomically(entries[index], lambda temporary, data=sampled: torch.save(data, temporary))
+                windows[index] = sampled
+    return windows
+
+
+def _runs(indices: list[int], longest: int) -> list[list[int]]:
+    """``indices`` (ascending) cut into runs of consecutive ones, each at most ``longest`` long."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and runs[-1][-1] == index - 1 and len(runs[-1]) < longest:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
 
 
 def _read_cached(cache: Path, count: int, seq_len: int) -> torch.Tensor:
@@ -225,19 +259,29 @@ def _timed(sampler, model: nn.Module, count: int, seq_len: int, seed: int, start
 
 
 @torch.no_grad()
-def _sample(model: nn.Module, count: int, seq_len: int, seed: int, start: int) -> torch.Tensor:
+def _sample(
+    model: nn.Module, count: int, seq_len: int, seed: int, start: int, preallocate: bool = True
+) -> torch.Tensor:
+    """``count`` windows, rows ``[k, k + SAMPLING_BATCH)`` drawn by their own generator seeded ``seed + k``: the
+    windows of batches sampled alone, decoded together. ``preallocate``: decode over buffers sized once
+    (``compress.model.decode_cache``, the same windows without transformers' per-step copies); False keeps
+    transformers' growing cache, the baseline benchmarks time it against."""
     from tqdm.auto import tqdm
 
+    from compress.model.decode_cache import preallocated_cache  # imports transformers: only when sampling
+
     device = model.get_input_embeddings().weight.device
-    generator = torch.Generator().manual_seed(seed)
+    generators = [torch.Generator().manual_seed(seed + first) for first in range(0, count, SAMPLING_BATCH)]
     ids = torch.full((count, 1), start, dtype=torch.long)
-    past, step_ids = None, ids
+    past = preallocated_cache(model.config, seq_len) if preallocate else None
+    step_ids = ids
     bar = tqdm(total=count * (seq_len - 1), desc=f"sampling {count} calibration windows", unit="token", leave=False)
     for _ in range(seq_len - 1):
         output = model(input_ids=step_ids.to(device), past_key_values=past, use_cache=True)
         past = output.past_key_values
         probabilities = torch.softmax(output.logits[:, -1].float().cpu(), dim=-1)
-        step_ids = torch.multinomial(probabilities, 1, generator=generator)
+        rows = probabilities.split(SAMPLING_BATCH)
+        step_ids = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(rows, generators, strict=True)])
         ids = torch.cat([ids, step_ids], dim=1)
         bar.update(count)
     bar.close()

@@ -62,6 +62,33 @@ def test_a_smaller_count_reuses_the_batches_of_a_larger_one(artifacts, monkeypat
         assert torch.equal(sampled_windows(model, 4, 8, seed=0, start=0), first[:4])
 
 
+@pytest.mark.parametrize(
+    ("sampler", "family"), [("_sample", "llama"), ("_sample", "gemma3"), ("_sample_engine", "llama")]
+)
+def test_batches_decoded_together_are_the_batches_sampled_alone(sampler, family, monkeypatch):
+    monkeypatch.setattr(module, "SAMPLING_BATCH", 2)
+    model, sample = build_tiny_model(family), getattr(module, sampler)
+    alone = [sample(model, size, 12, seed=seed, start=1) for size, seed in [(2, 3), (2, 5), (1, 7)]]
+    assert torch.equal(sample(model, 5, 12, seed=3, start=1), torch.cat(alone))
+
+
+def test_consecutive_missing_batches_are_decoded_together_and_cached_one_by_one(artifacts, monkeypatch):
+    model = build_tiny_llama(bos_token_id=0)
+    monkeypatch.setattr(module, "SAMPLING_BATCH", 2)
+    monkeypatch.setattr(module, "DECODE_BATCHES", 2)
+    middle = sampled_windows(model, 2, 8, seed=2, start=0)  # the batch of seed 2 is cached, those of 0 and 4 are not
+    calls, real = [], module._sample
+    monkeypatch.setattr(module, "_sample", lambda m, count, *args: calls.append(count) or real(m, count, *args))
+    windows = sampled_windows(model, 5, 8, seed=0, start=0)
+    assert calls == [2, 1] and torch.equal(windows[2:4], middle)  # not consecutive: one decode each
+    calls.clear()
+    assert sampled_windows(model, 6, 8, seed=10, start=0).shape == (6, 8)
+    assert calls == [4, 2]  # seeds 10 and 12 together, then 14
+    assert len(list((artifacts / "calibration").glob("*.pt"))) == 6  # every batch its own entry
+    calls.clear()
+    assert torch.equal(sampled_windows(model, 5, 8, seed=0, start=0), windows) and calls == []
+
+
 def test_a_gemma_model_samples_from_its_bos(artifacts):
     model = build_tiny_model("gemma3")
     windows = calibration_set(model, None, "", _spec(1.0, num_samples=2), seed=0)

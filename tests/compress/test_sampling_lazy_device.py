@@ -53,11 +53,11 @@ def test_windows_the_engine_draws_on_an_accelerator_are_cached_under_their_own_k
 
     labels = []
 
-    def recorded(sample, identity, count, seq_len, seed, start, path):
+    def recorded(sample, identity, batches, seq_len, start, path):
         labels.append(path)
-        return torch.zeros(count, seq_len, dtype=torch.long)
+        return [torch.zeros(count, seq_len, dtype=torch.long) for count, _ in batches]
 
-    monkeypatch.setattr(module, "_cached_batch", recorded)
+    monkeypatch.setattr(module, "_cached_batches", recorded)
     model = build_tiny_llama(bos_token_id=0)
     for device in ("cpu", "meta"):  # meta stands for an accelerator: nothing moves unless a batch is sampled
         sampled_windows(model, 2, 8, seed=0, start=0, device=device, path="engine")
