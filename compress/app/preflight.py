@@ -39,9 +39,11 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2":
 DTYPE_BYTES.update({"U8": 1, "I16": 2, "BOOL": 1})
 MB = 2**20
 log = logging.getLogger(__name__)
-# Reached rate ÷ probe rate of sampling calibration windows from the model: one token per forward pass of a batch
-# (a first fit on SmolLM2-135M, fp32, 2 CPU cores); a forward's and each stage's own are declared with the stages.
-SAMPLE_EFFICIENCY = 0.2
+# Reached rate ÷ probe rate of sampling calibration windows from the model: one token per forward pass of a batch.
+# Fit on SmolLM2-135M, fp32, 2 CPU cores, 32 windows of 512 decoded together: 99-110 s where the probe's rate gives
+# 32 s (benchmarks/results/loop-cache.md; 0.2 before the loop decoded two batches at once over a preallocated cache).
+# A forward's and each stage's own are declared with the stages.
+SAMPLE_EFFICIENCY = 0.3
 # Sampling on a GPU (compress.model.calibration_set): each batched decode step reads every weight once, so a step
 # costs the weights' bytes at an effective HBM rate (a third of an H100's 3.35 TB/s peak: small batches, launches,
 # sampling).
