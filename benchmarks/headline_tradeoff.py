@@ -54,9 +54,9 @@ def parse_setting(text: str) -> tuple[int, int]:
 def check_independent(seeds: list[int], count: int) -> None:
     """Draws must share no sampled batch: seed ``s`` samples the batches seeded ``s, s + B, s + 2B, ...`` (``B`` =
     ``SAMPLING_BATCH``), so 32 windows at seeds 0 and 32 are two disjoint halves of 64 windows at seed 0."""
-    from compress.model.calibration_set import SAMPLING_BATCH
+    from compress.model.calibration_set import seeded_batches
 
-    batches = [{seed + done for done in range(0, count, SAMPLING_BATCH)} for seed in seeds]
+    batches = [{batch_seed for _, batch_seed in seeded_batches(count, seed)} for seed in seeds]
     for i, first in enumerate(batches):
         for j in range(i + 1, len(batches)):
             if first & batches[j]:

@@ -38,18 +38,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from compress.base.data import window_start_token  # noqa: E402
-from compress.model.calibration_set import SAMPLING_BATCH, _sample, _sample_engine, on_device, start_token  # noqa: E402
+from compress.model.calibration_set import _sample, _sample_engine, on_device, seeded_batches, start_token  # noqa: E402
 from compress.model.sources import default_model_dir, load  # noqa: E402
 
 
 def _batch_after_batch(model, count: int, seq_len: int, seed: int, start: int) -> torch.Tensor:
     """The loop before 2026-11-30: each batch alone, over transformers' growing cache."""
-    return torch.cat(
-        [
-            _sample(model, min(SAMPLING_BATCH, count - done), seq_len, seed + done, start, preallocate=False)
-            for done in range(0, count, SAMPLING_BATCH)
-        ]
-    )
+    batches = seeded_batches(count, seed)
+    return torch.cat([_sample(model, size, seq_len, first, start, preallocate=False) for size, first in batches])
 
 
 SAMPLERS = {

@@ -119,7 +119,7 @@ def sampled_windows(
     target = model.get_input_embeddings().weight.device if device is None else torch.device(device)
     # the engine draws an accelerator's rows there, from other random streams (compress.engine.sampler): its own key
     label = path if path == "loop" or target.type == "cpu" else f"{path} {target.type}"
-    batches = [(min(SAMPLING_BATCH, count - done), seed + done) for done in range(0, count, SAMPLING_BATCH)]
+    batches = seeded_batches(count, seed)
     with ExitStack() as stack:
         moved = []
 
@@ -135,6 +135,12 @@ def sampled_windows(
     for index in range(len(decoder_layers(model))):  # a lazily loaded model goes back to holding no layer
         release_layer(model, index)
     return torch.cat(windows)
+
+
+def seeded_batches(count: int, seed: int) -> list[tuple[int, int]]:
+    """How ``count`` windows at ``seed`` split into cached batches: ``(size, seed + first row)``, ``SAMPLING_BATCH``
+    rows each but the last."""
+    return [(min(SAMPLING_BATCH, count - done), seed + done) for done in range(0, count, SAMPLING_BATCH)]
 
 
 def sampling_path(model: nn.Module, device: torch.device | str | None = None) -> str:
@@ -205,9 +211,10 @@ def _cached_batches(
             locks.enter_context(file_lock(lock_beside(cache), f"the calibration cache entry {cache}"))
         windows: list[torch.Tensor | None] = []
         for cache, (size, _) in zip(entries, batches, strict=True):
-            if cache.is_file():
+            found = cache.is_file()
+            if found:
                 log.info("calibration: %d sampled windows from %s", size, cache)
-            windows.append(_read_cached(cache, size, seq_len) if cache.is_file() else None)
+            windows.append(_read_cached(cache, size, seq_len) if found else None)
         for run in _runs([index for index, found in enumerate(windows) if found is None], DECODE_BATCHES):
             group = [batches[index] for index in run]
             log.info(
@@ -271,7 +278,7 @@ def _sample(
     from compress.model.decode_cache import preallocated_cache  # imports transformers: only when sampling
 
     device = model.get_input_embeddings().weight.device
-    generators = [torch.Generator().manual_seed(seed + first) for first in range(0, count, SAMPLING_BATCH)]
+    generators = [torch.Generator().manual_seed(batch_seed) for _, batch_seed in seeded_batches(count, seed)]
     ids = torch.full((count, 1), start, dtype=torch.long)
     past = preallocated_cache(model.config, seq_len) if preallocate else None
     step_ids = ids
