@@ -12,7 +12,11 @@ straight-through estimator against its *fixed* scales and zero points, so at the
 same grid and exports as before. ``trains: scales`` is EfficientQAT's end-to-end stage (E2E-QP, Chen et al. 2024):
 every code stays as the quantizer chose it (pruned zeros included) and only the per-group scales of the quantized
 linears learn — about one parameter per group, so a few thousand calibration tokens cannot overfit the weights, and
-the checkpoint keeps its layout and size. Plain linears stay frozen then.
+the checkpoint keeps its layout and size. Plain linears stay frozen then; each scale trains as a factor on its
+start, so ``learning_rate`` is a share of the scale and one rate fits models whose weights differ in size.
+
+Training is kept only if it pays: the KL on held-out calibration sequences (never trained on) must fall, else the
+student leaves the stage as it came in, with a warning — a rate too high for the model cannot make it worse.
 """
 
 from __future__ import annotations
@@ -46,13 +50,13 @@ TRAINS = ("weights", "scales")
 class DistillConfig:
     steps: int = 200  # optimizer steps
     max_minutes: float | None = 15.0  # wall-time budget: the steps (and their decay) shrink to fit it
-    learning_rate: float = 1e-4  # AdamW's peak rate: linear warm-up, then cosine decay to zero
+    learning_rate: float = 1e-4  # AdamW's peak rate: linear warm-up, then cosine decay to zero (scales: relative)
     warmup_steps: int = 5  # steps of linear warm-up
     temperature: float = 2.0  # softens both next-token distributions before their KL (scaled back by T²)
     hidden_weight: float = 0.0  # weight of the per-layer hidden-state MSE next to the logit KL
     batch_size: int = 2  # sequences per step
     seq_len: int = 256  # calibration samples are cut into sequences of this length
-    held_out: int = 4  # sequences kept out of training to report the KL before and after
+    held_out: int = 4  # sequences kept out of training: the KL before and after, and the check that keeps it
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
     trains: str = "weights"  # weights: latent weights through the fixed grid; scales: the codes fixed, group scales
 
@@ -97,8 +101,10 @@ class FakeQuantLinear(nn.Module):
 
 
 class ScaleTrainedLinear(nn.Module):
-    """A ``QuantizedLinear`` whose codes are frozen and whose per-group scales train: ``W = (q − z)·s`` is
-    differentiable in ``s``, so no straight-through estimate is needed and the codes cannot move."""
+    """A ``QuantizedLinear`` whose codes are frozen and whose per-group scales train: ``W = (q − z)·s₀·f`` is
+    differentiable in the factor ``f`` (from 1), so no straight-through estimate is needed and the codes cannot move.
+    Training the factor rather than ``s`` itself makes an optimizer step move every scale by the same share of
+    itself, whatever its size: one learning rate fits layers and models whose weights differ in size."""
 
     def __init__(self, source: QuantizedLinear):
         super().__init__()
@@ -108,20 +114,22 @@ class ScaleTrainedLinear(nn.Module):
             "group_of", group_index(source.in_features, source.group_size, source.weight_g_idx, weight.device)
         )
         zero = source.weight_zero_point
-        scale = source.weight_scale.float()
+        scale = source.weight_scale.float().clone()
         self.register_buffer("zero", torch.zeros_like(scale) if zero is None else zero.float())
         expanded = scale[:, self.group_of]
         self.register_buffer("frozen_codes", torch.round(weight / expanded) + self.zero[:, self.group_of])
-        self.weight_scale = nn.Parameter(scale)
+        self.register_buffer("start_scale", scale)
+        self.scale_factor = nn.Parameter(torch.ones_like(scale))
         self.bias = None if source.bias is None else nn.Parameter(source.bias.data.float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = (self.frozen_codes - self.zero[:, self.group_of]) * self.weight_scale[:, self.group_of]
+        scale = self.start_scale * self.scale_factor
+        weight = (self.frozen_codes - self.zero[:, self.group_of]) * scale[:, self.group_of]
         return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     @torch.no_grad()
     def to_quantized(self) -> QuantizedLinear:
-        return _on_grid_of(self.source[0], self.frozen_codes, self.weight_scale)
+        return _on_grid_of(self.source[0], self.frozen_codes, self.start_scale * self.scale_factor)
 
 
 def _on_grid_of(source: QuantizedLinear, codes: torch.Tensor, scale: torch.Tensor) -> QuantizedLinear:
@@ -200,12 +208,13 @@ class DistillStage(Stage):
     def model_working_bytes(self, work: ModelWork) -> float:
         """The teacher and the student in fp32 (trained linears widen their codes for the step), a step's
         activations for the backward and the teacher's logits, and AdamW's gradient and two moments of what
-        trains: every decoder linear's weights, or one scale per group (fewer than 1 in 32 weights)."""
+        trains, plus its start kept to fall back on: every decoder linear's weights, or one scale per group (fewer
+        than 1 in 32 weights)."""
         c = self.config
         tokens = c.batch_size * c.seq_len
         trained = work.linear_params if c.trains == "weights" else work.linear_params / 32
         models = 2 * work.params * FP32_BYTES
-        return models + work.backward_bytes(tokens) + 2 * tokens * work.vocab * FP32_BYTES + 3 * trained * FP32_BYTES
+        return models + work.backward_bytes(tokens) + 2 * tokens * work.vocab * FP32_BYTES + 4 * trained * FP32_BYTES
 
     def before_stage(self, model: nn.Module, position: int) -> None:
         if position == self.teacher_position:
@@ -238,6 +247,7 @@ class DistillStage(Stage):
         model.requires_grad_(False)
         for param in params:
             param.requires_grad_(True)
+        start_values = [param.detach().to("cpu", copy=True) for param in params]
         kl_before = mean_kl(model, teacher, held_out, c.batch_size) if c.held_out else None
         optimizer = torch.optim.AdamW(params, lr=c.learning_rate, weight_decay=0.0)
         planned = {"steps": c.steps}  # shrinks to what the time budget allows, so the decay ends inside it
@@ -292,7 +302,21 @@ class DistillStage(Stage):
             if c.gradient_checkpointing:
                 model.gradient_checkpointing_disable()
             model.requires_grad_(False)
-        kl_after = mean_kl(model, teacher, held_out, c.batch_size) if c.held_out else None
+        kl_trained = mean_kl(model, teacher, held_out, c.batch_size) if c.held_out else None
+        kept = "trained"
+        if kl_trained is not None and not kl_trained < kl_before:  # worse than no training: undo it
+            with torch.no_grad():
+                for param, value in zip(params, start_values, strict=True):
+                    param.copy_(value)
+            kept = "start"
+            log.warning(
+                "distill: held-out KL rose from %.4f to %.4f over %d steps, so the student keeps its weights from "
+                "before the stage; lower learning_rate",
+                kl_before,
+                kl_trained,
+                len(losses),
+            )
+        kl_after = kl_before if kept == "start" else kl_trained
         _restore_quantized(model, fake_quant)
         model.to("cpu")
         self.teacher = None  # free it: the teacher is as large as the student
@@ -306,6 +330,8 @@ class DistillStage(Stage):
             "last_loss": sum(losses[-10:]) / len(losses[-10:]),
             "held_out_kl_before": kl_before,
             "held_out_kl_after": kl_after,
+            "held_out_kl_trained": kl_trained,
+            "kept": kept,
             "trains": c.trains,
             "trained_linears": len(params),
             "fake_quantized_linears": len(fake_quant),
@@ -350,7 +376,7 @@ def _trainable_linears(model: nn.Module, trains: str) -> dict[str, nn.Module]:
 
 
 def _trained_parameter(module: nn.Module) -> nn.Parameter:
-    return module.weight_scale if isinstance(module, ScaleTrainedLinear) else module.weight
+    return module.scale_factor if isinstance(module, ScaleTrainedLinear) else module.weight
 
 
 def _make_trainable(model: nn.Module, trains: str) -> list[str]:

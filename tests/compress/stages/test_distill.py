@@ -11,7 +11,7 @@ from compress.compression.in_memory import compress_model
 from compress.formats import QuantizedLinear
 from compress.grids.sparsity import mask_of
 from compress.stages import build_chain
-from compress.stages.distill import _lr_factor, mean_kl, steps_within
+from compress.stages.distill import ScaleTrainedLinear, _lr_factor, _trained_parameter, mean_kl, steps_within
 
 CPU = torch.device("cpu")
 DISTILL = {
@@ -122,6 +122,55 @@ def test_scale_training_keeps_every_code_and_learns_the_group_scales():
         assert not torch.equal(after.weight_scale, before.weight_scale)  # the scales learned
         assert torch.equal(mask_of(after), mask_of(before))
     assert mean_kl(student, teacher, held_out, 4) < mean_kl(quantized, teacher, held_out, 4)
+
+
+def _rescaled(linear: QuantizedLinear, factor: float) -> QuantizedLinear:
+    """The same codes on group scales ``factor`` times as large: a layer whose weights are that much smaller."""
+    copied = copy.deepcopy(linear)
+    copied.weight_scale.data.mul_(factor)
+    return copied
+
+
+def test_scale_training_moves_each_scale_by_the_same_share_whatever_its_size():
+    """One learning rate must fit models whose weights differ in size: gemma-3-270m's group scales are ~5.6x smaller
+    than SmolLM2-135M's, and the absolute rate tuned on SmolLM2 (5e-5) raised Gemma's held-out KL from 0.27 to 0.43.
+    The same training signal on a layer 10x smaller must move its scales by the same fraction of themselves."""
+    quantized = _confident_model()
+    _chain([{"type": "rtn", "bits": 4, "group_size": 32}], quantized)
+    source = quantized.model.layers[0].mlp.up_proj
+    inputs = torch.randn(16, source.in_features, generator=torch.Generator().manual_seed(0))
+    shares = []
+    for factor in (1.0, 0.1):
+        layer = _rescaled(source, factor)
+        start = layer.weight_scale.clone()
+        module = ScaleTrainedLinear(layer)
+        target = 1.05 * module(inputs).detach()  # every output 5% larger: the scales should grow
+        optimizer = torch.optim.AdamW([_trained_parameter(module)], lr=1e-2, weight_decay=0.0)
+        for _ in range(5):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(module(inputs), target).backward()
+            optimizer.step()
+        shares.append(module.to_quantized().weight_scale.float() / start.float())
+    assert (shares[0] - 1).abs().mean() > 1e-3  # it trained
+    torch.testing.assert_close(shares[0], shares[1], rtol=0, atol=5e-3)  # Adam's eps: not exactly
+
+
+@pytest.mark.parametrize("trains", ["scales", "weights"])
+def test_training_that_raises_the_held_out_kl_keeps_the_start(trains):
+    """Distillation is kept only if it lowers the KL on the held-out sequences it never trained on; a rate far too
+    high for the model makes it worse, and the student then leaves the stage exactly as it came in."""
+    chain = [{"type": "rtn", "bits": 4, "group_size": 32}]
+    quantized = _confident_model()
+    _chain(chain, quantized)
+    student = _confident_model()
+    summary = _chain([*chain, {**DISTILL, "trains": trains, "learning_rate": 3.0, "steps": 10}], student)[1]
+    assert summary["kept"] == "start"
+    assert summary["held_out_kl_trained"] > summary["held_out_kl_before"] == summary["held_out_kl_after"]
+    for name in ("self_attn.q_proj", "mlp.down_proj"):
+        before = quantized.model.layers[1].get_submodule(name)
+        after = student.model.layers[1].get_submodule(name)
+        assert torch.equal(after.weight_packed, before.weight_packed)
+        assert torch.equal(after.weight_scale, before.weight_scale)
 
 
 def test_progress_reaches_the_log_every_tenth_of_the_steps(caplog):
