@@ -137,18 +137,27 @@ CHANGED = {  # oldest change first
     ],
     "autoround_int3": [("2026-11-29 11:47", *AUTOROUND_SEQUENCES)],
     "gptq_int4": [("2026-11-28 05:15", ["stages.0.act_order=false"], ["stages.0.act_order=true"])],
+    "awq_int4_train_scales": [  # EfficientQAT's absolute steps at SmolLM's rate, before steps relative to each scale
+        (
+            "2026-11-30 06:45",
+            ["stages.1.learning_rate=5e-5", "stages.1.scale_steps=absolute"],
+            ["stages.1.learning_rate=1e-3", "stages.1.scale_steps=relative"],
+        )
+    ],
 }
 # The sampled data group's size before it changed (8700e76): a run on it measured before then gets this override.
 SAMPLED_CHANGED = ("2026-11-27 10:18", "data.num_samples=64")
 SAMPLED_NOW = {key: data_group_file("sampled")[key] for key in ("num_samples", "seq_len")}
 PYDOC_NUM_SAMPLES = data_group_file("pydoc")["num_samples"]
 SHIPS_SAMPLED = sampled_recipes()  # the recipes whose calibration is the sampled group, read from their files
-# A run spelled as overrides of one recipe that another recipe ships (after CHANGED): shown under the shipped name
+# A run spelled as overrides of one recipe that another recipe ships (after CHANGED): shown under the shipped name,
+# with the overrides that give back what it ran with since that recipe changed
 # (tests/test_quality_draws.py checks that both compose to the same stages and calibration).
 SHIPPED_AS = {
     "rotate_gptq_int4 data=pydoc stages.1.bits=3": "rotate_gptq_int3 data=pydoc",
     "awq_int4 stages=[{type:awq,bits:4,group_size:64,symmetric:true,rounding:gptq,act_order:true,ignore:[lm_head]},"
-    "{type:distill,trains:scales,learning_rate:5e-5,steps:200,max_minutes:10}]": "awq_int4_train_scales",
+    "{type:distill,trains:scales,learning_rate:5e-5,steps:200,max_minutes:10}]": "awq_int4_train_scales "
+    "stages.1.learning_rate=5e-5 stages.1.scale_steps=absolute",
 }
 EXTENDS = extended_recipes()  # recipe → the shipped recipe whose stages it extends: paired (what the added ones buy)
 HEADLINE_RECIPE = "awq_int4"  # benchmarks/headline_tradeoff.py compresses with this recipe only

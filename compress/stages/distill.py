@@ -12,8 +12,9 @@ straight-through estimator against its *fixed* scales and zero points, so at the
 same grid and exports as before. ``trains: scales`` is EfficientQAT's end-to-end stage (E2E-QP, Chen et al. 2024):
 every code stays as the quantizer chose it (pruned zeros included) and only the per-group scales of the quantized
 linears learn — about one parameter per group, so a few thousand calibration tokens cannot overfit the weights, and
-the checkpoint keeps its layout and size. Plain linears stay frozen then; each scale trains as a factor on its
-start, so ``learning_rate`` is a share of the scale and one rate fits models whose weights differ in size.
+the checkpoint keeps its layout and size. Plain linears stay frozen then. ``scale_steps: relative`` (not
+EfficientQAT's) trains each scale as a factor on its start, so ``learning_rate`` is a share of the scale and one rate
+fits models whose weights differ in size; ``absolute`` (the default, EfficientQAT's) trains the scale itself.
 
 Training is kept only if it pays: the KL on held-out calibration sequences (never trained on) must fall, else the
 student leaves the stage as it came in, with a warning — a rate too high for the model cannot make it worse.
@@ -44,13 +45,14 @@ log = logging.getLogger(__name__)
 
 
 TRAINS = ("weights", "scales")
+SCALE_STEPS = ("absolute", "relative")
 
 
 @dataclass
 class DistillConfig:
     steps: int = 200  # optimizer steps
     max_minutes: float | None = 15.0  # wall-time budget: the steps (and their decay) shrink to fit it
-    learning_rate: float = 1e-4  # AdamW's peak rate: linear warm-up, then cosine decay to zero (scales: relative)
+    learning_rate: float = 1e-4  # AdamW's peak rate: linear warm-up, then cosine decay to zero
     warmup_steps: int = 5  # steps of linear warm-up
     temperature: float = 2.0  # softens both next-token distributions before their KL (scaled back by T²)
     hidden_weight: float = 0.0  # weight of the per-layer hidden-state MSE next to the logit KL
@@ -59,10 +61,13 @@ class DistillConfig:
     held_out: int = 4  # sequences kept out of training: the KL before and after, and the check that keeps it
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
     trains: str = "weights"  # weights: latent weights through the fixed grid; scales: the codes fixed, group scales
+    scale_steps: str = "absolute"  # trains: scales: absolute (EfficientQAT: lr in scale units); relative: lr a share
 
     def __post_init__(self):
         if self.trains not in TRAINS:
             raise ValueError(f"trains must be one of {', '.join(TRAINS)}, not {self.trains!r}")
+        if self.scale_steps not in SCALE_STEPS:
+            raise ValueError(f"scale_steps must be one of {', '.join(SCALE_STEPS)}, not {self.scale_steps!r}")
         if self.steps < 1 or self.batch_size < 1 or self.seq_len < 2:
             raise ValueError("steps and batch_size must be ≥ 1 and seq_len ≥ 2")
         if self.temperature <= 0 or self.learning_rate <= 0:
@@ -101,12 +106,12 @@ class FakeQuantLinear(nn.Module):
 
 
 class ScaleTrainedLinear(nn.Module):
-    """A ``QuantizedLinear`` whose codes are frozen and whose per-group scales train: ``W = (q − z)·s₀·f`` is
-    differentiable in the factor ``f`` (from 1), so no straight-through estimate is needed and the codes cannot move.
-    Training the factor rather than ``s`` itself makes an optimizer step move every scale by the same share of
-    itself, whatever its size: one learning rate fits layers and models whose weights differ in size."""
+    """A ``QuantizedLinear`` whose codes are frozen and whose per-group scales train: ``W = (q − z)·u·p`` is
+    differentiable in ``p``, so no straight-through estimate is needed and the codes cannot move. ``relative``:
+    ``u`` is the start scale and ``p`` a factor from 1, so an optimizer step moves every scale by the same share of
+    itself, whatever its size; else ``u = 1`` and ``p`` is the scale itself (EfficientQAT), whose steps are absolute."""
 
-    def __init__(self, source: QuantizedLinear):
+    def __init__(self, source: QuantizedLinear, relative: bool = False):
         super().__init__()
         self.source = [source]
         weight = source.dequantized_weight().float()
@@ -118,18 +123,18 @@ class ScaleTrainedLinear(nn.Module):
         self.register_buffer("zero", torch.zeros_like(scale) if zero is None else zero.float())
         expanded = scale[:, self.group_of]
         self.register_buffer("frozen_codes", torch.round(weight / expanded) + self.zero[:, self.group_of])
-        self.register_buffer("start_scale", scale)
-        self.scale_factor = nn.Parameter(torch.ones_like(scale))
+        self.register_buffer("unit", scale if relative else torch.ones_like(scale))
+        self.scale_factor = nn.Parameter(torch.ones_like(scale) if relative else scale.clone())
         self.bias = None if source.bias is None else nn.Parameter(source.bias.data.float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.start_scale * self.scale_factor
+        scale = self.unit * self.scale_factor
         weight = (self.frozen_codes - self.zero[:, self.group_of]) * scale[:, self.group_of]
         return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     @torch.no_grad()
     def to_quantized(self) -> QuantizedLinear:
-        return _on_grid_of(self.source[0], self.frozen_codes, self.start_scale * self.scale_factor)
+        return _on_grid_of(self.source[0], self.frozen_codes, self.unit * self.scale_factor)
 
 
 def _on_grid_of(source: QuantizedLinear, codes: torch.Tensor, scale: torch.Tensor) -> QuantizedLinear:
@@ -235,7 +240,7 @@ class DistillStage(Stage):
             )
         held_out, train = sequences[: c.held_out].to(device), sequences[c.held_out :]
         teacher = self.teacher.to(device)
-        fake_quant = _make_trainable(model, c.trains)
+        fake_quant = _make_trainable(model, c.trains, relative=c.scale_steps == "relative")
         model.to(device)
         trainable = _trainable_linears(model, c.trains)
         params = [_trained_parameter(module) for module in trainable.values()]
@@ -379,14 +384,14 @@ def _trained_parameter(module: nn.Module) -> nn.Parameter:
     return module.scale_factor if isinstance(module, ScaleTrainedLinear) else module.weight
 
 
-def _make_trainable(model: nn.Module, trains: str) -> list[str]:
+def _make_trainable(model: nn.Module, trains: str, relative: bool) -> list[str]:
     """Swap every packed quantized linear for a ``FakeQuantLinear`` (or, training scales, a ``ScaleTrainedLinear``,
     whose frozen codes already hold any mask); returns their names."""
     swapped = []
     for name, module in list(model.named_modules()):
         if isinstance(module, QuantizedLinear):
             if trains == "scales":
-                replace_module(model, name, ScaleTrainedLinear(module), enforce_mask=False)
+                replace_module(model, name, ScaleTrainedLinear(module, relative), enforce_mask=False)
             else:
                 replace_module(model, name, FakeQuantLinear(module))  # carries the sparsity mask
             swapped.append(name)

@@ -143,7 +143,7 @@ def test_scale_training_moves_each_scale_by_the_same_share_whatever_its_size():
     for factor in (1.0, 0.1):
         layer = _rescaled(source, factor)
         start = layer.weight_scale.clone()
-        module = ScaleTrainedLinear(layer)
+        module = ScaleTrainedLinear(layer, relative=True)
         target = 1.05 * module(inputs).detach()  # every output 5% larger: the scales should grow
         optimizer = torch.optim.AdamW([_trained_parameter(module)], lr=1e-2, weight_decay=0.0)
         for _ in range(5):
@@ -153,6 +153,27 @@ def test_scale_training_moves_each_scale_by_the_same_share_whatever_its_size():
         shares.append(module.to_quantized().weight_scale.float() / start.float())
     assert (shares[0] - 1).abs().mean() > 1e-3  # it trained
     torch.testing.assert_close(shares[0], shares[1], rtol=0, atol=5e-3)  # Adam's eps: not exactly
+
+
+def test_absolute_scale_steps_are_efficientqats_and_move_small_scales_further():
+    """``scale_steps: absolute`` (the default, EfficientQAT's): the scale itself trains, so the same step is a
+    larger share of a smaller scale (what the relative steps above are for)."""
+    quantized = _confident_model()
+    _chain([{"type": "rtn", "bits": 4, "group_size": 32}], quantized)
+    source = quantized.model.layers[0].mlp.up_proj
+    inputs = torch.randn(16, source.in_features, generator=torch.Generator().manual_seed(0))
+    moved = []
+    for factor in (1.0, 0.1):
+        layer = _rescaled(source, factor)
+        start = layer.weight_scale.clone()
+        module = ScaleTrainedLinear(layer)
+        assert torch.equal(module.to_quantized().weight_scale, start)  # untrained: the start, bit for bit
+        target = 1.05 * module(inputs).detach()
+        optimizer = torch.optim.AdamW([_trained_parameter(module)], lr=1e-4, weight_decay=0.0)
+        torch.nn.functional.mse_loss(module(inputs), target).backward()
+        optimizer.step()  # Adam's first step: lr times the gradient's sign, whatever its size
+        moved.append((module.to_quantized().weight_scale.float() / start.float() - 1).abs().mean())
+    assert moved[1] > 5 * moved[0]
 
 
 @pytest.mark.parametrize("trains", ["scales", "weights"])
@@ -191,6 +212,8 @@ def test_scale_training_without_a_quantizer_before_it_is_refused_before_any_work
 def test_an_unknown_training_target_is_refused():
     with pytest.raises(CompressError, match=r"stages.1 \(distill\): trains must be one of weights, scales"):
         build_chain([{"type": "rtn"}, {**DISTILL, "trains": "codes"}])
+    with pytest.raises(CompressError, match=r"scale_steps must be one of absolute, relative"):
+        build_chain([{"type": "rtn"}, {**DISTILL, "trains": "scales", "scale_steps": "log"}])
 
 
 def test_distillation_without_compression_before_it_is_refused():
