@@ -124,55 +124,44 @@ def test_scale_training_keeps_every_code_and_learns_the_group_scales():
     assert mean_kl(student, teacher, held_out, 4) < mean_kl(quantized, teacher, held_out, 4)
 
 
-def _rescaled(linear: QuantizedLinear, factor: float) -> QuantizedLinear:
-    """The same codes on group scales ``factor`` times as large: a layer whose weights are that much smaller."""
-    copied = copy.deepcopy(linear)
-    copied.weight_scale.data.mul_(factor)
-    return copied
-
-
-def test_scale_training_moves_each_scale_by_the_same_share_whatever_its_size():
-    """One learning rate must fit models whose weights differ in size: gemma-3-270m's group scales are ~5.6x smaller
-    than SmolLM2-135M's, and the absolute rate tuned on SmolLM2 (5e-5) raised Gemma's held-out KL from 0.27 to 0.43.
-    The same training signal on a layer 10x smaller must move its scales by the same fraction of themselves."""
+def _scale_shares(relative: bool, lr: float, steps: int) -> list[torch.Tensor]:
+    """Each group scale after ``steps`` AdamW steps over its start, for one layer as quantized and for the same codes
+    on scales 10x smaller (a layer whose weights are that much smaller), trained towards outputs 5% larger."""
     quantized = _confident_model()
     _chain([{"type": "rtn", "bits": 4, "group_size": 32}], quantized)
     source = quantized.model.layers[0].mlp.up_proj
     inputs = torch.randn(16, source.in_features, generator=torch.Generator().manual_seed(0))
     shares = []
     for factor in (1.0, 0.1):
-        layer = _rescaled(source, factor)
+        layer = copy.deepcopy(source)
+        layer.weight_scale.data.mul_(factor)
         start = layer.weight_scale.clone()
-        module = ScaleTrainedLinear(layer, relative=True)
-        target = 1.05 * module(inputs).detach()  # every output 5% larger: the scales should grow
-        optimizer = torch.optim.AdamW([_trained_parameter(module)], lr=1e-2, weight_decay=0.0)
-        for _ in range(5):
+        module = ScaleTrainedLinear(layer, relative)
+        assert torch.equal(module.to_quantized().weight_scale, start)  # untrained: the start, bit for bit
+        target = 1.05 * module(inputs).detach()
+        optimizer = torch.optim.AdamW([_trained_parameter(module)], lr=lr, weight_decay=0.0)
+        for _ in range(steps):
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(module(inputs), target).backward()
             optimizer.step()
         shares.append(module.to_quantized().weight_scale.float() / start.float())
+    return shares
+
+
+def test_scale_training_moves_each_scale_by_the_same_share_whatever_its_size():
+    """One learning rate must fit models whose weights differ in size: gemma-3-270m's group scales are ~5.6x smaller
+    than SmolLM2-135M's, and the absolute rate tuned on SmolLM2 (5e-5) raised Gemma's held-out KL from 0.27 to 0.43.
+    The same training signal on a layer 10x smaller must move its scales by the same share of themselves."""
+    shares = _scale_shares(relative=True, lr=1e-2, steps=5)
     assert (shares[0] - 1).abs().mean() > 1e-3  # it trained
     torch.testing.assert_close(shares[0], shares[1], rtol=0, atol=5e-3)  # Adam's eps: not exactly
 
 
 def test_absolute_scale_steps_are_efficientqats_and_move_small_scales_further():
     """``scale_steps: absolute`` (the default, EfficientQAT's): the scale itself trains, so the same step is a
-    larger share of a smaller scale (what the relative steps above are for)."""
-    quantized = _confident_model()
-    _chain([{"type": "rtn", "bits": 4, "group_size": 32}], quantized)
-    source = quantized.model.layers[0].mlp.up_proj
-    inputs = torch.randn(16, source.in_features, generator=torch.Generator().manual_seed(0))
-    moved = []
-    for factor in (1.0, 0.1):
-        layer = _rescaled(source, factor)
-        start = layer.weight_scale.clone()
-        module = ScaleTrainedLinear(layer)
-        assert torch.equal(module.to_quantized().weight_scale, start)  # untrained: the start, bit for bit
-        target = 1.05 * module(inputs).detach()
-        optimizer = torch.optim.AdamW([_trained_parameter(module)], lr=1e-4, weight_decay=0.0)
-        torch.nn.functional.mse_loss(module(inputs), target).backward()
-        optimizer.step()  # Adam's first step: lr times the gradient's sign, whatever its size
-        moved.append((module.to_quantized().weight_scale.float() / start.float() - 1).abs().mean())
+    larger share of a smaller scale (what the relative steps above are for). One step: Adam's first is lr times the
+    gradient's sign, whatever its size."""
+    moved = [(share - 1).abs().mean() for share in _scale_shares(relative=False, lr=1e-4, steps=1)]
     assert moved[1] > 5 * moved[0]
 
 
