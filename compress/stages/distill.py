@@ -124,7 +124,7 @@ class ScaleTrainedLinear(nn.Module):
         expanded = scale[:, self.group_of]
         self.register_buffer("frozen_codes", torch.round(weight / expanded) + self.zero[:, self.group_of])
         self.register_buffer("unit", scale if relative else torch.ones_like(scale))
-        self.scale_factor = nn.Parameter(torch.ones_like(scale) if relative else scale.clone())
+        self.scale_factor = nn.Parameter(torch.ones_like(scale) if relative else scale)  # scale: a copy already
         self.bias = None if source.bias is None else nn.Parameter(source.bias.data.float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,7 +252,7 @@ class DistillStage(Stage):
         model.requires_grad_(False)
         for param in params:
             param.requires_grad_(True)
-        start_values = [param.detach().to("cpu", copy=True) for param in params]
+        start_values = [param.detach().to("cpu", copy=True) for param in params] if c.held_out else []  # the undo's
         kl_before = mean_kl(model, teacher, held_out, c.batch_size) if c.held_out else None
         optimizer = torch.optim.AdamW(params, lr=c.learning_rate, weight_decay=0.0)
         planned = {"steps": c.steps}  # shrinks to what the time budget allows, so the decay ends inside it
@@ -308,12 +308,12 @@ class DistillStage(Stage):
                 model.gradient_checkpointing_disable()
             model.requires_grad_(False)
         kl_trained = mean_kl(model, teacher, held_out, c.batch_size) if c.held_out else None
-        kept = "trained"
+        kept, kl_after = "trained", kl_trained
         if kl_trained is not None and not kl_trained < kl_before:  # worse than no training: undo it
             with torch.no_grad():
                 for param, value in zip(params, start_values, strict=True):
                     param.copy_(value)
-            kept = "start"
+            kept, kl_after = "start", kl_before
             log.warning(
                 "distill: held-out KL rose from %.4f to %.4f over %d steps, so the student keeps its weights from "
                 "before the stage; lower learning_rate",
@@ -321,7 +321,6 @@ class DistillStage(Stage):
                 kl_trained,
                 len(losses),
             )
-        kl_after = kl_before if kept == "start" else kl_trained
         _restore_quantized(model, fake_quant)
         model.to("cpu")
         self.teacher = None  # free it: the teacher is as large as the student
