@@ -16,12 +16,13 @@ scores; a calibration-free recipe (``quality_rows.CALIBRATION_FREE``) needs seed
 ``benchmarks/results/quality-draws.{json,md}`` one by one, so an interrupted invocation keeps what it finished and
 the next one runs only the rest; ``benchmarks.quality_table`` reads that file like any other. The baseline is scored
 again at every start and must equal the file's (same model, texts and arithmetic), else the file is refused: its
-ratios would not share one baseline. Each draw records its recipe's fingerprint (the composed stages and calibration
-settings, hashed): a draw of an older version of the recipe (or one measured before fingerprints were recorded)
-counts as missing and is drawn again. A draw is found by its fingerprint and seed, not by its name: draws of a
-candidate (``'RECIPE key=value ...'``) count for the recipe once the recipe ships those settings, so flipping a
-recipe to a measured candidate needs no second run. Each row records when it was measured, which
-``benchmarks.quality_table`` reads against the recipe's change dates.
+ratios would not share one baseline. Each draw records its recipe's fingerprint (the stages as built, every default
+filled in, and the calibration settings, hashed): a draw of an older version of the recipe or of a stage's defaults
+(or one measured before fingerprints were recorded) counts as missing and is drawn again; a file of the first
+version's fingerprints (the stages as written) is upgraded on reading (``upgraded``). A draw is found by its
+fingerprint and seed, not by its name: draws of a candidate (``'RECIPE key=value ...'``) count for the recipe once the
+recipe ships those settings, so flipping a recipe to a measured candidate needs no second run. Each row records when
+it was measured, which ``benchmarks.quality_table`` reads against the recipe's change dates.
 
 A peer spec (``llm-compressor:<preset>``, then ``data.generated=`` or ``data.num_samples=``) runs that preset of
 ``benchmarks/peer_llmcompressor.py`` as ``benchmarks.variants`` does, on the calibration ids our recipe cuts with the
@@ -58,6 +59,7 @@ from compress.base.staging import write_file_atomically
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "quality-draws"
 BASELINE_TOLERANCE = 1e-4  # relative: the same model and texts score alike to the last digits on one machine
+FINGERPRINT_VERSION = 2  # 2: the stages as built, defaults included; 1: as the recipe wrote them
 
 
 def run_name(spec: str, seed: int) -> str:
@@ -107,16 +109,55 @@ def peer_fingerprint(spec: str) -> str:
 
 
 def recipe_fingerprint(spec: str) -> str:
-    """What a draw of ``spec`` (a recipe, then any overrides, or a peer spec) depends on, hashed: its composed stages
-    and calibration settings."""
+    """What a draw of ``spec`` (a recipe, then any overrides, or a peer spec) depends on, hashed: its stages as built
+    (every setting, the code's defaults included, so a changed default makes older draws stale) and its calibration
+    settings."""
     from compress.app.recipe import compose
     from compress.model.resume import settings_digest
+    from compress.stages import build_chain
 
     if spec.startswith(PEER):
         return peer_fingerprint(spec)
     recipe, *overrides = spec.split()
+    config = compose(recipe, overrides)
+    stages = [{"type": stage.name, **dataclasses.asdict(stage.config)} for stage in build_chain(config.stages)]
+    data = dataclasses.asdict(config.data)
+    return settings_digest({"stages": stages, "data": data, "calibration_batch_size": config.calibration_batch_size})
+
+
+def written_fingerprint(spec: str) -> str:
+    """Version 1 of a recipe's fingerprint, the stages as the recipe writes them (no defaults), which files of draws
+    recorded before FINGERPRINT_VERSION 2: read only to upgrade such a file (``upgraded``)."""
+    from compress.app.recipe import compose
+    from compress.model.resume import settings_digest
+
+    recipe, *overrides = spec.split()
     config = dataclasses.asdict(compose(recipe, overrides))
     return settings_digest({key: config[key] for key in ("stages", "data", "calibration_batch_size")})
+
+
+def upgraded(report: dict) -> tuple[dict, int]:
+    """``report`` with its version-1 fingerprints upgraded, and how many rows changed: a row whose stored fingerprint
+    is what its spec writes today ran with today's recipe, so it gets today's full fingerprint (the upgrade trusts
+    that no stage default changed since the row was drawn, as version 1 did); any other row keeps its old
+    fingerprint and stays stale. Peer fingerprints did not change."""
+    if report.get("fingerprint_version", 1) >= FINGERPRINT_VERSION:
+        return report, 0
+    from compress.base.errors import CompressError
+
+    now: dict[str, tuple[str, str] | None] = {}  # spec → (version 1, version 2) today, None if it no longer composes
+    rows, changed = {}, 0
+    for name, row in report["rows"].items():
+        spec = " ".join(word for word in name.split() if not word.startswith("seed="))
+        if spec not in now and not spec.startswith(PEER):
+            try:
+                now[spec] = (written_fingerprint(spec), recipe_fingerprint(spec))
+            except (CompressError, ValueError):
+                now[spec] = None
+        if now.get(spec) and row.get("recipe_fingerprint") == now[spec][0]:
+            row, changed = {**row, "recipe_fingerprint": now[spec][1]}, changed + 1
+        rows[name] = row
+    return {**report, "rows": rows, "fingerprint_version": FINGERPRINT_VERSION}, changed
 
 
 def fingerprints(specs: list[str]) -> dict[str, str]:
@@ -205,6 +246,10 @@ def main() -> None:
     if stored is not None and stored.get("threads") != args.threads:
         raise SystemExit(f"{path} holds draws at {stored.get('threads')} torch threads: pass --threads "
                          f"{stored.get('threads')}, or --name NEW for draws at {args.threads}")  # fmt: skip
+    if stored is not None and stored.get("fingerprint_version", 1) < FINGERPRINT_VERSION:  # saved even by --dry-run:
+        stored, changed = upgraded(stored)  # it changes no draw, only what finds one
+        save_report(stored, args.results, args.name)
+        print(f"{path.name}: {changed} fingerprints upgraded to version {FINGERPRINT_VERSION}", flush=True)
     spec_fingerprints = fingerprints(args.recipes)
     todo = missing(stored, args.recipes, args.seeds, spec_fingerprints)
     print(f"{len(todo)} draws to run: {', '.join(run_name(r, s) for r, s in todo) or 'none'}", flush=True)
@@ -229,6 +274,7 @@ def main() -> None:
             row.setdefault("date", stored["date"].removesuffix(" UTC"))
         report = {**stored, "command": report["command"], "date": report["date"]}
     report.setdefault("rows", {})
+    report["fingerprint_version"] = FINGERPRINT_VERSION
     report["title"] = (
         "Draws for the quality table: each recipe as shipped (or a candidate setting of it), per calibration seed, "
         "on the text panel"

@@ -164,3 +164,42 @@ def test_a_write_cut_short_keeps_every_earlier_draw_and_leaves_nothing_behind(tm
     monkeypatch.undo()
     assert json.loads((tmp_path / "draws.json").read_text()) == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["draws.json", "draws.md"]
+
+
+def test_a_changed_stage_default_makes_older_draws_stale(monkeypatch):
+    """A draw depends on every setting its stages run with, not only those its recipe file writes down: a default
+    changed in the code (here GPTQ's retries of a failed Cholesky, which gptq_int4 does not set) must change the
+    fingerprint, so the older draws are drawn again."""
+    from compress.stages.gptq import GPTQConfig, GPTQStage
+
+    before = quality_draws.recipe_fingerprint("gptq_int4")
+
+    @dataclasses.dataclass
+    class DampedMore(GPTQConfig):
+        max_damp_retries: int = GPTQConfig.max_damp_retries + 1
+
+    monkeypatch.setattr(GPTQStage, "Config", DampedMore)
+    assert quality_draws.recipe_fingerprint("gptq_int4") != before
+
+
+def test_a_file_of_version_1_fingerprints_is_upgraded_where_its_rows_are_todays_recipe():
+    """Draws recorded with the stages as written keep counting once the fingerprint covers the defaults too: a row
+    whose old fingerprint is what its recipe writes today gets today's full fingerprint; a row of an older recipe,
+    of a spec that no longer composes, or of a peer keeps its own."""
+    written = quality_draws.written_fingerprint("gptq_int4")
+    rows = {"gptq_int4": {"seconds": 1.0, "recipe_fingerprint": written},
+            "gptq_int4 seed=1": {"seconds": 1.0, "recipe_fingerprint": "older"},
+            "gptq_int4 stages.0.act_order=true seed=2": {"seconds": 1.0, "recipe_fingerprint": written},
+            "gptq_int4 stages.0.gone=1": {"seconds": 1.0, "recipe_fingerprint": "x"},
+            f"{PEER_SPEC} seed=1": {"seconds": 1.0, "recipe_fingerprint": "peer"}}  # fmt: skip
+    report, changed = quality_draws.upgraded({"rows": rows})
+    now = quality_draws.recipe_fingerprint("gptq_int4")
+    assert changed == 2 and report["fingerprint_version"] == quality_draws.FINGERPRINT_VERSION
+    assert [row["recipe_fingerprint"] for row in report["rows"].values()] == [now, "older", now, "x", "peer"]
+    assert quality_draws.missing(report, ["gptq_int4"], [0, 1, 2], {"gptq_int4": now}) == [("gptq_int4", 1)]
+    assert quality_draws.upgraded(report) == (report, 0)
+
+
+def test_the_draws_files_in_the_repo_carry_todays_fingerprint_version():
+    for path in (Path(__file__).parents[1] / "benchmarks" / "results").glob("quality-draws*.json"):
+        assert json.loads(path.read_text()).get("fingerprint_version") == quality_draws.FINGERPRINT_VERSION, path
