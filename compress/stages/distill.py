@@ -213,13 +213,15 @@ class DistillStage(Stage):
     def model_working_bytes(self, work: ModelWork) -> float:
         """The teacher and the student in fp32 (trained linears widen their codes for the step), a step's
         activations for the backward and the teacher's logits, and AdamW's gradient and two moments of what
-        trains, plus its start kept to fall back on: every decoder linear's weights, or one scale per group (fewer
-        than 1 in 32 weights)."""
+        trains, plus its start kept to fall back on where a held-out check may undo the training: every decoder
+        linear's weights, or one scale per group (fewer than 1 in 32 weights)."""
         c = self.config
         tokens = c.batch_size * c.seq_len
         trained = work.linear_params if c.trains == "weights" else work.linear_params / 32
+        copies = 4 if c.held_out else 3  # AdamW's gradient and two moments, and the start
         models = 2 * work.params * FP32_BYTES
-        return models + work.backward_bytes(tokens) + 2 * tokens * work.vocab * FP32_BYTES + 4 * trained * FP32_BYTES
+        logits = 2 * tokens * work.vocab * FP32_BYTES
+        return models + work.backward_bytes(tokens) + logits + copies * trained * FP32_BYTES
 
     def before_stage(self, model: nn.Module, position: int) -> None:
         if position == self.teacher_position:

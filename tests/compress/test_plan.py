@@ -259,3 +259,17 @@ def test_distillation_is_planned_with_its_teacher_its_training_and_its_time_budg
     assert 600 <= budget < 660  # capped at 10 minutes, plus the held-out KL before and after
     steps = (uncapped.seconds["compress"] - base.seconds["compress"] - (budget - 600)) / 200
     assert 0.7 * 6.6 < steps < 1.3 * 6.6  # seconds a step at the probe's rate
+
+
+def test_distillation_without_a_held_out_check_keeps_no_start_to_fall_back_on():
+    """The start of what trains is kept only for the held-out check that may undo the training: with
+    ``held_out: 0`` there is no check, no copy is taken (compress/stages/distill.py), and the plan prices none."""
+
+    def compress_mb(*overrides: str) -> float:
+        config = compose("prune_2of4_distill", ["eval.perplexity=false", *overrides])
+        plan = estimate(SMOLLM2, build_chain(config.stages), config, "smollm2", Probe(90.0), eval_tokens=0)
+        return plan.phases_ram_mb["compress"]
+
+    linear_params = SMOLLM2.layers * sum(o * i for o, i in SMOLLM2.linears)
+    start_copy_mb = linear_params * 4 / 2**20  # trains: weights, an fp32 copy of every decoder linear
+    assert compress_mb() - compress_mb("stages.1.held_out=0") == pytest.approx(start_copy_mb, rel=1e-6)
