@@ -53,6 +53,17 @@ def score(model, ids: dict[str, torch.Tensor], max_windows: int | None) -> dict[
     return results
 
 
+def cpu_name() -> str:
+    """The processor's model name (``/proc/cpuinfo``; else ``platform.processor()``): a time-capped stage's steps,
+    and the windows a model samples itself, follow the processor, which ``machine`` does not name."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
 def scored_baseline(
     command: str, max_windows: int | None, model_name: str = "smollm2-135m", panel: bool = False
 ) -> tuple[Path, dict[str, torch.Tensor], dict]:

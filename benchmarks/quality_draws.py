@@ -22,7 +22,9 @@ filled in, and the calibration settings, hashed): a draw of an older version of 
 version's fingerprints (the stages as written) is upgraded on reading (``upgraded``). A draw is found by its
 fingerprint and seed, not by its name: draws of a candidate (``'RECIPE key=value ...'``) count for the recipe once the
 recipe ships those settings, so flipping a recipe to a measured candidate needs no second run. Each row records when
-it was measured, which ``benchmarks.quality_table`` reads against the recipe's change dates.
+it was measured, which ``benchmarks.quality_table`` reads against the recipe's change dates, the processor it ran on
+(``cpu``: a time-capped stage's steps follow it) and the digest of the windows its checkpoint was calibrated on
+(``calibration_sha256``: a model's own samples follow the machine's arithmetic), which the table's pairs check.
 
 A peer spec (``llm-compressor:<preset>``, then ``data.generated=`` or ``data.num_samples=``) runs that preset of
 ``benchmarks/peer_llmcompressor.py`` as ``benchmarks.variants`` does, on the calibration ids our recipe cuts with the
@@ -43,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.quality import scored_baseline
+from benchmarks.quality import cpu_name, scored_baseline
 from benchmarks.quality_readme import README_RECIPES
 from benchmarks.quality_rows import calibration_free, row_seed, shipped
 from benchmarks.variants import (
@@ -286,7 +288,8 @@ def main() -> None:
             recipe, *overrides = spec.split()
             command = run_command(recipe, [*overrides, f"seed={seed}"], args.model, model_dir, folder)
             row = {**compress_and_score(command, folder, ids, args.max_windows, args.timeout),
-                   "recipe_fingerprint": spec_fingerprints[spec], "date": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
+                   "recipe_fingerprint": spec_fingerprints[spec], "date": time.strftime("%Y-%m-%d %H:%M"),
+                   "cpu": cpu_name()}  # fmt: skip
             report["rows"][run_name(spec, seed)] = row
             print(f"{run_name(spec, seed)}: {json.dumps(row)}", flush=True)
             save_report(report, args.results, args.name)

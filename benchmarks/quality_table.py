@@ -252,9 +252,21 @@ def file_draws(stem: str, results: Path) -> list[dict]:
 def draw(model, run, seed, threads, source, date, ratios, row, report) -> dict:  # noqa: ANN001
     costs = {key: row.get(key) for key in ("seconds", "peak_rss_mb", "size_mb")}
     headline = report["baseline"].get("out_of_domain", report["baseline"])  # headline_tradeoff: one text, no key
+    windows = {"calibration_sha256": row["calibration_sha256"]} if "calibration_sha256" in row else {}
     return {"model": model, "run": run, "seed": seed, "threads": threads, "source": source, "date": date,
             "ratios": ratios, **costs, "scored_tokens": headline.get("tokens"),
-            "machine": report.get("machine")}  # fmt: skip
+            "machine": report.get("machine"), **windows}  # fmt: skip
+
+
+PER_DRAW = ("seed", "source", "date", "ratios", "seconds", "calibration_sha256")  # the last: recorded since 2026-12-01
+
+
+def same_windows(mine: dict, theirs: dict) -> bool:
+    """Two draws of one seed calibrated on the same windows, unless their checkpoints' digests say otherwise (draws
+    recorded before checkpoints named their windows are taken at their seed's word)."""
+    return not ("calibration_sha256" in mine and "calibration_sha256" in theirs) or (
+        mine["calibration_sha256"] == theirs["calibration_sha256"]
+    )
 
 
 def build(sources: list[str], results: Path) -> dict:
@@ -292,7 +304,7 @@ def build(sources: list[str], results: Path) -> dict:
             "sources": sorted({(found["source"], found["date"]) for found in draws}, key=lambda s: s[1]),
             "scored_tokens": sorted({found["scored_tokens"] for found in draws if found["scored_tokens"]}),
             "machines": sorted({found["machine"] for found in draws if found["machine"]}),
-            "per_draw": [{k: found[k] for k in ("seed", "source", "date", "ratios", "seconds")} for found in draws],
+            "per_draw": [{k: found[k] for k in PER_DRAW if k in found} for found in draws],
         }  # fmt: skip
         entry["short_of_standard"] = shortfall(entry)
         models.setdefault(model, {"runs": [], "pairs": []})["runs"].append(entry)
@@ -331,8 +343,8 @@ def rival(ours: dict, other: dict) -> str | None:
 
 
 def pairs(runs: list[dict]) -> list[dict]:
-    """Ours against each rival (``rival``), draw by draw on the same calibration ids and threads: the difference
-    ours − rival of each ratio (negative: ours lower), its mean and 95% t-interval over the draws."""
+    """Ours against each rival (``rival``), draw by draw on the same calibration ids (``same_windows``) and threads:
+    the difference ours − rival of each ratio (negative: ours lower), its mean and 95% t-interval over the draws."""
     found = []
     for ours in (run for run in runs if not run["run"].startswith(PEER)):
         for peer in runs:
@@ -341,7 +353,9 @@ def pairs(runs: list[dict]) -> list[dict]:
                 continue
             mine = {calibration(ours["recipe"], ours["overrides"], d["seed"]): d for d in ours["per_draw"]}
             theirs = {calibration(peer["recipe"], peer["overrides"], d["seed"]): d for d in peer["per_draw"]}
-            shared = sorted(set(mine) & set(theirs), key=lambda key: key[3])
+            shared = sorted(
+                (k for k in set(mine) & set(theirs) if same_windows(mine[k], theirs[k])), key=lambda k: k[3]
+            )
             if not shared:
                 continue
             texts = [t for t in ours["ratios"] if all(t in d[k]["ratios"] for d in (mine, theirs) for k in shared)]

@@ -117,7 +117,7 @@ def compress_and_score(
         return {"error": run["error"], "seconds": run["wall_s"]}
     compressed, _ = load_checkpoint(folder)
     row = {**score(compressed, ids, max_windows), "seconds": run["wall_s"], "peak_rss_mb": run["peak_rss_mb"]}
-    return {**row, "size_mb": checkpoint_size_mb(folder), **stage_facts(folder)}
+    return {**row, "size_mb": checkpoint_size_mb(folder), **stage_facts(folder), **calibration_facts(folder)}
 
 
 def stage_facts(folder: Path) -> dict:
@@ -130,6 +130,13 @@ def stage_facts(folder: Path) -> dict:
     plain = (int, float, str, bool)
     stages = json.loads(path.read_text()).items()
     return {"stages": {name: {k: v for k, v in found.items() if isinstance(v, plain)} for name, found in stages}}
+
+
+def calibration_facts(folder: Path) -> dict:
+    """``{"calibration_sha256": ...}``: the digest of the windows the checkpoint was calibrated on, from its
+    ``calibration.json``, so two draws of one seed are known to be paired; empty without one (a peer's)."""
+    path = folder / "calibration.json"
+    return {"calibration_sha256": json.loads(path.read_text())["token_sha256"]} if path.is_file() else {}
 
 
 def _row(name: str, row: dict, base: dict, reference_seconds: float) -> str:

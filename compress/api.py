@@ -86,7 +86,9 @@ def oneshot(
         sink = writer.layer_sink(loaded) if writer is not None and source is not None else None
         summaries = compress_model(loaded, stages, samples, compute, config.calibration_batch_size, sink)
         if writer is not None:
-            write_checkpoint(writer, loaded, tokenizer, stages, summaries, config.recipe, config.stages)
+            write_checkpoint(
+                writer, loaded, tokenizer, stages, summaries, config.recipe, config.stages, calibration=samples
+            )
     distributed.barrier()
     return target
 

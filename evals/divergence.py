@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from compress.base.data import token_digest
 from compress.base.staging import write_file_atomically
 
 TOP_K = 32
@@ -135,11 +136,6 @@ def model_fingerprint(folder: Path) -> str | None:
     if config.is_file():
         digest.update(config.read_bytes())
     return digest.hexdigest()
-
-
-def token_digest(token_ids: torch.Tensor) -> str:
-    """A text's identity as the models read it: sha256 of its token ids."""
-    return hashlib.sha256(token_ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()
 
 
 def reference_path(

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import quality_draws
 from benchmarks.quality_table import build
@@ -114,6 +115,7 @@ def test_one_command_measures_what_is_missing_and_the_table_reads_it(tiny_model_
     assert list(report["rows"]) == ["rtn_int4"] and report["threads"] == 1
     assert set(report["rows"]["rtn_int4"]) >= {"out_of_domain", "code", "technical", "in_domain", "size_mb"}
     assert report["rows"]["rtn_int4"]["stages"]["0:rtn"]["algorithm"]  # what the stage did, from stages.json
+    assert report["rows"]["rtn_int4"]["cpu"] and "calibration_sha256" not in report["rows"]["rtn_int4"]  # data-free
     (run,) = build(["quality-draws"], tmp_path)[tiny_model_dir.name]["runs"]
     assert list(run["ratios"]) == ["out_of_domain", "code", "technical", "in_domain"] and run["threads"] == 1
     quality_draws.main()
@@ -203,3 +205,17 @@ def test_a_file_of_version_1_fingerprints_is_upgraded_where_its_rows_are_todays_
 def test_the_draws_files_in_the_repo_carry_todays_fingerprint_version():
     for path in (Path(__file__).parents[1] / "benchmarks" / "results").glob("quality-draws*.json"):
         assert json.loads(path.read_text()).get("fingerprint_version") == quality_draws.FINGERPRINT_VERSION, path
+
+
+def test_a_calibrated_draw_records_the_digest_of_the_windows_its_checkpoint_names(tmp_path):
+    from helpers import build_tiny_llama
+
+    from benchmarks.variants import calibration_facts
+    from compress import oneshot
+    from compress.base.data import token_digest
+
+    samples = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(0))
+    chain = [{"type": "gptq", "bits": 4, "group_size": 32}]
+    checkpoint = oneshot(build_tiny_llama(seed=3), chain, data=samples, output_dir=tmp_path / "ckpt")
+    assert calibration_facts(checkpoint) == {"calibration_sha256": token_digest(samples)}
+    assert calibration_facts(tmp_path) == {}  # a peer's checkpoint names none

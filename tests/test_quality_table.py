@@ -275,6 +275,21 @@ def test_a_shipped_recipe_is_paired_with_its_other_stage_settings_on_the_same_dr
     assert pair["difference"]["out_of_domain"]["values"] == pytest.approx([-0.1, -0.05])
 
 
+def test_draws_whose_checkpoints_name_different_calibration_windows_are_not_paired(tmp_path: Path):
+    """The same seed is the same windows only on one machine's arithmetic (a model's own samples diverge where a
+    float differs): where both draws record their windows' digest and the digests differ, that seed is no pair."""
+    rows = {"gptq_int4": _row(12.0, 6.0) | {"calibration_sha256": "a"},
+            "gptq_int4 seed=1": _row(13.0, 6.0) | {"calibration_sha256": "b"},
+            "gptq_int4 seed=2": _row(11.0, 6.0),
+            "gptq_int4 stages.0.act_order=false": _row(13.0, 6.5) | {"calibration_sha256": "a"},
+            "gptq_int4 stages.0.act_order=false seed=1": _row(13.5, 6.5) | {"calibration_sha256": "c"},
+            "gptq_int4 stages.0.act_order=false seed=2": _row(12.0, 6.5) | {"calibration_sha256": "d"}}  # fmt: skip
+    _file(tmp_path / "s.json", "python -m benchmarks.quality_draws", rows, threads=2)
+    (pair,) = build(["s"], tmp_path)["m"]["pairs"]
+    assert pair["seeds"] == [0, 2]  # seed 1: two windows; seed 2: one digest unrecorded, as every older row's
+    assert pair["difference"]["out_of_domain"]["values"] == pytest.approx([-0.1, -0.1])
+
+
 def test_the_pick_ranks_every_int4_g64_recipe_file_without_a_list_to_update(tmp_path: Path):
     """A new int4 g64 recipe is a candidate by its file (a hard-coded list left awq_int4_train_scales out); one that
     also quantizes the KV cache, prunes, needs adapters or stores FP4 is not."""

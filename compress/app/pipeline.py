@@ -171,8 +171,8 @@ def _execute(config: RunConfig, stages: list[Stage], device, staging: Path, time
                 model, stages, samples, device, batch, sink, open_for_run(config, runs_dir, samples)
             )
         with timer.phase("save"):
-            extra = {"config.yaml": yaml.safe_dump(config.raw, sort_keys=False)}
-            summary = write_checkpoint(writer, model, tokenizer, stages, summaries, config.recipe, config.stages, extra)
+            extra, args = {"config.yaml": yaml.safe_dump(config.raw, sort_keys=False)}, (config.recipe, config.stages)
+            summary = write_checkpoint(writer, model, tokenizer, stages, summaries, *args, extra, samples)
     del model
     if config.eval.perplexity:
         with timer.phase("eval_candidate"):

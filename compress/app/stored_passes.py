@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from compress.base.data import token_digest
 from compress.base.staging import write_file_atomically
-from compress.evals.divergence import model_fingerprint, token_digest
+from compress.evals.divergence import model_fingerprint
 
 PASSES_FILE = "perplexity-passes.json"
 FORMAT = "compress-run-passes/1"

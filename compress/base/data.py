@@ -282,6 +282,12 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def token_digest(token_ids: torch.Tensor) -> str:
+    """Token ids' identity as the models read them: sha256 of their int64 values (an evaluation text's, a
+    checkpoint's calibration windows')."""
+    return hashlib.sha256(token_ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()
+
+
 # Families trained with <bos> opening every sequence: without it they leave the regime they were trained in
 # (gemma-3-270m: perplexity 158 instead of 57 on the Shakespeare split); lm-eval adds it for Gemma too.
 BOS_FIRST_FAMILIES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})

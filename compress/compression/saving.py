@@ -1,6 +1,6 @@
 """A compression's output as a compressed-tensors folder: the streaming writer its finished layers go into, and the
-files that complete it (recipe, what each stage did, KV scheme, size). ``compress.oneshot``, the ``run`` pipeline and
-``compress search`` all save through here.
+files that complete it (recipe, what each stage did, the calibration windows' digest, KV scheme, size).
+``compress.oneshot``, the ``run`` pipeline and ``compress search`` all save through here.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 import yaml
 from torch import nn
 
+from compress.base.data import token_digest
 from compress.checkpoint import CheckpointSummary, CheckpointWriter
 from compress.stages import Stage
 
@@ -30,10 +31,18 @@ def write_checkpoint(
     recipe: str,
     stage_args: list[dict],
     extra_files: dict[str, str] | None = None,
+    calibration: torch.Tensor | None = None,
 ) -> CheckpointSummary:
     """Complete the compressed-tensors folder ``writer`` holds (layers it already has stay as written) with its
-    recipe, what each stage did (``stages.json``), the KV scheme and the size summary, written whole or not at all."""
+    recipe, what each stage did (``stages.json``), the windows it was calibrated on (``calibration.json``: their
+    count, length and digest; none where no stage reads calibration data), the KV scheme and the size summary,
+    written whole or not at all."""
     recipe_yaml = yaml.safe_dump({"recipe": recipe, "stages": stage_args}, sort_keys=False)
+    if calibration is not None and any(stage.needs_calibration for stage in stages):  # beside the recipe, what
+        # decides a calibrated checkpoint: which token ids it saw
+        windows, seq_len = calibration.shape
+        record = {"windows": windows, "seq_len": seq_len, "token_sha256": token_digest(calibration)}
+        extra_files = {**(extra_files or {}), "calibration.json": json.dumps(record, indent=2)}
     kv_cache_scheme = next((s.kv_cache_scheme for s in stages if s.quantizes_kv_cache), None)
     summary = writer.finish(
         model,

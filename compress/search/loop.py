@@ -169,7 +169,9 @@ def _trial(config, number: int, point: int, allocation: Allocation, stage_args: 
         summaries = compress_model(
             model, stages, samples, device, config.calibration_batch_size, writer.layer_sink(model)
         )
-        summary = write_checkpoint(writer, model, tokenizer, stages, summaries, f"{config.recipe}-search", stage_args)
+        summary = write_checkpoint(
+            writer, model, tokenizer, stages, summaries, f"{config.recipe}-search", stage_args, calibration=samples
+        )
     del model
     # the best is registered later; an INCONCLUSIVE verdict gets more windows (gate.decide) before it counts, and one
     # still undecided at the cap is recorded as such: neither a pass nor a block (next_point)

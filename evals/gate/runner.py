@@ -18,9 +18,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from compress.base.data import tokenize
+from compress.base.data import token_digest, tokenize
 from compress.evals import generation, sides
-from compress.evals.divergence import token_digest
 from compress.evals.gate.checks import familywise
 from compress.evals.gate.context import GateContext, Subject
 from compress.evals.gate.layers import LAYERS, CannotJudge, layer_blocking

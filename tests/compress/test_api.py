@@ -3,12 +3,15 @@ from a recipe name, a recipe file or a stage list, and refuses bad input before 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import yaml
 from helpers import build_tiny_llama, build_tiny_model, build_tiny_tokenizer
 
 from compress import oneshot
+from compress.base.data import token_digest
 from compress.base.errors import CompressError
 from compress.checkpoint import load_checkpoint
 from compress.compression.in_memory import compress_model
@@ -41,6 +44,17 @@ def test_oneshot_checkpoint_equals_compress_model_then_save(chain, tmp_path):
     assert torch.allclose(_logits(loaded), _logits(expected), atol=1e-4)
     assert torch.allclose(_logits(given), _logits(expected), atol=1e-4)  # a module passed in stays whole and usable
     assert yaml.safe_load((checkpoint / "recipe.yaml").read_text())["stages"] == chain
+
+
+def test_a_checkpoint_names_the_windows_it_was_calibrated_on(tmp_path):
+    """Two checkpoints are paired on the same calibration only if their windows are the same token for token; windows
+    a model samples itself depend on the machine's arithmetic, so the checkpoint records what it was calibrated on."""
+    chain = [{"type": "gptq", "bits": 4, "group_size": 32}]
+    checkpoint = oneshot(build_tiny_llama(seed=3), chain, data=SAMPLES, output_dir=tmp_path / "ckpt")
+    recorded = json.loads((checkpoint / "calibration.json").read_text())
+    assert recorded == {"windows": 4, "seq_len": 32, "token_sha256": token_digest(SAMPLES)}
+    other = oneshot(build_tiny_llama(seed=3), chain, data=SAMPLES.flip(0), output_dir=tmp_path / "flipped")
+    assert json.loads((other / "calibration.json").read_text())["token_sha256"] != recorded["token_sha256"]
 
 
 def test_oneshot_merges_adapters(tmp_path):

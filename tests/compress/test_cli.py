@@ -28,6 +28,8 @@ def test_awq_run_writes_checkpoint_report_and_mlflow(tiny_model_dir, artifacts, 
     awq = "stage 0:awq: AWQ: activation-aware scales (grid 4, duo scaling both), then GPTQ (true-sequential, "
     assert f"{awq}act-order, Hessian-weighted clipping search), int4 sym g32" in summary
     assert report["data"]["generated_tokens"] == report["data"]["calibration_tokens"] == 4 * 64  # data: sampled
+    calibration = json.loads((run_dir / "checkpoint" / "calibration.json").read_text())
+    assert calibration["windows"] == 4 and calibration["seq_len"] == 64 and len(calibration["token_sha256"]) == 64
     AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint")  # what a user of transformers would do
     assert "perplexity" in capsys.readouterr().out
 
