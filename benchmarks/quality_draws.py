@@ -24,7 +24,7 @@ fingerprint and seed, not by its name: draws of a candidate (``'RECIPE key=value
 recipe ships those settings, so flipping a recipe to a measured candidate needs no second run. Each row records when
 it was measured, which ``benchmarks.quality_table`` reads against the recipe's change dates, the processor it ran on
 (``cpu``: a time-capped stage's steps follow it) and the digest of the windows its checkpoint was calibrated on
-(``calibration_sha256``: a model's own samples follow the machine's arithmetic), which the table's pairs check.
+(``calibration_sha256``: one seed's draws differed between two processors), which the table's pairs check.
 
 A peer spec (``llm-compressor:<preset>``, then ``data.generated=`` or ``data.num_samples=``) runs that preset of
 ``benchmarks/peer_llmcompressor.py`` as ``benchmarks.variants`` does, on the calibration ids our recipe cuts with the

@@ -276,8 +276,8 @@ def test_a_shipped_recipe_is_paired_with_its_other_stage_settings_on_the_same_dr
 
 
 def test_draws_whose_checkpoints_name_different_calibration_windows_are_not_paired(tmp_path: Path):
-    """The same seed is the same windows only on one machine's arithmetic (a model's own samples diverge where a
-    float differs): where both draws record their windows' digest and the digests differ, that seed is no pair."""
+    """One seed need not be the same windows on another processor (the same code calibrated another seed-0 AWQ on
+    another one): where both draws record their windows' digest and the digests differ, that seed is no pair."""
     rows = {"gptq_int4": _row(12.0, 6.0) | {"calibration_sha256": "a"},
             "gptq_int4 seed=1": _row(13.0, 6.0) | {"calibration_sha256": "b"},
             "gptq_int4 seed=2": _row(11.0, 6.0),

@@ -48,7 +48,7 @@ def test_oneshot_checkpoint_equals_compress_model_then_save(chain, tmp_path):
 
 def test_a_checkpoint_names_the_windows_it_was_calibrated_on(tmp_path):
     """Two checkpoints are paired on the same calibration only if their windows are the same token for token; windows
-    a model samples itself depend on the machine's arithmetic, so the checkpoint records what it was calibrated on."""
+    a model samples itself can differ from one processor to another, so the checkpoint records what it saw."""
     chain = [{"type": "gptq", "bits": 4, "group_size": 32}]
     checkpoint = oneshot(build_tiny_llama(seed=3), chain, data=SAMPLES, output_dir=tmp_path / "ckpt")
     recorded = json.loads((checkpoint / "calibration.json").read_text())
