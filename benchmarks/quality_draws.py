@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -57,6 +58,9 @@ from benchmarks.variants import (
     run_command,
 )
 from compress.base.staging import write_file_atomically
+
+if TYPE_CHECKING:
+    from compress.app.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "quality-draws"
@@ -114,28 +118,36 @@ def recipe_fingerprint(spec: str) -> str:
     """What a draw of ``spec`` (a recipe, then any overrides, or a peer spec) depends on, hashed: its stages as built
     (every setting, the code's defaults included, so a changed default makes older draws stale) and its calibration
     settings."""
+    if spec.startswith(PEER):
+        return peer_fingerprint(spec)
+    return built_fingerprint(composed(spec))
+
+
+def composed(spec: str) -> RunConfig:
+    """``spec`` (a recipe, then any overrides) composed as a run would."""
     from compress.app.recipe import compose
+
+    recipe, *overrides = spec.split()
+    return compose(recipe, overrides)
+
+
+def built_fingerprint(config: RunConfig) -> str:
+    """Version 2: the composed ``config``'s stages as built, defaults included, and its calibration settings."""
     from compress.model.resume import settings_digest
     from compress.stages import build_chain
 
-    if spec.startswith(PEER):
-        return peer_fingerprint(spec)
-    recipe, *overrides = spec.split()
-    config = compose(recipe, overrides)
     stages = [{"type": stage.name, **dataclasses.asdict(stage.config)} for stage in build_chain(config.stages)]
     data = dataclasses.asdict(config.data)
     return settings_digest({"stages": stages, "data": data, "calibration_batch_size": config.calibration_batch_size})
 
 
-def written_fingerprint(spec: str) -> str:
-    """Version 1 of a recipe's fingerprint, the stages as the recipe writes them (no defaults), which files of draws
+def written_fingerprint(config: RunConfig) -> str:
+    """Version 1, the composed ``config``'s stages as the recipe writes them (no defaults), which files of draws
     recorded before FINGERPRINT_VERSION 2: read only to upgrade such a file (``upgraded``)."""
-    from compress.app.recipe import compose
     from compress.model.resume import settings_digest
 
-    recipe, *overrides = spec.split()
-    config = dataclasses.asdict(compose(recipe, overrides))
-    return settings_digest({key: config[key] for key in ("stages", "data", "calibration_batch_size")})
+    plain = dataclasses.asdict(config)
+    return settings_digest({key: plain[key] for key in ("stages", "data", "calibration_batch_size")})
 
 
 def upgraded(report: dict) -> tuple[dict, int]:
@@ -153,7 +165,8 @@ def upgraded(report: dict) -> tuple[dict, int]:
         spec = " ".join(word for word in name.split() if not word.startswith("seed="))
         if spec not in now and not spec.startswith(PEER):
             try:
-                now[spec] = (written_fingerprint(spec), recipe_fingerprint(spec))
+                config = composed(spec)  # once for both versions
+                now[spec] = (written_fingerprint(config), built_fingerprint(config))
             except (CompressError, ValueError):
                 now[spec] = None
         if now.get(spec) and row.get("recipe_fingerprint") == now[spec][0]:

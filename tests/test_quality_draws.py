@@ -188,7 +188,7 @@ def test_a_file_of_version_1_fingerprints_is_upgraded_where_its_rows_are_todays_
     """Draws recorded with the stages as written keep counting once the fingerprint covers the defaults too: a row
     whose old fingerprint is what its recipe writes today gets today's full fingerprint; a row of an older recipe,
     of a spec that no longer composes, or of a peer keeps its own."""
-    written = quality_draws.written_fingerprint("gptq_int4")
+    written = quality_draws.written_fingerprint(quality_draws.composed("gptq_int4"))
     rows = {"gptq_int4": {"seconds": 1.0, "recipe_fingerprint": written},
             "gptq_int4 seed=1": {"seconds": 1.0, "recipe_fingerprint": "older"},
             "gptq_int4 stages.0.act_order=true seed=2": {"seconds": 1.0, "recipe_fingerprint": written},

@@ -166,13 +166,13 @@ def _execute(config: RunConfig, stages: list[Stage], device, staging: Path, time
             passes.baseline(model)
     with checkpoint_writer(staging / "checkpoint", config.output.save_dtype) as writer:
         with timer.phase("compress"):  # finished layers are written to the checkpoint as the walk goes
-            sink, batch = writer.layer_sink(model), config.calibration_batch_size
-            summaries = compress_model(
-                model, stages, samples, device, batch, sink, open_for_run(config, runs_dir, samples)
-            )
+            sink, progress = writer.layer_sink(model), open_for_run(config, runs_dir, samples)
+            summaries = compress_model(model, stages, samples, device, config.calibration_batch_size, sink, progress)
         with timer.phase("save"):
-            extra, args = {"config.yaml": yaml.safe_dump(config.raw, sort_keys=False)}, (config.recipe, config.stages)
-            summary = write_checkpoint(writer, model, tokenizer, stages, summaries, *args, extra, samples)
+            extra = {"config.yaml": yaml.safe_dump(config.raw, sort_keys=False)}
+            summary = write_checkpoint(
+                writer, model, tokenizer, stages, summaries, config.recipe, config.stages, extra, calibration=samples
+            )
     del model
     if config.eval.perplexity:
         with timer.phase("eval_candidate"):
