@@ -261,6 +261,12 @@ def draw(model, run, seed, threads, source, date, ratios, row, report) -> dict: 
 PER_DRAW = ("seed", "source", "date", "ratios", "seconds", "calibration_sha256")  # the last: recorded since 2026-12-01
 
 
+def windows_checked(mine: dict, theirs: dict) -> bool:
+    """Both draws' checkpoints named their windows, and they are the same: a pair shown, not taken at its seed's
+    word."""
+    return "calibration_sha256" in mine and mine.get("calibration_sha256") == theirs.get("calibration_sha256")
+
+
 def same_windows(mine: dict, theirs: dict) -> bool:
     """Two draws of one seed calibrated on the same windows, unless their checkpoints' digests say otherwise (draws
     recorded before checkpoints named their windows are taken at their seed's word)."""
@@ -362,6 +368,7 @@ def pairs(runs: list[dict]) -> list[dict]:
             found.append({
                 "ours": ours["run"], "peer": peer["run"], "kind": kind, "threads": ours["threads"],
                 "seeds": [k[3] for k in shared],
+                "windows_checked": [k[3] for k in shared if windows_checked(mine[k], theirs[k])],
                 "difference": {
                     t: interval([mine[k]["ratios"][t] - theirs[k]["ratios"][t] for k in shared]) for t in texts
                 },
@@ -403,8 +410,11 @@ def _run_line(run: dict, texts: list[str]) -> str:
 
 def _pair_line(pair: dict, texts: list[str]) -> str:
     diffs = " | ".join(cell(pair["difference"].get(t)) for t in texts)
+    checked = pair.get("windows_checked")
+    checked = f"; windows checked: {', '.join(map(str, checked))}" if checked else ""
     return (
-        f"| `{pair['ours']}` | `{pair['peer']}` | {len(pair['seeds'])} ({', '.join(map(str, pair['seeds']))}) | "
+        f"| `{pair['ours']}` | `{pair['peer']}` | {len(pair['seeds'])} ({', '.join(map(str, pair['seeds']))}"
+        f"{checked}) | "
         f"{threads_cell(pair['threads'])} | {diffs} | {', '.join(pair['sources'])} |"
     )
 
@@ -475,8 +485,10 @@ def markdown(models: dict, command: str) -> str:
                 "",
                 "Paired on the same calibration ids, ours − rival per draw (negative: ours lower); the rival is "
                 "llm-compressor's preset, the recipe as shipped with a stage setting changed (what the shipped "
-                "setting buys), or the shipped recipe whose stages ours extends (what the added stages buy). To the "
-                "standard:" + ("" if standard else " no pair yet."),
+                "setting buys), or the shipped recipe whose stages ours extends (what the added stages buy). A seed "
+                "is the same ids on both sides by the seed's word, except where both checkpoints named their "
+                "windows' digest: a differing digest drops the seed, an equal one is listed as `windows checked`. "
+                "To the standard:" + ("" if standard else " no pair yet."),
             ]
             if standard:
                 lines += ["", header, rule, *(_pair_line(pair, texts) for pair in standard)]

@@ -290,6 +290,21 @@ def test_draws_whose_checkpoints_name_different_calibration_windows_are_not_pair
     assert pair["difference"]["out_of_domain"]["values"] == pytest.approx([-0.1, -0.1])
 
 
+def test_a_pair_says_on_which_seeds_the_digests_showed_the_windows_shared(tmp_path: Path):
+    """A seed paired at its word (a draw older than the digests) and one whose two checkpoints named the same windows
+    are not the same evidence: the pair lists the checked seeds and its line says so."""
+    rows = {"gptq_int4": _row(12.0, 6.0) | {"calibration_sha256": "a"},
+            "gptq_int4 seed=1": _row(13.0, 6.0),
+            "gptq_int4 stages.0.act_order=false": _row(13.0, 6.5) | {"calibration_sha256": "a"},
+            "gptq_int4 stages.0.act_order=false seed=1": _row(13.5, 6.5) | {"calibration_sha256": "c"}}  # fmt: skip
+    _file(tmp_path / "s.json", "python -m benchmarks.quality_draws", rows, threads=2)
+    models = build(["s"], tmp_path)
+    (pair,) = models["m"]["pairs"]
+    assert (pair["seeds"], pair["windows_checked"]) == ([0, 1], [0])
+    (line,) = [line for line in markdown(models, "cmd").splitlines() if line.startswith("| `gptq_int4` | `gptq")]
+    assert "2 (0, 1; windows checked: 0)" in line
+
+
 def test_the_pick_ranks_every_int4_g64_recipe_file_without_a_list_to_update(tmp_path: Path):
     """A new int4 g64 recipe is a candidate by its file (a hard-coded list left awq_int4_train_scales out); one that
     also quantizes the KV cache, prunes, needs adapters or stores FP4 is not."""
