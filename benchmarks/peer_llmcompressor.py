@@ -1,16 +1,21 @@
 """One llm-compressor compression of a model on given calibration token ids; run inside the peer venv
 (``artifacts/peer-venv``, llm-compressor pins its own transformers), driven by ``benchmarks/peer_comparison.py``.
 
-Writes the compressed checkpoint (``save_compressed=True``) to ``--output`` and nothing else, so the driver's wall
-time and peak RSS of this process are the toolkit's cost: model load, calibration, quantization, save.
+Writes the compressed checkpoint (``save_compressed=True``) to ``--output``, and beside it the ``calibration.json``
+our checkpoints carry (the windows' digest, so a pair with our run of the same seed is known to share its ids), and
+nothing else, so the driver's wall time and peak RSS of this process are the toolkit's cost: model load,
+calibration, quantization, save.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
+
+from compress.base.data import calibration_record
 
 
 def int_weights(bits: int, observer: str = "minmax") -> dict:
@@ -86,6 +91,11 @@ def allow_cpu_only_awq() -> None:
     IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
 
 
+def write_calibration(output: Path, samples: torch.Tensor) -> None:
+    """The checkpoint's ``calibration.json``, as ``compress.compression.saving`` writes ours."""
+    (output / "calibration.json").write_text(json.dumps(calibration_record(samples), indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--scheme", required=True)
@@ -115,6 +125,7 @@ def main() -> None:
     )
     model.save_pretrained(Path(args.output), save_compressed=True)
     tokenizer.save_pretrained(Path(args.output))
+    write_calibration(Path(args.output), samples)
 
 
 if __name__ == "__main__":

@@ -52,14 +52,15 @@ def our_command(recipe: str, overrides: list[str], model_dir: Path, output: Path
 
 
 def peer_command(scheme: str, model_dir: Path, samples: torch.Tensor, output: Path) -> list[str]:
-    """llm-compressor's ``scheme`` on ``samples``, written to ``output``: its venv's Python when there is one, else
-    this Python with ``artifacts/peer-site`` ahead of this tree on the path."""
+    """llm-compressor's ``scheme`` on ``samples``, written to ``output``: its venv's Python when there is one (this
+    tree on its path: the script records the windows' digest as our checkpoints do), else this Python with
+    ``artifacts/peer-site`` ahead of this tree on the path."""
     samples_file = output.with_suffix(".samples.pt")
     torch.save(samples, samples_file)
     venv = ROOT / "artifacts" / "peer-venv" / "bin" / "python"
     script = ["--scheme", scheme, "--model", str(model_dir), "--samples", str(samples_file), "--output", str(output)]
     if venv.exists():
-        return [str(venv), str(ROOT / "benchmarks" / "peer_llmcompressor.py"), *script]
+        return ["env", f"PYTHONPATH={ROOT}", str(venv), str(ROOT / "benchmarks" / "peer_llmcompressor.py"), *script]
     path = f"PYTHONPATH={ROOT / 'artifacts' / 'peer-site'}{os.pathsep}{ROOT}"
     return ["env", path, sys.executable, str(ROOT / "benchmarks" / "peer_llmcompressor.py"), *script]
 
@@ -134,7 +135,8 @@ def stage_facts(folder: Path) -> dict:
 
 def calibration_facts(folder: Path) -> dict:
     """``{"calibration_sha256": ...}``: the digest of the windows the checkpoint was calibrated on, from its
-    ``calibration.json``, so two draws of one seed are known to be paired; empty without one (a peer's)."""
+    ``calibration.json`` (ours, or a peer's written by ``benchmarks/peer_llmcompressor.py``), so two draws of one
+    seed are known to be paired; empty without one (a draw older than the record)."""
     path = folder / "calibration.json"
     return {"calibration_sha256": json.loads(path.read_text())["token_sha256"]} if path.is_file() else {}
 

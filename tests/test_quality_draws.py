@@ -218,4 +218,22 @@ def test_a_calibrated_draw_records_the_digest_of_the_windows_its_checkpoint_name
     chain = [{"type": "gptq", "bits": 4, "group_size": 32}]
     checkpoint = oneshot(build_tiny_llama(seed=3), chain, data=samples, output_dir=tmp_path / "ckpt")
     assert calibration_facts(checkpoint) == {"calibration_sha256": token_digest(samples)}
-    assert calibration_facts(tmp_path) == {}  # a peer's checkpoint names none
+    assert calibration_facts(tmp_path) == {}  # a draw older than the record names none
+
+
+def test_a_peer_checkpoint_names_its_windows_as_ours_does_so_their_pair_is_checked(tmp_path):
+    """llm-compressor's checkpoint on the ids ours was calibrated on carries the same record: the pair of the two
+    draws is shown to share its windows instead of being taken at its seed's word."""
+    from helpers import build_tiny_llama
+
+    from benchmarks.peer_llmcompressor import write_calibration
+    from benchmarks.variants import calibration_facts
+    from compress import oneshot
+
+    samples = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(1))
+    chain = [{"type": "gptq", "bits": 4, "group_size": 32}]
+    ours = oneshot(build_tiny_llama(seed=3), chain, data=samples, output_dir=tmp_path / "ours")
+    (tmp_path / "peer").mkdir()
+    write_calibration(tmp_path / "peer", samples)
+    assert (tmp_path / "peer" / "calibration.json").read_text() == (ours / "calibration.json").read_text()
+    assert calibration_facts(tmp_path / "peer") == calibration_facts(ours) != {}

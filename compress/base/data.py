@@ -288,6 +288,13 @@ def token_digest(token_ids: torch.Tensor) -> str:
     return hashlib.sha256(token_ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()
 
 
+def calibration_record(token_ids: torch.Tensor) -> dict:
+    """What a calibrated checkpoint's ``calibration.json`` says beside its recipe: which token ids it saw (window
+    count, length, digest), so two checkpoints of one seed are known to share their windows, ours or a peer's."""
+    windows, seq_len = token_ids.shape
+    return {"windows": windows, "seq_len": seq_len, "token_sha256": token_digest(token_ids)}
+
+
 # Families trained with <bos> opening every sequence: without it they leave the regime they were trained in
 # (gemma-3-270m: perplexity 158 instead of 57 on the Shakespeare split); lm-eval adds it for Gemma too.
 BOS_FIRST_FAMILIES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})

@@ -12,7 +12,7 @@ import torch
 import yaml
 from torch import nn
 
-from compress.base.data import token_digest
+from compress.base.data import calibration_record
 from compress.checkpoint import CheckpointSummary, CheckpointWriter
 from compress.stages import Stage
 
@@ -40,9 +40,8 @@ def write_checkpoint(
     recipe_yaml = yaml.safe_dump({"recipe": recipe, "stages": stage_args}, sort_keys=False)
     if calibration is not None and any(stage.needs_calibration for stage in stages):  # beside the recipe, what
         # decides a calibrated checkpoint: which token ids it saw
-        windows, seq_len = calibration.shape
-        record = {"windows": windows, "seq_len": seq_len, "token_sha256": token_digest(calibration)}
-        extra_files = {**(extra_files or {}), "calibration.json": json.dumps(record, indent=2)}
+        record = json.dumps(calibration_record(calibration), indent=2)
+        extra_files = {**(extra_files or {}), "calibration.json": record}
     kv_cache_scheme = next((s.kv_cache_scheme for s in stages if s.quantizes_kv_cache), None)
     summary = writer.finish(
         model,
