@@ -7,7 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.quality_pick import pick_sentences
-from benchmarks.quality_rows import PICK_RULE, TEXT_LABELS, TEXTS_GOAL, no_interval, shipped, threads_cell
+from benchmarks.quality_rows import (
+    PICK_RULE,
+    TEXT_LABELS,
+    TEXTS_GOAL,
+    capped_phrase,
+    no_interval,
+    shipped,
+    threads_cell,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -92,6 +100,8 @@ def readme_section(stored: dict) -> str:
         found = _pairs(stored["models"][model])
         if found:
             others.append(f"{MODEL_NAMES.get(model, model)}: {'; '.join(found)}")
+    capped = [f"`{row['run']}` {capped_phrase(row)}" for row in rows if "capped" in row]
+    capped = f"Stopped at a time cap, so fewer on a slower machine: {'; '.join(capped)}. " if capped else ""
     pending = f"Not quoted here until they meet the standard of quality.md: {', '.join(short)}. " if short else ""
     prose = (
         f"{MODEL_NAMES[MODEL]}, fp32, checkpoints reloaded from disk and scored on {'; '.join(machines)}, measured "
@@ -103,7 +113,7 @@ def readme_section(stored: dict) -> str:
         "A row is the recipe as shipped, or with the calibration overrides it was measured with where it says so; "
         "draws are calibration seeds, the interval a 95% t over them; threads as the result file records them; MB: "
         "the checkpoint (its "
-        f"layout does not depend on the calibration draw). {pick}Paired with llm-compressor 0.14 on the same "
+        f"layout does not depend on the calibration draw). {pick}{capped}Paired with llm-compressor 0.14 on the same "
         "calibration ids, ours − peer out of domain (negative: ours lower), mean (95% t): "
         f"{'. '.join(others)}. {pending}Every run, draw, file and command: "
         "[quality.md](benchmarks/results/quality.md); the paper each recipe follows: "

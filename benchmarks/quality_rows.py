@@ -134,3 +134,13 @@ def still_to_measure(runs: list[dict]) -> list[str]:
         elif missing := shortfall(row):
             lines.append(f"- `{row['run']}`: {'; '.join(missing)}")
     return lines
+
+
+def capped_phrase(run: dict) -> str:
+    """``1:distill 121, 121, 125 of 200 steps (seeds 0, 1, 2)``: what each draw of a time-capped row took."""
+    asked = {name: taken_asked[1] for found in run["per_draw"] for name, taken_asked in found.get("steps", {}).items()}
+    seeds = [found["seed"] for found in run["per_draw"]]
+    stages = "; ".join(f"{name} {', '.join('not recorded' if n is None else str(n) for n in taken)} of "
+                       f"{asked[name]} steps" for name, taken in
+                       sorted(run["capped"].items()))  # fmt: skip
+    return f"{stages} (seeds {', '.join(map(str, seeds))})"

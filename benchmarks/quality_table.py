@@ -33,6 +33,7 @@ from benchmarks.quality_rows import (
     STANDARD,
     TEXT_LABELS,
     calibration_free,
+    capped_phrase,
     data_group_file,
     extended_recipes,
     no_interval,
@@ -253,12 +254,22 @@ def draw(model, run, seed, threads, source, date, ratios, row, report) -> dict: 
     costs = {key: row.get(key) for key in ("seconds", "peak_rss_mb", "size_mb")}
     headline = report["baseline"].get("out_of_domain", report["baseline"])  # headline_tradeoff: one text, no key
     windows = {"calibration_sha256": row["calibration_sha256"]} if "calibration_sha256" in row else {}
+    steps = {name: [found["steps"], found["steps_asked"]] for name, found in row.get("stages", {}).items()
+             if "steps_asked" in found}  # fmt: skip
     return {"model": model, "run": run, "seed": seed, "threads": threads, "source": source, "date": date,
             "ratios": ratios, **costs, "scored_tokens": headline.get("tokens"),
-            "machine": report.get("machine"), **windows}  # fmt: skip
+            "machine": report.get("machine"), **windows, **({"steps": steps} if steps else {})}  # fmt: skip
 
 
-PER_DRAW = ("seed", "source", "date", "ratios", "seconds", "calibration_sha256")  # the last: recorded since 2026-12-01
+# calibration_sha256: recorded since 2026-12-01; steps: what a stage with a step count took of it
+PER_DRAW = ("seed", "source", "date", "ratios", "seconds", "calibration_sha256", "steps")
+
+
+def capped_steps(draws: list[dict]) -> dict[str, list[int | None]]:
+    """``{stage: steps each draw took}`` (None: not recorded) for a stage some draw stopped short of its asked steps
+    (a time cap): its result then follows the machine's speed as well as the calibration draw."""
+    stages = {name for found in draws for name, (taken, asked) in found.get("steps", {}).items() if taken < asked}
+    return {name: [found.get("steps", {}).get(name, [None])[0] for found in draws] for name in stages}
 
 
 def windows_checked(mine: dict, theirs: dict) -> bool:
@@ -312,6 +323,9 @@ def build(sources: list[str], results: Path) -> dict:
             "machines": sorted({found["machine"] for found in draws if found["machine"]}),
             "per_draw": [{k: found[k] for k in PER_DRAW if k in found} for found in draws],
         }  # fmt: skip
+        capped = capped_steps(draws)
+        if capped:
+            entry["capped"] = capped
         entry["short_of_standard"] = shortfall(entry)
         models.setdefault(model, {"runs": [], "pairs": []})["runs"].append(entry)
     for tables in models.values():
@@ -466,6 +480,10 @@ def markdown(models: dict, command: str) -> str:
         ]
         if standard:
             lines += ["", header, rule, *(_run_line(run, texts) for run in standard)]
+        capped = [f"- `{run['run']}`: {capped_phrase(run)}" for run in standard if "capped" in run]
+        if capped:
+            lines += ["", "Rows whose stage stopped at its time cap before the steps it asks (the ratio then "
+                      "follows the machine's speed as well as the draw):", "", *capped]  # fmt: skip
         if earlier:
             lines += [
                 "",

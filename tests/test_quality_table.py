@@ -433,3 +433,22 @@ def test_the_share_of_the_reference_loss_removed_is_computed_with_its_interval_a
     assert goal["panel"]["share"] == pytest.approx(0.1)
     assert goal["verdict"] == "missed"
     assert "`autoround_int4` against `gptq_int4`" in markdown({"m": tables}, "cmd")
+
+
+def test_a_row_whose_stage_stopped_at_its_time_cap_says_how_many_steps_each_draw_took(tmp_path: Path):
+    """A time-capped distillation takes as many steps as the machine allows (121 on one processor, 30 on another):
+    the row's interval then holds the machine too, so the table says each draw's steps against those asked."""
+    capped = {"1:distill": {"steps": 121, "steps_asked": 200}, "0:awq": {}}
+    rows = {"awq_int4_train_scales": _panel_row(11.0) | {"stages": capped},
+            "awq_int4_train_scales seed=1": _panel_row(11.2) | {"stages": {"1:distill": {"steps": 30,
+                                                                                        "steps_asked": 200}}},
+            "awq_int4_train_scales seed=2": _panel_row(11.1) | {"stages": {"1:distill": {"steps": 200,
+                                                                                        "steps_asked": 200}}},
+            "gptq_int4": _panel_row(11.5), "gptq_int4 seed=1": _panel_row(11.6),
+            "gptq_int4 seed=2": _panel_row(11.4)}  # fmt: skip
+    tables = _panel_tables(tmp_path, rows)
+    runs = {run["run"]: run for run in tables["m"]["runs"]}
+    assert runs["awq_int4_train_scales"]["capped"] == {"1:distill": [121, 30, 200]}
+    assert "capped" not in runs["gptq_int4"]
+    table = markdown(tables, "cmd")
+    assert "`awq_int4_train_scales`: 1:distill 121, 30, 200 of 200 steps (seeds 0, 1, 2)" in table
