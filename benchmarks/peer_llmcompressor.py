@@ -10,12 +10,11 @@ calibration, quantization, save.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from compress.base.data import calibration_record
+from compress.base.data import CALIBRATION_FILE, calibration_json
 
 
 def int_weights(bits: int, observer: str = "minmax") -> dict:
@@ -93,7 +92,7 @@ def allow_cpu_only_awq() -> None:
 
 def write_calibration(output: Path, samples: torch.Tensor) -> None:
     """The checkpoint's ``calibration.json``, as ``compress.compression.saving`` writes ours."""
-    (output / "calibration.json").write_text(json.dumps(calibration_record(samples), indent=2))
+    (output / CALIBRATION_FILE).write_text(calibration_json(samples))
 
 
 def main() -> None:

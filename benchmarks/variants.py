@@ -137,7 +137,9 @@ def calibration_facts(folder: Path) -> dict:
     """``{"calibration_sha256": ...}``: the digest of the windows the checkpoint was calibrated on, from its
     ``calibration.json`` (ours, or a peer's written by ``benchmarks/peer_llmcompressor.py``), so two draws of one
     seed are known to be paired; empty without one (a draw older than the record)."""
-    path = folder / "calibration.json"
+    from compress.base.data import CALIBRATION_FILE
+
+    path = folder / CALIBRATION_FILE
     return {"calibration_sha256": json.loads(path.read_text())["token_sha256"]} if path.is_file() else {}
 
 

@@ -288,11 +288,14 @@ def token_digest(token_ids: torch.Tensor) -> str:
     return hashlib.sha256(token_ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()
 
 
-def calibration_record(token_ids: torch.Tensor) -> dict:
-    """What a calibrated checkpoint's ``calibration.json`` says beside its recipe: which token ids it saw (window
+CALIBRATION_FILE = "calibration.json"  # in a calibrated checkpoint, ours or a peer's: what calibration_json says
+
+
+def calibration_json(token_ids: torch.Tensor) -> str:
+    """What a calibrated checkpoint's ``CALIBRATION_FILE`` says beside its recipe: which token ids it saw (window
     count, length, digest), so two checkpoints of one seed are known to share their windows, ours or a peer's."""
     windows, seq_len = token_ids.shape
-    return {"windows": windows, "seq_len": seq_len, "token_sha256": token_digest(token_ids)}
+    return json.dumps({"windows": windows, "seq_len": seq_len, "token_sha256": token_digest(token_ids)}, indent=2)
 
 
 # Families trained with <bos> opening every sequence: without it they leave the regime they were trained in

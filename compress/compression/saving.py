@@ -12,7 +12,7 @@ import torch
 import yaml
 from torch import nn
 
-from compress.base.data import calibration_record
+from compress.base.data import CALIBRATION_FILE, calibration_json
 from compress.checkpoint import CheckpointSummary, CheckpointWriter
 from compress.stages import Stage
 
@@ -40,8 +40,7 @@ def write_checkpoint(
     recipe_yaml = yaml.safe_dump({"recipe": recipe, "stages": stage_args}, sort_keys=False)
     if calibration is not None and any(stage.needs_calibration for stage in stages):  # beside the recipe, what
         # decides a calibrated checkpoint: which token ids it saw
-        record = json.dumps(calibration_record(calibration), indent=2)
-        extra_files = {**(extra_files or {}), "calibration.json": record}
+        extra_files = {**(extra_files or {}), CALIBRATION_FILE: calibration_json(calibration)}
     kv_cache_scheme = next((s.kv_cache_scheme for s in stages if s.quantizes_kv_cache), None)
     summary = writer.finish(
         model,
