@@ -82,14 +82,15 @@ def readme_section(stored: dict) -> str:
              for recipe, row in readme_rows.items() if not row or row["short_of_standard"]]  # fmt: skip
     lines = [  # the heading's next line: a comment ends its own HTML block, so the table still renders
         START,
-        "| recipe | draws | torch threads | Shakespeare | code | technical | in domain | MB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| recipe | draws | torch threads | Shakespeare | code | technical | in domain | MB | compress s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         ratios = " | ".join(_times(row["ratios"].get(text)) for text in TEXTS_GOAL)
         lines.append(
             f"| `{row['run']}` | {row['draws']} | {threads_cell(row['threads'])} | {ratios} | "
-            f"{'-' if row['size_mb'] is None else format(row['size_mb'], '.1f')} |"
+            f"{'-' if row['size_mb'] is None else format(row['size_mb'], '.1f')} | "
+            f"{'-' if row['seconds'] is None else format(row['seconds'], '.0f')} |"
         )
     dates = sorted(date for row in rows for _, date in row["sources"])
     tokens = sorted({n for row in rows for n in row["scored_tokens"]})
@@ -100,6 +101,12 @@ def readme_section(stored: dict) -> str:
         found = _pairs(stored["models"][model])
         if found:
             others.append(f"{MODEL_NAMES.get(model, model)}: {'; '.join(found)}")
+    processors: dict[str, list[str]] = {}
+    for row in rows:
+        processors.setdefault(", ".join(row.get("processors", [])) or "not recorded", []).append(f"`{row['run']}`")
+    processors_phrase = "; ".join(f"{name} ({', '.join(runs)})" for name, runs in processors.items())
+    if len(processors) == 1:
+        processors_phrase = f"{next(iter(processors))} for every row"
     capped = [f"`{row['run']}` {capped_phrase(row)}" for row in rows if "capped" in row]
     capped = f"Stopped at a time cap, so fewer on a slower machine: {'; '.join(capped)}. " if capped else ""
     pending = f"Not quoted here until they meet the standard of quality.md: {', '.join(short)}. " if short else ""
@@ -112,9 +119,11 @@ def readme_section(stored: dict) -> str:
         "docstrings) texts; in domain: pydoc's held-out split, the calibration source, which flatters every recipe. "
         "A row is the recipe as shipped, or with the calibration overrides it was measured with where it says so; "
         "draws are calibration seeds, the interval a 95% t over them; threads as the result file records them; MB: "
-        "the checkpoint (its "
-        f"layout does not depend on the calibration draw). {pick}{capped}Paired with llm-compressor 0.14 on the same "
-        "calibration ids, ours − peer out of domain (negative: ours lower), mean (95% t): "
+        "the checkpoint (its layout does not depend on the calibration draw); compress s: the mean over the draws of "
+        "loading, calibrating, quantizing and saving, on the processor each draw ran on, so two rows' times compare "
+        f"as a rough cost, not a benchmark (processors: {processors_phrase}). {pick}{capped}"
+        "Paired with llm-compressor 0.14 on the same calibration ids, ours − peer out of domain (negative: ours "
+        "lower), mean (95% t): "
         f"{'. '.join(others)}. {pending}Every run, draw, file and command: "
         "[quality.md](benchmarks/results/quality.md); the paper each recipe follows: "
         "[docs/recipes.md](docs/recipes.md); all dated results: [docs/results.md](docs/results.md)."

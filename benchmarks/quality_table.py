@@ -254,15 +254,16 @@ def draw(model, run, seed, threads, source, date, ratios, row, report) -> dict: 
     costs = {key: row.get(key) for key in ("seconds", "peak_rss_mb", "size_mb")}
     headline = report["baseline"].get("out_of_domain", report["baseline"])  # headline_tradeoff: one text, no key
     windows = {"calibration_sha256": row["calibration_sha256"]} if "calibration_sha256" in row else {}
+    processor = {"cpu": row["cpu"]} if row.get("cpu") else {}  # recorded by quality_draws since 2026-12-01
     steps = {name: [found["steps"], found["steps_asked"]] for name, found in row.get("stages", {}).items()
              if "steps_asked" in found}  # fmt: skip
     return {"model": model, "run": run, "seed": seed, "threads": threads, "source": source, "date": date,
-            "ratios": ratios, **costs, "scored_tokens": headline.get("tokens"),
-            "machine": report.get("machine"), **windows, **({"steps": steps} if steps else {})}  # fmt: skip
+            "ratios": ratios, **costs, "scored_tokens": headline.get("tokens"), "machine": report.get("machine"),
+            **windows, **processor, **({"steps": steps} if steps else {})}  # fmt: skip
 
 
-# calibration_sha256: recorded since 2026-12-01; steps: what a stage with a step count took of it
-PER_DRAW = ("seed", "source", "date", "ratios", "seconds", "calibration_sha256", "steps")
+# calibration_sha256, cpu: recorded since 2026-12-01; steps: what a stage with a step count took of it
+PER_DRAW = ("seed", "source", "date", "ratios", "seconds", "cpu", "calibration_sha256", "steps")
 
 
 def capped_steps(draws: list[dict]) -> dict[str, list[int | None]]:
@@ -321,6 +322,7 @@ def build(sources: list[str], results: Path) -> dict:
             "sources": sorted({(found["source"], found["date"]) for found in draws}, key=lambda s: s[1]),
             "scored_tokens": sorted({found["scored_tokens"] for found in draws if found["scored_tokens"]}),
             "machines": sorted({found["machine"] for found in draws if found["machine"]}),
+            "processors": sorted({found["cpu"] for found in draws if "cpu" in found}),
             "per_draw": [{k: found[k] for k in PER_DRAW if k in found} for found in draws],
         }  # fmt: skip
         capped = capped_steps(draws)

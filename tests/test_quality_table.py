@@ -452,3 +452,26 @@ def test_a_row_whose_stage_stopped_at_its_time_cap_says_how_many_steps_each_draw
     assert "capped" not in runs["gptq_int4"]
     table = markdown(tables, "cmd")
     assert "`awq_int4_train_scales`: 1:distill 121, 30, 200 of 200 steps (seeds 0, 1, 2)" in table
+
+
+def test_the_readme_table_shows_each_recipes_cost_and_the_processors_that_measured_it(tmp_path: Path):
+    """A user choosing a recipe weighs its quality against its cost (AutoRound takes about 18x GPTQ's time): the
+    README's table quotes each row's mean compress seconds, and names the processors its draws recorded, since a
+    time follows the machine (draws from before processors were recorded are said to be so)."""
+    from benchmarks.quality_readme import MODEL
+
+    rows = {}
+    for seed, wobble in enumerate((0.0, 0.1, -0.1)):
+        suffix = f" seed={seed}" if seed else ""
+        rows[f"awq_int4{suffix}"] = _panel_row(11.0 + wobble) | {"seconds": 200.0 + 10 * seed, "cpu": "AMD EPYC"}
+        rows[f"gptq_int4{suffix}"] = _panel_row(12.0 + wobble) | {"seconds": 70.0}
+    stored = {"command": "python -m benchmarks.quality_table", "models": _panel_tables(tmp_path, rows, MODEL)}
+    runs = {run["run"]: run for run in stored["models"][MODEL]["runs"]}
+    assert runs["awq_int4"]["processors"] == ["AMD EPYC"]
+    assert runs["gptq_int4"]["processors"] == []
+    assert [found["cpu"] for found in runs["awq_int4"]["per_draw"]] == ["AMD EPYC"] * 3
+    section = readme_section(json.loads(json.dumps(stored)))
+    assert "| MB | compress s |" in section
+    assert "| 90.0 | 210 |" in section  # awq_int4: the mean of 200, 210 and 220
+    assert "| 90.0 | 70 |" in section
+    assert "processors: AMD EPYC (`awq_int4`); not recorded (`gptq_int4`)" in section
