@@ -50,7 +50,7 @@ def _times(stats: dict | None) -> str:
 
 def _signed(stats: dict) -> str:
     if stats["low"] is None:
-        return f"{stats['mean']:+.3f} (1 draw)"
+        return f"{stats['mean']:+.3f} ({'both calibration-free' if stats.get('calibration_free') else '1 draw'})"
     return f"{stats['mean']:+.3f} ({stats['low']:+.3f} to {stats['high']:+.3f}, {stats['n']} draws)"
 
 

@@ -381,14 +381,17 @@ def pairs(runs: list[dict]) -> list[dict]:
             if not shared:
                 continue
             texts = [t for t in ours["ratios"] if all(t in d[k]["ratios"] for d in (mine, theirs) for k in shared)]
+            free = all(stats.get("calibration_free") for run in (ours, peer) for stats in run["ratios"].values())
+            exact = {"calibration_free": True} if free else {}  # two calibration-free runs: their one gap is exact
             found.append({
                 "ours": ours["run"], "peer": peer["run"], "kind": kind, "threads": ours["threads"],
                 "seeds": [k[3] for k in shared],
                 "windows_checked": [k[3] for k in shared if windows_checked(mine[k], theirs[k])],
                 "difference": {
-                    t: interval([mine[k]["ratios"][t] - theirs[k]["ratios"][t] for k in shared]) for t in texts
+                    t: interval([mine[k]["ratios"][t] - theirs[k]["ratios"][t] for k in shared]) | exact
+                    for t in texts
                 },
-                "panel": interval([draw_panel(mine[k]) - draw_panel(theirs[k]) for k in shared])
+                "panel": interval([draw_panel(mine[k]) - draw_panel(theirs[k]) for k in shared]) | exact
                 if all(t in texts for t in OUT_OF_DOMAIN) else None,
                 "sources": sorted({d[k]["source"] for d in (mine, theirs) for k in shared}),
             })  # fmt: skip

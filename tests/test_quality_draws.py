@@ -30,6 +30,18 @@ def test_missing_draws_skip_calibration_free_seeds_and_rerun_failures_and_older_
     assert quality_draws.missing(None, ["fp8_dynamic"], [3, 4], now) == [("fp8_dynamic", 3)]
 
 
+def test_llm_compressors_data_free_presets_are_one_draw_as_ours_are():
+    """Its FP8 presets (per-channel weights, activations quantized at run time) read nothing from the calibration
+    windows they are passed, as our fp8_dynamic and fp8_block: one draw is every draw, not "1 of 3"; its GPTQ is
+    drawn three times."""
+    specs = ["llm-compressor:fp8_dynamic", "llm-compressor:fp8_block", "llm-compressor:gptq_w4a16"]
+    assert quality_draws.wanted(specs, [0, 1, 2]) == [
+        ("llm-compressor:fp8_dynamic", 0),
+        ("llm-compressor:fp8_block", 0),
+        *[("llm-compressor:gptq_w4a16", seed) for seed in (0, 1, 2)],
+    ]
+
+
 def test_a_recipe_fingerprint_follows_its_stages_and_overrides():
     shipped = quality_draws.recipe_fingerprint("gptq_int4")
     assert shipped == quality_draws.recipe_fingerprint("gptq_int4 stages.0.act_order=true")  # what it ships

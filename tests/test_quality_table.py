@@ -475,3 +475,22 @@ def test_the_readme_table_shows_each_recipes_cost_and_the_processors_that_measur
     assert "| 90.0 | 210 |" in section  # awq_int4: the mean of 200, 210 and 220
     assert "| 90.0 | 70 |" in section
     assert "processors: AMD EPYC (`awq_int4`); not recorded (`gptq_int4`)" in section
+
+
+def test_two_calibration_free_runs_differ_by_one_exact_gap_not_an_unestablished_draw(tmp_path: Path):
+    """Our fp8_dynamic against llm-compressor's: neither reads its windows, so their one difference is every
+    draw's, and the pair is said to be so rather than "1 draw: no interval"; a calibrated pair of one draw is not."""
+    rows = {"fp8_dynamic": _panel_row(10.2), "llm-compressor:fp8_dynamic": _panel_row(10.3),
+            "gptq_int4": _panel_row(11.0), "llm-compressor:gptq_w4a16": _panel_row(11.5)}  # fmt: skip
+    found = {(p["ours"], p["peer"]): p for p in _panel_tables(tmp_path, rows)["m"]["pairs"]}
+    fp8 = found[("fp8_dynamic", "llm-compressor:fp8_dynamic")]
+    assert fp8["difference"]["out_of_domain"]["mean"] == pytest.approx(-0.01)
+    assert all(stats["calibration_free"] for stats in fp8["difference"].values())
+    assert fp8["panel"]["calibration_free"] and not fp8["short_of_standard"]
+    gptq = found[("gptq_int4", "llm-compressor:gptq_w4a16")]
+    assert not any(stats.get("calibration_free") for stats in gptq["difference"].values())
+    assert "1 of 3 draws" in "; ".join(gptq["short_of_standard"])
+    from benchmarks.quality_readme import _signed
+
+    assert _signed(fp8["difference"]["out_of_domain"]) == "-0.010 (both calibration-free)"
+    assert _signed(gptq["difference"]["out_of_domain"]) == "-0.050 (1 draw)"
