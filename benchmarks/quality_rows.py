@@ -146,3 +146,25 @@ def capped_phrase(run: dict) -> str:
                        f"{asked[name]} steps" for name, taken in
                        sorted(run["capped"].items()))  # fmt: skip
     return f"{stages} (seeds {', '.join(map(str, seeds))})"
+
+
+# llm-compressor presets kept for their history, not asked to the standard: AWQ then round-to-nearest, and the
+# AWQ→GPTQ chain on min-max ranges (``awq_gptq_w4a16_mse`` is the chain like for like)
+HISTORY_PEERS = ("awq_w4a16", "awq_gptq_w4a16")
+
+
+def peers_to_pair(runs: list[dict], pairs: list[dict], order: list[tuple[str, str | None]]) -> list[str]:
+    """Per shipped recipe and each llm-compressor preset it competes with (``order``), what their pair lacks against
+    the table's standard, or that no pair was measured on the same windows and threads: the peer work left."""
+    lines = []
+    for recipe, preset in order:
+        if preset is None or preset in HISTORY_PEERS or recipe not in shipped_recipes():
+            continue
+        row = shipped(runs, recipe)
+        found = [pair for pair in pairs if pair["kind"] == "peer" and row and pair["ours"] == row["run"]
+                 and pair["peer"].split()[0] == f"llm-compressor:{preset}"]  # fmt: skip
+        if any(not pair["short_of_standard"] for pair in found):
+            continue
+        lacks = "; ".join(max(found, key=lambda pair: len(pair["seeds"]))["short_of_standard"]) if found else ""
+        lines.append(f"- `{recipe}` − `llm-compressor:{preset}`: {lacks or 'no pair on the same windows and threads'}")
+    return lines

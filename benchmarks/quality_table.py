@@ -37,6 +37,7 @@ from benchmarks.quality_rows import (
     data_group_file,
     extended_recipes,
     no_interval,
+    peers_to_pair,
     row_seed,
     sampled_recipes,
     shortfall,
@@ -527,6 +528,10 @@ def markdown(models: dict, command: str) -> str:
         gaps = still_to_measure(tables["runs"])
         if gaps:
             lines += ["", f"Still to measure, per shipped recipe ({STANDARD}):", "", *gaps]
+        peers = peers_to_pair(tables["runs"], tables["pairs"], ORDER)
+        if peers:
+            lines += ["", "llm-compressor's presets still to pair like for like with the recipe they compete with "
+                      "(ours − theirs on the same windows and threads, to the standard):", "", *peers]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

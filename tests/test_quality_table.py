@@ -494,3 +494,24 @@ def test_two_calibration_free_runs_differ_by_one_exact_gap_not_an_unestablished_
 
     assert _signed(fp8["difference"]["out_of_domain"]) == "-0.010 (both calibration-free)"
     assert _signed(gptq["difference"]["out_of_domain"]) == "-0.050 (1 draw)"
+
+
+def test_the_peer_presets_still_to_pair_are_read_from_the_pairs_not_kept_by_hand(tmp_path: Path):
+    """The issue asks llm-compressor like for like wherever it has the algorithm: each shipped recipe and the preset it
+    competes with is listed until their pair meets the standard, with what it lacks (a peer of one draw) or that no
+    pair exists; presets kept for their history only (AWQ then round-to-nearest) are not asked for."""
+    from benchmarks.quality_rows import peers_to_pair
+    from benchmarks.quality_table import ORDER
+
+    rows = {"llm-compressor:gptq_w4a16": _panel_row(12.5)}
+    for seed, wobble in enumerate((0.0, 0.1, -0.1)):
+        suffix = f" seed={seed}" if seed else ""
+        rows[f"gptq_int4{suffix}"] = _panel_row(12.0 + wobble)
+        rows[f"llm-compressor:gptq_w4a16_mse{suffix}"] = _panel_row(12.2 + wobble)
+    tables = _panel_tables(tmp_path, rows)["m"]
+    lines = peers_to_pair(tables["runs"], tables["pairs"], ORDER)
+    assert "- `gptq_int4` − `llm-compressor:gptq_w4a16`: 1 of 3 draws" in lines
+    assert not [line for line in lines if "`llm-compressor:gptq_w4a16_mse`" in line]  # paired to the standard
+    assert "- `fp8_dynamic` − `llm-compressor:fp8_dynamic`: no pair on the same windows and threads" in lines
+    assert not [line for line in lines if "awq_w4a16`" in line or "autoround" in line]
+    assert "\n".join(lines) in markdown({"m": tables}, "python -m benchmarks.quality_table")
