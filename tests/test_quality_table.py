@@ -515,3 +515,25 @@ def test_the_peer_presets_still_to_pair_are_read_from_the_pairs_not_kept_by_hand
     assert "- `fp8_dynamic` − `llm-compressor:fp8_dynamic`: no pair on the same windows and threads" in lines
     assert not [line for line in lines if "awq_w4a16`" in line or "autoround" in line]
     assert "\n".join(lines) in markdown({"m": tables}, "python -m benchmarks.quality_table")
+
+
+def test_the_readme_quotes_one_pair_per_peer_preset_the_one_to_the_standard():
+    """An old pair short of the standard (threads not recorded) and a new one to it, of the same recipe and preset:
+    the README quotes the new one only, not both one after the other."""
+    from benchmarks.quality_readme import _pairs
+
+    exact = {"mean": 0.001, "low": None, "high": None, "n": 1, "calibration_free": True}
+    old = {
+        "ours": "fp8_dynamic",
+        "peer": "llm-compressor:fp8_dynamic",
+        "kind": "peer",
+        "seeds": [0],
+        "difference": {"out_of_domain": exact | {"mean": 0.0}},
+        "short_of_standard": ["threads not recorded"],
+    }
+    new = old | {"difference": {"out_of_domain": exact, "code": exact}, "short_of_standard": []}
+    for order in ([old, new], [new, old]):
+        assert _pairs({"pairs": order}) == [
+            "`fp8_dynamic` − `llm-compressor:fp8_dynamic` Shakespeare +0.001 (both calibration-free), "
+            "code +0.001 (both calibration-free)"
+        ]
