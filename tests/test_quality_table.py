@@ -225,8 +225,9 @@ def test_a_peer_pair_scored_on_the_panel_is_quoted_on_every_out_of_domain_text()
 
     gap = {"mean": 0.03, "low": 0.01, "high": 0.05, "n": 3}
     shakespeare = {"mean": -0.02, "low": -0.03, "high": -0.01, "n": 3}
-    pair = {"ours": "gptq_int4", "peer": "llm-compressor:gptq_w4a16_mse", "kind": "peer",
-            "difference": {"out_of_domain": shakespeare, "code": gap, "in_domain": gap}}  # fmt: skip
+    pair = {"ours": "gptq_int4", "peer": "llm-compressor:gptq_w4a16_mse", "kind": "peer", "seeds": [0, 1, 2],
+            "difference": {"out_of_domain": shakespeare, "code": gap, "in_domain": gap},
+            "short_of_standard": []}  # fmt: skip
     setting = {**pair, "peer": "gptq_int4 stages.0.act_order=false", "kind": "setting"}  # not a peer: not quoted
     (line,) = _pairs({"pairs": [pair, setting]})
     assert line.endswith("Shakespeare -0.020 (-0.030 to -0.010, 3 draws), code +0.030 (+0.010 to +0.050, 3 draws)")
