@@ -21,9 +21,10 @@ NEEDS_INPUT = dict.fromkeys(
 )
 # Recipes no stage of which reads calibration data (round-to-nearest, FP8 with dynamic activations): every seed gives
 # the same checkpoint, so one draw is all draws; tests/compress/test_recipe_files.py checks this against the stages.
+CALIBRATION_FREE = ("rtn_int4", "fp8_dynamic", "fp8_block")  # no stage of theirs calibrates (tests/compress)
 # llm-compressor's FP8 presets quantize weights per channel (or block) from the weights alone and activations at run
 # time: the windows they are passed change nothing, as with ours
-CALIBRATION_FREE = ("rtn_int4", "fp8_dynamic", "fp8_block", "llm-compressor:fp8_dynamic", "llm-compressor:fp8_block")
+PEER_CALIBRATION_FREE = ("llm-compressor:fp8_dynamic", "llm-compressor:fp8_block")
 PICK_RULE = (
     "the lowest mean ratio over the three out-of-domain texts (Shakespeare, code, technical: averaged per draw, "
     "then a 95% t over draws) among the int4 g64 recipes as shipped, every draw scored on all three, whose "
@@ -57,7 +58,9 @@ def threads_cell(threads: int | None) -> str:
 
 def calibration_free(recipe: str, overrides: list[str]) -> bool:
     """A run whose checkpoint no calibration draw changes: a calibration-free recipe, its stages as shipped."""
-    return recipe in CALIBRATION_FREE and not any(override.startswith("stages") for override in overrides)
+    return recipe in CALIBRATION_FREE + PEER_CALIBRATION_FREE and not any(
+        override.startswith("stages") for override in overrides
+    )
 
 
 def no_interval(stats: dict) -> str:
