@@ -11,6 +11,7 @@ from benchmarks.quality_rows import (
     PICK_RULE,
     TEXT_LABELS,
     TEXTS_GOAL,
+    best_peer_pairs,
     capped_phrase,
     no_interval,
     shipped,
@@ -57,13 +58,8 @@ def _signed(stats: dict) -> str:
 def _pairs(tables: dict) -> list[str]:
     """Our recipe (as shipped or with calibration overrides only) against its peer preset, out of domain: on every
     out-of-domain text both were scored on, so that no text is left out where they disagree."""
-    chosen, best = [], {}
-    for pair in (pair for pair in tables["pairs"] if pair["kind"] == "peer"):  # one pair per peer preset: the best
-        key = (pair["ours"], pair["peer"].split()[0])
-        rank = (not pair["short_of_standard"], len(pair["seeds"]))
-        if key not in best or rank > (not best[key]["short_of_standard"], len(best[key]["seeds"])):
-            best[key] = pair
-    for pair in best.values():
+    chosen = []
+    for pair in best_peer_pairs(tables["pairs"]).values():  # one pair per peer preset
         if all(o.startswith("data.") for o in pair["ours"].split()[1:]) and "out_of_domain" in pair["difference"]:
             peer = pair["peer"].split()[0]  # its data overrides only repeat ours: the same calibration ids
             texts = [text for text in TEXTS_GOAL[:-1] if text in pair["difference"]]

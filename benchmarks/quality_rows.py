@@ -156,18 +156,28 @@ def capped_phrase(run: dict) -> str:
 HISTORY_PEERS = ("awq_w4a16", "awq_gptq_w4a16")
 
 
+def best_peer_pairs(pairs: list[dict]) -> dict[tuple[str, str], dict]:
+    """``{(our run, peer preset): pair}``: of the pairs of one recipe and preset (an old file's and a new one's), the
+    one to the standard, else the one over the most draws."""
+    best: dict[tuple[str, str], dict] = {}
+    for pair in (pair for pair in pairs if pair["kind"] == "peer"):
+        key, rank = (pair["ours"], pair["peer"].split()[0]), (not pair["short_of_standard"], len(pair["seeds"]))
+        if key not in best or rank > (not best[key]["short_of_standard"], len(best[key]["seeds"])):
+            best[key] = pair
+    return best
+
+
 def peers_to_pair(runs: list[dict], pairs: list[dict], order: list[tuple[str, str | None]]) -> list[str]:
     """Per shipped recipe and each llm-compressor preset it competes with (``order``), what their pair lacks against
     the table's standard, or that no pair was measured on the same windows and threads: the peer work left."""
-    lines = []
+    best, recipes, lines = best_peer_pairs(pairs), shipped_recipes(), []
     for recipe, preset in order:
-        if preset is None or preset in HISTORY_PEERS or recipe not in shipped_recipes():
+        if preset is None or preset in HISTORY_PEERS or recipe not in recipes:
             continue
         row = shipped(runs, recipe)
-        found = [pair for pair in pairs if pair["kind"] == "peer" and row and pair["ours"] == row["run"]
-                 and pair["peer"].split()[0] == f"llm-compressor:{preset}"]  # fmt: skip
-        if any(not pair["short_of_standard"] for pair in found):
+        pair = best.get((row["run"], f"llm-compressor:{preset}")) if row else None
+        if pair is not None and not pair["short_of_standard"]:
             continue
-        lacks = "; ".join(max(found, key=lambda pair: len(pair["seeds"]))["short_of_standard"]) if found else ""
-        lines.append(f"- `{recipe}` − `llm-compressor:{preset}`: {lacks or 'no pair on the same windows and threads'}")
+        lacks = "; ".join(pair["short_of_standard"]) if pair else "no pair on the same windows and threads"
+        lines.append(f"- `{recipe}` − `llm-compressor:{preset}`: {lacks}")
     return lines
