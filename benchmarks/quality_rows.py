@@ -23,8 +23,9 @@ NEEDS_INPUT = dict.fromkeys(
 # the same checkpoint, so one draw is all draws; tests/compress/test_recipe_files.py checks this against the stages.
 CALIBRATION_FREE = ("rtn_int4", "fp8_dynamic", "fp8_block")  # no stage of theirs calibrates (tests/compress)
 # llm-compressor's FP8 presets quantize weights per channel (or block) from the weights alone and activations at run
-# time: the windows they are passed change nothing, as with ours
-PEER_CALIBRATION_FREE = ("llm-compressor:fp8_dynamic", "llm-compressor:fp8_block")
+# time, and its W4A16 round-to-nearest takes min-max weight ranges: the windows they are passed change nothing, as
+# with ours (llm-compressor 0.14's QuantizationModifier sets requires_calibration_data false for all three)
+PEER_CALIBRATION_FREE = ("llm-compressor:fp8_dynamic", "llm-compressor:fp8_block", "llm-compressor:rtn_w4a16")
 PICK_RULE = (
     "the lowest mean ratio over the three out-of-domain texts (Shakespeare, code, technical: averaged per draw, "
     "then a 95% t over draws) among the int4 g64 recipes as shipped, every draw scored on all three, whose "

@@ -31,13 +31,17 @@ def test_missing_draws_skip_calibration_free_seeds_and_rerun_failures_and_older_
 
 
 def test_llm_compressors_data_free_presets_are_one_draw_as_ours_are():
-    """Its FP8 presets (per-channel weights, activations quantized at run time) read nothing from the calibration
-    windows they are passed, as our fp8_dynamic and fp8_block: one draw is every draw, not "1 of 3"; its GPTQ is
-    drawn three times."""
-    specs = ["llm-compressor:fp8_dynamic", "llm-compressor:fp8_block", "llm-compressor:gptq_w4a16"]
+    """Its FP8 presets (per-channel weights, activations quantized at run time) and its round-to-nearest W4A16
+    (min-max weights) read nothing from the calibration windows they are passed, as our fp8_dynamic, fp8_block and
+    rtn_int4: one draw is every draw, not "1 of 3"; its GPTQ is drawn three times."""
+    specs = [
+        "llm-compressor:fp8_dynamic", "llm-compressor:fp8_block", "llm-compressor:rtn_w4a16",
+        "llm-compressor:gptq_w4a16",
+    ]  # fmt: skip
     assert quality_draws.wanted(specs, [0, 1, 2]) == [
         ("llm-compressor:fp8_dynamic", 0),
         ("llm-compressor:fp8_block", 0),
+        ("llm-compressor:rtn_w4a16", 0),
         *[("llm-compressor:gptq_w4a16", seed) for seed in (0, 1, 2)],
     ]
 
