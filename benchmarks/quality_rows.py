@@ -21,7 +21,7 @@ NEEDS_INPUT = dict.fromkeys(
 )
 # Recipes no stage of which reads calibration data (round-to-nearest, FP8 with dynamic activations): every seed gives
 # the same checkpoint, so one draw is all draws; tests/compress/test_recipe_files.py checks this against the stages.
-CALIBRATION_FREE = ("rtn_int4", "fp8_dynamic", "fp8_block")  # no stage of theirs calibrates (tests/compress)
+CALIBRATION_FREE = ("rtn_int4", "fp8_dynamic", "fp8_block")
 # llm-compressor's FP8 presets quantize weights per channel (or block) from the weights alone and activations at run
 # time, and its W4A16 round-to-nearest takes min-max weight ranges: the windows they are passed change nothing, as
 # with ours (llm-compressor 0.14's QuantizationModifier sets requires_calibration_data false for all three)
