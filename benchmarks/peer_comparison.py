@@ -43,6 +43,7 @@ SCHEMES = {
     "gptq_w4a16": "gptq_int4",
     "gptq_w4a16_mse": "gptq_int4",
     "gptq_w3a16": "gptq_int3",
+    "gptq_w3a16_mse": "gptq_int3",
     "awq_w4a16": "awq_int4",
     "awq_gptq_w4a16_mse": "awq_int4",
     "smoothquant_w8a8": "smoothquant_gptq_w8a8",

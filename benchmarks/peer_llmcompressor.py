@@ -40,8 +40,9 @@ def recipe(scheme: str, alpha: float) -> list:
         return [GPTQModifier(config_groups=W4A16_G64, ignore=["lm_head"])]
     if scheme == "gptq_w4a16_mse":  # like for like with our clipping search
         return [GPTQModifier(config_groups=int_weights(4, "mse"), ignore=["lm_head"])]
-    if scheme == "gptq_w3a16":
-        return [GPTQModifier(config_groups=int_weights(3), ignore=["lm_head"])]
+    if scheme in ("gptq_w3a16", "gptq_w3a16_mse"):  # `_mse`: like for like with gptq_int3's clipping search
+        observer = "mse" if scheme.endswith("_mse") else "minmax"
+        return [GPTQModifier(config_groups=int_weights(3, observer), ignore=["lm_head"])]
     if scheme == "awq_w4a16":
         from llmcompressor.modifiers.transform.awq import AWQModifier
 

@@ -89,6 +89,7 @@ ORDER = [
     ("autoround_int4", None),
     ("rotate_gptq_int4", "spinquant_gptq_w4a16"),
     ("gptq_int3", "gptq_w3a16"),
+    ("gptq_int3", "gptq_w3a16_mse"),  # like for like at 3 bits: both search clipping
     ("rotate_gptq_int3", None),
     ("smoothquant_gptq_w8a8", "smoothquant_w8a8"),
     ("fp8_dynamic", "fp8_dynamic"),
