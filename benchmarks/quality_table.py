@@ -137,6 +137,7 @@ CHANGED = {  # oldest change first
             ["stages.0.init=rtn"],
         ),
         ("2026-11-29 11:12", *AUTOROUND_SEQUENCES),
+        ("2026-12-06 04:00", ["data.generated=0.0"], ["data.generated=0.5"]),  # half the windows model-sampled
     ],
     "autoround_int3": [("2026-11-29 11:47", *AUTOROUND_SEQUENCES)],
     "gptq_int4": [("2026-11-28 05:15", ["stages.0.act_order=false"], ["stages.0.act_order=true"])],
@@ -173,8 +174,9 @@ def as_measured(run: str, date: str) -> str:
     changes = CHANGED.get(recipe, [])
     own = {override.split("=")[0] for override in overrides}
 
-    def overridden(key: str) -> bool:  # the row sets it, or a key inside it (data.generated=1.0 sets data)
-        return any(mine == key or mine.startswith(f"{key}.") for mine in own)
+    def overridden(key: str) -> bool:  # the row sets it, a key inside it (data.generated=1.0 sets data), or the
+        # group holding it (data=sampled sets data.generated)
+        return any(mine == key or mine.startswith(f"{key}.") or key.startswith(f"{mine}.") for mine in own)
 
     before = {}  # key → the value the row ran with: the oldest change after its date that lists the key says it
     for changed_at, then, _ in changes:

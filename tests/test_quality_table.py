@@ -263,6 +263,17 @@ def test_a_setting_changed_twice_is_spelled_with_the_value_the_row_ran_with(monk
     assert spell("autoround_int4 stages.0.iterations=200", "2030-02-01 00:00") == "autoround_int4"
 
 
+def test_a_row_that_replaced_a_whole_group_is_not_given_a_key_inside_it(monkeypatch):
+    """A change of `data.generated`: a row that chose its own data group (`data=sampled`) ran with that group's
+    share, not with the value the recipe had before; a row that kept the recipe's group gets the old value back."""
+    changes = [("2030-01-01 00:00", ["data.generated=0.0"], ["data.generated=0.5"])]
+    monkeypatch.setitem(quality_table.CHANGED, "autoround_int4", changes)
+    spell = quality_table.as_measured
+    assert spell("autoround_int4 data=sampled", "2029-12-31 00:00") == "autoround_int4 data=sampled"
+    assert spell("autoround_int4", "2029-12-31 00:00") == "autoround_int4 data.generated=0.0"
+    assert spell("autoround_int4 data.generated=0.5", "2030-02-01 00:00") == "autoround_int4"
+
+
 def test_a_shipped_recipe_is_paired_with_its_other_stage_settings_on_the_same_draws(tmp_path: Path):
     """What a shipped setting buys, by the same paired arithmetic as a peer pair; a data override changes the
     calibration ids and a row with overrides of its own is not 'as shipped': neither is paired."""
