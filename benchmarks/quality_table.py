@@ -137,7 +137,6 @@ CHANGED = {  # oldest change first
             ["stages.0.init=rtn"],
         ),
         ("2026-11-29 11:12", *AUTOROUND_SEQUENCES),
-        ("2026-12-06 04:00", ["data.generated=0.0"], ["data.generated=0.5"]),  # half the windows model-sampled
     ],
     "autoround_int3": [("2026-11-29 11:47", *AUTOROUND_SEQUENCES)],
     "gptq_int4": [("2026-11-28 05:15", ["stages.0.act_order=false"], ["stages.0.act_order=true"])],
