@@ -78,13 +78,15 @@ def recipe_files(folder: Path = RECIPES_DIR) -> dict[str, dict]:
     return {path.stem: yaml.safe_load(path.read_text()) or {} for path in sorted(folder.glob("[!_]*.yaml"))}
 
 
-def sampled_recipes(folder: Path = RECIPES_DIR) -> set[str]:
-    """The recipes that calibrate on the model's own samples: their ``defaults`` select the sampled data group."""
-    return {
-        name
-        for name, parsed in recipe_files(folder).items()
-        if {"override data": "sampled"} in (parsed.get("defaults") or [])
-    }
+def shipped_data_groups(folder: Path = RECIPES_DIR) -> dict[str, str]:
+    """``{recipe: data group}`` for the recipes whose ``defaults`` select a calibration data group of their own
+    (``override data: <group>``); any other recipe reads ``_base``'s (pydoc)."""
+    found = {}
+    for name, parsed in recipe_files(folder).items():
+        for entry in parsed.get("defaults") or []:
+            if isinstance(entry, dict) and "override data" in entry:
+                found[name] = entry["override data"]
+    return found
 
 
 def data_group_file(group: str, folder: Path = RECIPES_DIR) -> dict:

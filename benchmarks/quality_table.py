@@ -30,6 +30,7 @@ from benchmarks.quality_readme import README, readme_section, replace_section
 from benchmarks.quality_rows import (
     OUT_OF_DOMAIN,
     PICK_RULE,
+    RECIPES_DIR,
     STANDARD,
     TEXT_LABELS,
     calibration_free,
@@ -38,8 +39,9 @@ from benchmarks.quality_rows import (
     extended_recipes,
     no_interval,
     peers_to_pair,
+    recipe_files,
     row_seed,
-    sampled_recipes,
+    shipped_data_groups,
     shortfall,
     still_to_measure,
     threads_cell,
@@ -152,7 +154,8 @@ CHANGED = {  # oldest change first
 SAMPLED_CHANGED = ("2026-11-27 10:18", "data.num_samples=64")
 SAMPLED_NOW = {key: data_group_file("sampled")[key] for key in ("num_samples", "seq_len")}
 PYDOC_NUM_SAMPLES = data_group_file("pydoc")["num_samples"]
-SHIPS_SAMPLED = sampled_recipes()  # the recipes whose calibration is the sampled group, read from their files
+RECIPE_DATA = {name: parsed.get("data") or {} for name, parsed in recipe_files().items()}  # a recipe's own data keys
+SHIPPED_GROUPS = shipped_data_groups()  # recipe → the calibration data group its defaults select, read from its file
 # A run spelled as overrides of one recipe that another recipe ships (after CHANGED): shown under the shipped name,
 # with the overrides that give back what it ran with since that recipe changed
 # (tests/test_quality_draws.py checks that both compose to the same stages and calibration).
@@ -195,13 +198,15 @@ def as_measured(run: str, date: str) -> str:
 
 
 def calibration(recipe: str, overrides: list[str], seed: int) -> tuple[str, float, int, int]:
-    """What decides a run's calibration ids: ``(data group, generated share, windows, seed)``; a peer preset reads
-    the pydoc group unless its overrides say otherwise (benchmarks/variants.peer_options)."""
+    """What decides a run's calibration ids: ``(data group, generated share, windows, seed)``, each from the run's
+    overrides, else its recipe file, else its data group's file; a peer preset reads the pydoc group unless its
+    overrides say otherwise (benchmarks/variants.peer_options)."""
     options = dict(override.split("=", 1) for override in overrides if "=" in override)
     group = data_group(recipe, overrides)
-    sampled = group == "sampled"
-    generated = float(options.get("data.generated", 1.0 if sampled else 0.0))
-    windows = int(options.get("data.num_samples", SAMPLED_NOW["num_samples"] if sampled else PYDOC_NUM_SAMPLES))
+    group_file = RECIPES_DIR / "data" / f"{group}.yaml"
+    ships = {**(data_group_file(group) if group_file.is_file() else {}), **RECIPE_DATA.get(recipe, {})}
+    generated = float(options.get("data.generated", ships.get("generated", 0.0)))
+    windows = int(options.get("data.num_samples", ships.get("num_samples", PYDOC_NUM_SAMPLES)))
     if generated == 1.0 and group == "pydoc":
         group = "sampled"  # pydoc's group with every window generated is the sampled group
     return group, generated, windows, seed
@@ -210,7 +215,7 @@ def calibration(recipe: str, overrides: list[str], seed: int) -> tuple[str, floa
 def data_group(recipe: str, overrides: list[str]) -> str:
     """The data config group a run reads: its ``data=`` override, else what its recipe ships (a peer: pydoc)."""
     chosen = [override.split("=", 1)[1] for override in overrides if override.startswith("data=")]
-    return chosen[-1] if chosen else "sampled" if recipe in SHIPS_SAMPLED else "pydoc"
+    return chosen[-1] if chosen else SHIPPED_GROUPS.get(recipe, "pydoc")
 
 
 def file_threads(report: dict) -> int | None:

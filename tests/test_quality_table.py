@@ -4,17 +4,19 @@ table or a figure no file holds fails here. Reads JSON only (no model, no torch)
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from benchmarks import quality_table
 from benchmarks.quality_readme import README, current_section, readme_section, replace_section
-from benchmarks.quality_rows import extended_recipes, sampled_recipes
+from benchmarks.quality_rows import extended_recipes, shipped_data_groups
 from benchmarks.quality_table import (
     EXTENDS,
     RESULTS,
-    SHIPS_SAMPLED,
+    SHIPPED_GROUPS,
     SOURCES,
     build,
     markdown,
@@ -55,17 +57,36 @@ def test_missing_markers_are_one_clear_error():
         current_section("# a README without the results markers\n")
 
 
-def test_the_sampled_recipes_read_from_their_defaults_are_those_whose_text_says_so():
-    ships = {path.stem for path in (ROOT / "recipes").glob("*.yaml") if "override data: sampled" in path.read_text()}
-    assert ships == SHIPS_SAMPLED
-    assert "awq_int4" in SHIPS_SAMPLED and "gptq_int4" not in SHIPS_SAMPLED
+def test_the_data_groups_read_from_the_recipes_defaults_are_those_their_text_names():
+    ships = {}
+    for path in (ROOT / "recipes").glob("[!_]*.yaml"):
+        found = re.search(r"override data: (\w+)", path.read_text())
+        if found:
+            ships[path.stem] = found[1]
+    assert ships == SHIPPED_GROUPS
+    assert SHIPPED_GROUPS["awq_int4"] == "sampled" and "gptq_int4" not in SHIPPED_GROUPS
 
 
-def test_sampled_recipes_are_read_from_their_defaults(tmp_path):
+def test_data_groups_are_read_from_the_defaults(tmp_path):
     (tmp_path / "mine.yaml").write_text("defaults:\n  - _base\n  - override data: sampled\n  - _self_\n")
+    (tmp_path / "half.yaml").write_text("defaults:\n  - _base\n  - override data: half_sampled\n  - _self_\n")
     (tmp_path / "theirs.yaml").write_text("defaults:\n  - _base\n  - _self_\nstages: []\n")
     (tmp_path / "_base.yaml").write_text("defaults:\n  - override data: sampled\n")
-    assert sampled_recipes(tmp_path) == {"mine"}
+    assert shipped_data_groups(tmp_path) == {"mine": "sampled", "half": "half_sampled"}
+
+
+def test_a_runs_calibration_is_read_from_its_overrides_then_its_recipe_then_its_data_group(monkeypatch):
+    """The windows a run calibrates on decide which draws pair: a recipe's own `data.num_samples` and its data
+    group's `generated` share count, and an override beats both."""
+    monkeypatch.setitem(quality_table.SHIPPED_GROUPS, "mine", "half_sampled")
+    monkeypatch.setitem(quality_table.RECIPE_DATA, "mine", {"num_samples": 128})
+    half = yaml.safe_load((ROOT / "recipes" / "data" / "half_sampled.yaml").read_text())["generated"]
+    assert 0 < half < 1
+    assert quality_table.calibration("mine", [], 0) == ("half_sampled", half, 128, 0)
+    assert quality_table.calibration("mine", ["data.num_samples=8"], 1) == ("half_sampled", half, 8, 1)
+    assert quality_table.calibration("mine", ["data=pydoc"], 0) == ("pydoc", 0.0, 128, 0)
+    assert quality_table.calibration("mine", ["data=pydoc", "data.generated=1.0"], 0)[:2] == ("sampled", 1.0)
+    assert quality_table.calibration("llm-compressor:gptq_w4a16", [], 2) == ("pydoc", 0.0, 64, 2)
 
 
 def _file(path: Path, command: str, rows: dict, threads: int | None = None) -> None:

@@ -1,13 +1,15 @@
-"""Every recipe that samples its calibration windows (``data: sampled``) calibrates on the user's text instead as soon
-as the user names one, through the Python API and the command line alike; sampling only when asked for
-(``data.generated=...``)."""
+"""Every recipe that samples its calibration windows (a data group with ``generated > 0``: ``sampled``,
+``half_sampled``) calibrates on the user's text instead as soon as the user names one, through the Python API and the
+command line alike; sampling only when asked for (``data.generated=...``)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
+import yaml
 from helpers import adapters_for
 
 from compress import api
@@ -17,10 +19,15 @@ from compress.base.data import tokenize
 from compress.base.paths import recipes_dir
 from compress.model.sources import load
 
-# read from the files' text (composing every recipe at collection would cost seconds); the first test checks it
-SAMPLING_RECIPES = [
-    name for name in available() if "override data: sampled" in (recipes_dir() / f"{name}.yaml").read_text()
-]
+
+def _samples(name: str) -> bool:
+    """Its file selects a data group whose windows are (partly) sampled: read from the files' text (composing every
+    recipe at collection would cost seconds); the first test checks it."""
+    found = re.search(r"override data: (\w+)", (recipes_dir() / f"{name}.yaml").read_text())
+    return bool(found) and yaml.safe_load((recipes_dir() / "data" / f"{found[1]}.yaml").read_text())["generated"] > 0
+
+
+SAMPLING_RECIPES = [name for name in available() if _samples(name)]
 SMALL = ["data.num_samples=3", "data.seq_len=16"]
 SMALL_DISTILL = {"steps": 2, "seq_len": 16, "held_out": 1, "batch_size": 2}  # keeps a distill stage to a second
 MY_TEXT = [f"my own workload, line {i}: the quick brown fox jumps over the lazy dog." for i in range(60)]
