@@ -139,6 +139,11 @@ CHANGED = {  # oldest change first
             ["stages.0.init=rtn"],
         ),
         ("2026-11-29 11:12", *AUTOROUND_SEQUENCES),
+        (
+            "2026-12-06 06:10",
+            ["data.generated=0.0"],
+            ["data.generated=0.5"],
+        ),  # data: half_sampled (pydoc, half sampled)
     ],
     "autoround_int3": [("2026-11-29 11:47", *AUTOROUND_SEQUENCES)],
     "gptq_int4": [("2026-11-28 05:15", ["stages.0.act_order=false"], ["stages.0.act_order=true"])],

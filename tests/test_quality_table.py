@@ -570,3 +570,15 @@ def test_the_readme_quotes_one_pair_per_peer_preset_the_one_to_the_standard():
             "`fp8_dynamic` − `llm-compressor:fp8_dynamic` Shakespeare +0.001 (both calibration-free), "
             "code +0.001 (both calibration-free)"
         ]
+
+
+def test_autoround_int4s_draws_before_half_sampled_calibration_stay_apart_from_those_after():
+    """autoround_int4 calibrated on pydoc alone until 2026-12-06, on half model-sampled windows since: a draw of
+    the pydoc recipe, one that set a data key of its own (data.seq_len) included, is never counted as shipped, and
+    a draw of the candidate is."""
+    spell = quality_table.as_measured
+    tuned = "autoround_int4 stages.0.iterations=200 stages.0.batch_size=2 data.seq_len=512"
+    assert spell(tuned, "2026-11-29 11:10") == "autoround_int4 data.generated=0.0"
+    assert spell("autoround_int4", "2026-11-29 12:46") == "autoround_int4 data.generated=0.0"
+    assert spell("autoround_int4 data.generated=0.5", "2026-12-06 03:55") == "autoround_int4"
+    assert spell("autoround_int4 data=sampled", "2026-11-29 15:08") == "autoround_int4 data=sampled"
