@@ -121,6 +121,7 @@ AUTOROUND_SEQUENCES = (  # AutoRound's CPU preset of 64-token sequences, before 
     ["stages.0.iterations=50", "stages.0.batch_size=8", "data.seq_len=64"],
     ["stages.0.iterations=200", "stages.0.batch_size=2", "data.seq_len=512"],
 )
+HALF_SAMPLED = (["data.generated=0.0"], ["data=half_sampled", "data.generated=0.5"])  # pydoc, then data: half_sampled
 CHANGED = {  # oldest change first
     "rotate_gptq_int4": [("2026-11-26 19:00", ["data=pydoc"], SAMPLED)],
     "awq_int4": [
@@ -139,11 +140,7 @@ CHANGED = {  # oldest change first
             ["stages.0.init=rtn"],
         ),
         ("2026-11-29 11:12", *AUTOROUND_SEQUENCES),
-        (
-            "2026-12-06 06:10",
-            ["data.generated=0.0"],
-            ["data.generated=0.5"],
-        ),  # data: half_sampled (pydoc, half sampled)
+        ("2026-12-06 06:10", *HALF_SAMPLED),
     ],
     "autoround_int3": [("2026-11-29 11:47", *AUTOROUND_SEQUENCES)],
     "gptq_int4": [("2026-11-28 05:15", ["stages.0.act_order=false"], ["stages.0.act_order=true"])],

@@ -581,4 +581,5 @@ def test_autoround_int4s_draws_before_half_sampled_calibration_stay_apart_from_t
     assert spell(tuned, "2026-11-29 11:10") == "autoround_int4 data.generated=0.0"
     assert spell("autoround_int4", "2026-11-29 12:46") == "autoround_int4 data.generated=0.0"
     assert spell("autoround_int4 data.generated=0.5", "2026-12-06 03:55") == "autoround_int4"
+    assert spell("autoround_int4 data=half_sampled", "2026-12-06 03:55") == "autoround_int4"
     assert spell("autoround_int4 data=sampled", "2026-11-29 15:08") == "autoround_int4 data=sampled"
