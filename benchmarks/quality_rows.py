@@ -89,9 +89,9 @@ def shipped_data_groups(folder: Path = RECIPES_DIR) -> dict[str, str]:
     return found
 
 
-def data_group_file(group: str, folder: Path = RECIPES_DIR) -> dict:
-    """A calibration data group as its file ships it (``recipes/data/<group>.yaml``)."""
-    return yaml.safe_load((folder / "data" / f"{group}.yaml").read_text())
+def data_group_files(folder: Path = RECIPES_DIR) -> dict[str, dict]:
+    """Every calibration data group as its file ships it (``recipes/data/<group>.yaml``), by name."""
+    return {path.stem: yaml.safe_load(path.read_text()) for path in sorted((folder / "data").glob("*.yaml"))}
 
 
 def extended_recipes(folder: Path = RECIPES_DIR) -> dict[str, str]:

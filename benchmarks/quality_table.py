@@ -30,12 +30,11 @@ from benchmarks.quality_readme import README, readme_section, replace_section
 from benchmarks.quality_rows import (
     OUT_OF_DOMAIN,
     PICK_RULE,
-    RECIPES_DIR,
     STANDARD,
     TEXT_LABELS,
     calibration_free,
     capped_phrase,
-    data_group_file,
+    data_group_files,
     extended_recipes,
     no_interval,
     peers_to_pair,
@@ -154,8 +153,9 @@ CHANGED = {  # oldest change first
 }
 # The sampled data group's size before it changed (8700e76): a run on it measured before then gets this override.
 SAMPLED_CHANGED = ("2026-11-27 10:18", "data.num_samples=64")
-SAMPLED_NOW = {key: data_group_file("sampled")[key] for key in ("num_samples", "seq_len")}
-PYDOC_NUM_SAMPLES = data_group_file("pydoc")["num_samples"]
+DATA_GROUPS = data_group_files()  # group → its file's settings, read once: calibration() runs for every draw
+SAMPLED_NOW = {key: DATA_GROUPS["sampled"][key] for key in ("num_samples", "seq_len")}
+PYDOC_NUM_SAMPLES = DATA_GROUPS["pydoc"]["num_samples"]
 RECIPE_DATA = {name: parsed.get("data") or {} for name, parsed in recipe_files().items()}  # a recipe's own data keys
 SHIPPED_GROUPS = shipped_data_groups()  # recipe → the calibration data group its defaults select, read from its file
 # A run spelled as overrides of one recipe that another recipe ships (after CHANGED): shown under the shipped name,
@@ -205,8 +205,7 @@ def calibration(recipe: str, overrides: list[str], seed: int) -> tuple[str, floa
     overrides say otherwise (benchmarks/variants.peer_options)."""
     options = dict(override.split("=", 1) for override in overrides if "=" in override)
     group = data_group(recipe, overrides)
-    group_file = RECIPES_DIR / "data" / f"{group}.yaml"
-    ships = {**(data_group_file(group) if group_file.is_file() else {}), **RECIPE_DATA.get(recipe, {})}
+    ships = {**DATA_GROUPS.get(group, {}), **RECIPE_DATA.get(recipe, {})}  # a file path as the group: no group file
     generated = float(options.get("data.generated", ships.get("generated", 0.0)))
     windows = int(options.get("data.num_samples", ships.get("num_samples", PYDOC_NUM_SAMPLES)))
     if generated == 1.0 and group == "pydoc":
