@@ -141,7 +141,7 @@ CHANGED = {  # oldest change first
         ("2026-11-29 11:12", *AUTOROUND_SEQUENCES),
         ("2026-12-06 06:10", *HALF_SAMPLED),
     ],
-    "autoround_int3": [("2026-11-29 11:47", *AUTOROUND_SEQUENCES)],
+    "autoround_int3": [("2026-11-29 11:47", *AUTOROUND_SEQUENCES), ("2026-12-06 09:10", *HALF_SAMPLED)],
     "gptq_int4": [("2026-11-28 05:15", ["stages.0.act_order=false"], ["stages.0.act_order=true"])],
     "awq_int4_train_scales": [  # EfficientQAT's absolute steps at SmolLM's rate, before steps relative to each scale
         (
