@@ -302,7 +302,7 @@ def main() -> None:
             command = run_command(recipe, [*overrides, f"seed={seed}"], args.model, model_dir, folder)
             row = {**compress_and_score(command, folder, ids, args.max_windows, args.timeout),
                    "recipe_fingerprint": spec_fingerprints[spec], "date": time.strftime("%Y-%m-%d %H:%M"),
-                   "cpu": cpu_name()}  # fmt: skip
+                   "cpu": cpu_name(), "command": report["command"]}  # fmt: skip
             report["rows"][run_name(spec, seed)] = row
             print(f"{run_name(spec, seed)}: {json.dumps(row)}", flush=True)
             save_report(report, args.results, args.name)

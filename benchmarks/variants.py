@@ -160,6 +160,29 @@ def _optional(row: dict, key: str) -> str:
     return f"{row[key]:.0f}" if key in row else "-"
 
 
+def command_lines(report: dict) -> list[str]:
+    """A variants file is one invocation's; a draws file grows over many, and each row names its own, so a row can be
+    measured again by the command that measured it rather than by the latest one."""
+    by_command: dict[str | None, list[str]] = {}
+    for name, row in report["rows"].items():
+        by_command.setdefault(row.get("command"), []).append(name)
+    if set(by_command) <= {None}:
+        return [f"Command: `{report['command']}`"]
+    lines = ["Commands, each with the runs it measured (a row's own is its `command` in the JSON):", ""]
+    recorded = [(command, names) for command, names in by_command.items() if command]
+    lines += [f"- `{command}`: {_runs(len(names))} ({', '.join(names)})" for command, names in recorded]
+    if None in by_command:
+        lines.append(
+            "- not recorded (rows measured before a row named its command; each row's `date` is in the JSON): "
+            + _runs(len(by_command[None]))
+        )
+    return lines
+
+
+def _runs(count: int) -> str:
+    return f"{count} run" + ("s" if count != 1 else "")
+
+
 def markdown(report: dict) -> str:
     rows = report["rows"]
     reference = next(iter(rows))
@@ -176,7 +199,7 @@ def markdown(report: dict) -> str:
         f"pydoc. Scored tokens: {scored}. Time ratio against `{reference}`, measured in the same invocation. "
         f"{report['machine']}, torch threads {report.get('threads', 'not recorded')}; {report['date']}.",
         "",
-        f"Command: `{report['command']}`",
+        *command_lines(report),
         "",
         "| run | "
         + " | ".join(f"{TEXT_LABELS.get(text, text)} ppl | ratio" for text in base)

@@ -132,6 +132,7 @@ def test_one_command_measures_what_is_missing_and_the_table_reads_it(tiny_model_
     assert set(report["rows"]["rtn_int4"]) >= {"out_of_domain", "code", "technical", "in_domain", "size_mb"}
     assert report["rows"]["rtn_int4"]["stages"]["0:rtn"]["algorithm"]  # what the stage did, from stages.json
     assert report["rows"]["rtn_int4"]["cpu"] and "calibration_sha256" not in report["rows"]["rtn_int4"]  # data-free
+    assert report["rows"]["rtn_int4"]["command"] == report["command"]  # the invocation that measured it
     (run,) = build(["quality-draws"], tmp_path)[tiny_model_dir.name]["runs"]
     assert list(run["ratios"]) == ["out_of_domain", "code", "technical", "in_domain"] and run["threads"] == 1
     quality_draws.main()
@@ -253,3 +254,19 @@ def test_a_peer_checkpoint_names_its_windows_as_ours_does_so_their_pair_is_check
     write_calibration(tmp_path / "peer", samples)
     assert (tmp_path / "peer" / "calibration.json").read_text() == (ours / "calibration.json").read_text()
     assert calibration_facts(tmp_path / "peer") == calibration_facts(ours) != {}
+
+
+def test_a_draws_file_names_every_invocation_that_measured_its_rows_not_only_the_latest():
+    from benchmarks.variants import markdown
+
+    base = {"out_of_domain": {"perplexity": 10.0, "tokens": 100}}
+    row = {"out_of_domain": {"perplexity": 11.0}, "seconds": 4.0}
+    rows = {"a": row, "b": row | {"command": "first"}, "c": row | {"command": "first"}, "d": row | {"command": "last"}}
+    report = {"title": "t", "model": "m", "machine": "x", "threads": 2, "date": "d", "command": "last",
+              "baseline": base, "rows": rows}  # fmt: skip
+    text = markdown(report)
+    assert "- `first`: 2 runs (b, c)" in text and "- `last`: 1 run (d)" in text
+    assert "- not recorded (rows measured before a row named its command; each row's `date` is in the JSON): 1 run" in (
+        text
+    )
+    assert "Command: `c`" in markdown(report | {"command": "c", "rows": {"a": row}})  # one invocation: one line
