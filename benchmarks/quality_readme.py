@@ -31,6 +31,7 @@ README_RECIPES = [
     "autoround_int4",
     "rtn_int4",
     "rotate_gptq_int4",
+    "rotate_autoround_int4",
     "gptq_int3",
     "autoround_int3",
     "smoothquant_gptq_w8a8",

@@ -468,6 +468,27 @@ def test_the_share_of_the_reference_loss_removed_is_computed_with_its_interval_a
     assert "`autoround_int4` against `gptq_int4`" in markdown({"m": tables}, "cmd")
 
 
+def test_the_int4_ceiling_on_the_default_model_is_read_from_the_rows_with_its_interval_and_verdict(tmp_path: Path):
+    """The issue's "best int4 leads" goal (a shipped int4 g64 recipe at most x1.08 out of domain on the default
+    model): met only when the 95% interval of the out-of-domain mean stays at or under it, missed when it stays
+    over, else undecided; on another model no ceiling is set."""
+    from benchmarks.quality_readme import MODEL
+
+    rows = {}
+    for seed, (low, high) in enumerate(((10.70, 10.90), (10.75, 10.95), (10.80, 11.00))):
+        suffix = f" seed={seed}" if seed else ""
+        rows[f"rotate_autoround_int4{suffix}"] = _panel_row(low)  # x1.075 mean: under 1.08, its interval too wide
+        rows[f"autoround_int4{suffix}"] = _panel_row(high)  # x1.095: over 1.08
+    tables = _panel_tables(tmp_path, rows, MODEL)[MODEL]
+    ceilings = {goal["ours"]: goal for goal in tables["goals"] if "ceiling" in goal}
+    assert ceilings["rotate_autoround_int4"]["panel"]["mean"] == pytest.approx(1.075)
+    assert ceilings["rotate_autoround_int4"]["verdict"] == "undecided"
+    assert ceilings["autoround_int4"]["verdict"] == "missed"
+    text = markdown({MODEL: tables}, "cmd")
+    assert "- `rotate_autoround_int4` (goal: at most ×1.08 over fp32 on the mean of the 3 out-of-domain texts" in text
+    assert not [goal for goal in _panel_tables(tmp_path, rows, "m")["m"]["goals"] if "ceiling" in goal]
+
+
 def test_a_row_whose_stage_stopped_at_its_time_cap_says_how_many_steps_each_draw_took(tmp_path: Path):
     """A time-capped distillation takes as many steps as the machine allows (121 on one processor, 30 on another):
     the row's interval then holds the machine too, so the table says each draw's steps against those asked."""

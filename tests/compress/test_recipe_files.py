@@ -73,6 +73,7 @@ BOUNDS = {
     "prune_2of4_distill": (PRUNED, EXACT),
     "prune_2of4_distill_gptq_int4": (PRUNED, EXACT),
     "prune_2of4_gptq_int4": (PRUNED, EXACT),
+    "rotate_autoround_int4": (0.35, EXACT),
     "rotate_gptq_int3": (0.6, EXACT),
     "rotate_gptq_int4": (0.35, EXACT),
     "rtn_int4": (0.35, EXACT),

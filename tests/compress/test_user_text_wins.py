@@ -35,7 +35,7 @@ MY_TEXT = [f"my own workload, line {i}: the quick brown fox jumps over the lazy 
 
 def test_every_recipe_that_samples_is_listed():
     sampling = [name for name in available() if compose(name, adapters_for(name)).data.generated > 0]
-    shipped_sampling = {"awq_int4", "rotate_gptq_int4", "autoround_int4", "autoround_int3"}
+    shipped_sampling = {"awq_int4", "rotate_gptq_int4", "autoround_int4", "autoround_int3", "rotate_autoround_int4"}
     assert sampling == SAMPLING_RECIPES and shipped_sampling <= set(sampling)
 
 
