@@ -95,23 +95,25 @@ def data_group_files(folder: Path = RECIPES_DIR) -> dict[str, dict]:
 
 
 def extended_recipes(folder: Path = RECIPES_DIR) -> dict[str, str]:
-    """``{recipe: the shipped recipe it extends}``: the same file but for more stages after the other's (same
-    defaults, so the same calibration), the nearest such when several are; read from the files, so a new recipe
-    is paired with its base without a list to update."""
+    """``{recipe: the shipped recipe it extends}``: the same file but for more stages after the other's, or before
+    them (a rotation in front of a quantizer; same defaults, so the same calibration), the nearest such when
+    several are, stages added after first; read from the files, so a new recipe is paired with its base without a
+    list to update."""
     files = recipe_files(folder)
     found = {}
     for name, longer in files.items():
         rest = {key: value for key, value in longer.items() if key != "stages"}
         bases = [
-            (len(shorter["stages"]), other)
+            (len(shorter["stages"]), longer["stages"][: len(shorter["stages"])] == shorter["stages"], other)
             for other, shorter in files.items()
             if other != name
             and 0 < len(shorter.get("stages") or []) < len(longer.get("stages") or [])
-            and longer["stages"][: len(shorter["stages"])] == shorter["stages"]
+            and shorter["stages"]
+            in (longer["stages"][: len(shorter["stages"])], longer["stages"][-len(shorter["stages"]) :])
             and {key: value for key, value in shorter.items() if key != "stages"} == rest
         ]
         if bases:
-            found[name] = max(bases)[1]
+            found[name] = max(bases)[2]
     return found
 
 

@@ -197,13 +197,16 @@ def test_a_recipe_that_adds_stages_to_another_is_paired_with_it():
 
 def test_the_recipes_that_add_stages_to_another_are_read_from_the_files(tmp_path: Path):
     assert EXTENDS == {"awq_int4_kv_int8": "awq_int4", "awq_int4_train_scales": "awq_int4",
-                       "prune_2of4_distill": "prune_2of4", "prune_2of4_gptq_int4": "prune_2of4"}  # fmt: skip
-    rtn, gptq, distill = "{type: rtn}", "{type: gptq}", "{type: distill}"
-    files = {"a": [rtn], "ab": [rtn, gptq], "abc": [rtn, gptq, distill], "b": [gptq], "other_data": [rtn, gptq]}
+                       "prune_2of4_distill": "prune_2of4", "prune_2of4_gptq_int4": "prune_2of4",
+                       "rotate_autoround_int4": "autoround_int4"}  # fmt: skip
+    rtn, gptq, distill, rotate = "{type: rtn}", "{type: gptq}", "{type: distill}", "{type: rotate}"
+    files = {"a": [rtn], "ab": [rtn, gptq], "abc": [rtn, gptq, distill], "b": [gptq], "other_data": [rtn, gptq],
+             "rb": [rotate, gptq]}  # fmt: skip
     for name, stages in files.items():
         data = "defaults: [_base, {override data: sampled}, _self_]\n" if name == "other_data" else ""
         (tmp_path / f"{name}.yaml").write_text(f"{data}stages: [{', '.join(stages)}]\n")
-    assert extended_recipes(tmp_path) == {"ab": "a", "abc": "ab"}  # the nearest base, on the same calibration
+    found = extended_recipes(tmp_path)  # the nearest base, on the same calibration; stages added after it first
+    assert found == {"ab": "a", "abc": "ab", "rb": "b"}
 
 
 def test_panel_texts_get_a_column_each_shakespeare_first_in_domain_last(tmp_path: Path):
