@@ -33,8 +33,10 @@ class _CheckoutFolders:
         )
 
 
+# First in line: a second checkout of the source (a git worktree) imports its own folders, not those an editable
+# install of another checkout maps.
 if not (Path(__file__).parent / "kernels").exists() and (_CHECKOUT / "kernels" / "__init__.py").is_file():
-    sys.meta_path.append(_CheckoutFolders)
+    sys.meta_path.insert(0, _CheckoutFolders)
 
 if TYPE_CHECKING:
     from compress.api import oneshot
