@@ -61,15 +61,15 @@ def item_draws(count: int, size: int | None, draws: int, seed: int) -> tuple[lis
 
 def judge_windows(model: dict, base: list[float], indices: list[int], policy, family: float):
     """The perplexity and KL checks on one slice of windows, as the gate judges them: each window's text position
-    given (neighbours read in blocks), BLOCK read at the familywise level."""
-    confidence, block = policy.confidence, policy.perplexity.block_windows
+    given (neighbours read as one stretch), BLOCK read at the familywise level."""
+    confidence = policy.confidence
     candidate = [model["window_nll"][index] for index in indices]
     baseline = [base[index] for index in indices]
     kl = [model["window_kl"][index] for index in indices]
     ratio = gate_checks.ratio_check(
-        "perplexity", "perplexity", candidate, baseline, policy.perplexity.max_ratio, confidence, indices, block
+        "perplexity", "perplexity", candidate, baseline, policy.perplexity.max_ratio, confidence, indices
     )
-    divergence = gate_checks.kl_check("kl", "kl_mean", kl, policy.kl.max_mean, confidence, indices, block)
+    divergence = gate_checks.kl_check("kl", "kl_mean", kl, policy.kl.max_mean, confidence, indices)
     return gate_checks.familywise(ratio, family), gate_checks.familywise(divergence, family)
 
 

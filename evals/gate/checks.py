@@ -105,13 +105,13 @@ def _ratio(value: float) -> str:
 
 
 def ratio_check(
-    layer, metric, candidate_nll: list[float], baseline_nll: list[float], max_ratio, confidence, positions=None, block=1
+    layer, metric, candidate_nll: list[float], baseline_nll: list[float], max_ratio, confidence, positions=None
 ) -> Check:
     """Perplexity ratio from per-window mean NLLs: exp of the mean per-window difference, interval likewise (over
-    blocks of neighbouring windows when ``positions`` place them in the text)."""
+    :func:`stats.window_mean_interval` when ``positions`` place the windows in the text)."""
 
     def interval_at(level: float) -> Interval:
-        return stats.paired_difference(candidate_nll, baseline_nll, level, positions, block).map(math.exp)
+        return stats.paired_difference(candidate_nll, baseline_nll, level, positions).map(math.exp)
 
     candidate, baseline = math.exp(_mean(candidate_nll)), math.exp(_mean(baseline_nll))
 
@@ -123,11 +123,11 @@ def ratio_check(
     return _check(layer, metric, candidate, baseline, interval_at, confidence, max_ratio, True, limit_text, wording)
 
 
-def value_check(layer, metric, candidate_nll: list[float], max_value, confidence, positions=None, block=1) -> Check:
+def value_check(layer, metric, candidate_nll: list[float], max_value, confidence, positions=None) -> Check:
     """Hard ceiling on the candidate's perplexity: exp of its mean window NLL and interval."""
 
     def interval_at(level: float) -> Interval:
-        return stats.block_mean_interval(candidate_nll, positions, block, level).map(math.exp)
+        return stats.window_mean_interval(candidate_nll, positions, level).map(math.exp)
 
     def wording(check):
         return f"{metric} {check.estimate:.4g} ({_ci(check)}) vs the {max_value:g} ceiling"
@@ -162,20 +162,20 @@ def drop_check(layer, metric, candidate: list[float], baseline: list[float], max
     )
 
 
-def kl_check(layer, metric, values: list[float], bound, confidence, positions=None, block=1) -> Check:
+def kl_check(layer, metric, values: list[float], bound, confidence, positions=None) -> Check:
     """A ceiling on the mean KL per window, its interval on the log scale (:func:`stats.log_mean_interval`)."""
-    return mean_check(layer, metric, values, bound, True, confidence, None, positions, block, stats.log_mean_interval)
+    return mean_check(layer, metric, values, bound, True, confidence, None, positions, stats.log_mean_interval)
 
 
 def mean_check(
-    layer, metric, values: list[float], bound, at_most: bool, confidence, baseline=None, positions=None, block=1,
-    interval=stats.block_mean_interval,
+    layer, metric, values: list[float], bound, at_most: bool, confidence, baseline=None, positions=None,
+    interval=stats.window_mean_interval,
 ) -> Check:  # fmt: skip
     """A hard bound on the mean of per-item values (mean KL per window, share of same-top positions), ``interval``
-    over blocks of neighbouring windows when ``positions`` place them in the text."""
+    reading the windows' places in the text from ``positions``."""
 
     def interval_at(level: float) -> Interval:
-        return interval(values, positions, block, level)
+        return interval(values, positions, level)
 
     def wording(check):
         return f"{metric} {check.estimate:.4g} ({_ci(check)}) vs the {'≤' if at_most else '≥'} {bound:g} limit"

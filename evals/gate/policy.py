@@ -27,7 +27,6 @@ class PerplexityPolicy:
     max_ratio: float | None = 1.05  # candidate ppl ≤ max_ratio × baseline ppl (judged on the interval)
     max_value: float | None = None  # hard ceiling on candidate ppl
     decide_max_windows: int | None = None  # gate.decide=true adds windows up to this (null: the whole text)
-    block_windows: int = 8  # windows side by side in the text are read in blocks of this many (stats.blocks_of)
 
 
 @dataclass
@@ -210,10 +209,6 @@ def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
     windows, cap = resolved.perplexity.max_windows, resolved.perplexity.decide_max_windows
     if windows is not None and windows < 2:
         raise CompressError(f"gate.perplexity.max_windows={windows}; an interval needs at least 2 windows")
-    if resolved.perplexity.block_windows < 1:
-        raise CompressError(
-            f"gate.perplexity.block_windows={resolved.perplexity.block_windows}; use 1 (windows independent) or more"
-        )
     if cap is not None and windows is not None and cap < windows:
         raise CompressError(f"gate.perplexity.decide_max_windows={cap} is below max_windows={windows}; raise it")
     return resolved

@@ -3,8 +3,9 @@
 Both sides of the gate are scored on the same items (perplexity windows, multiple-choice questions, needle prompts),
 so each check is a statement about the mean of per-item *differences*, which cancels the items' own difficulty:
 - continuous scores (per-window NLL, per-window KL, per-repeat log latency): Student-t interval of the mean; windows
-  that lie side by side in one stretch of text are not independent draws (a scene shares its vocabulary and its
-  difficulty), so they are grouped into blocks and the interval is read across blocks (:func:`block_mean_interval`);
+  that lie near one another in a text are not independent draws (a scene shares its vocabulary and its difficulty),
+  so their variance is read from batch means over thirds of the stretch (:func:`window_mean_interval`), and KL's on
+  the log scale (:func:`log_mean_interval`);
 - 0/1 outcomes (accuracies): the Agresti–Min interval for a difference of paired proportions (Wald after adding
   half a count to each cell of the 2×2 table), which stays honest when no item flips: ten agreeing prompts give
   ±16 points, not a zero-width interval.
@@ -25,7 +26,9 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 PASS, BLOCK, INCONCLUSIVE = "pass", "block", "inconclusive"
-MIN_BLOCKS = 3  # a run of neighbouring windows is read across at least this many blocks (gate-calibration.md)
+STRETCH_GAP = 40  # windows nearer than this to one another share a stretch of text (gate-calibration.md, "intervals")
+BATCHES = 3  # a stretch is read as this many consecutive batches
+KL_SPREAD_FLOOR = 0.18  # the least relative spread of per-window KL an interval assumes (gate-calibration.md)
 VERDICTS = (PASS, BLOCK, INCONCLUSIVE)
 
 
@@ -97,63 +100,70 @@ def _variance(values: list[float]) -> float:
     return sum((value - mean) ** 2 for value in values) / (len(values) - 1)
 
 
-def blocks_of(positions: list[int], block: int) -> list[int]:
-    """Which block each item falls in: items whose ``positions`` (their windows' places in the text) follow one
-    another form one stretch, cut into blocks of at most ``block`` items; an item with no neighbour is its own
-    block. Windows spread over a long text are then independent items, a contiguous run is a few blocks."""
-    if block < 1:
-        raise ValueError(f"a block holds at least one item, not {block}")
-    order = sorted(range(len(positions)), key=positions.__getitem__)
-    labels, current, in_block, previous = [0] * len(positions), -1, 0, None
-    for index in order:
-        position = positions[index]
-        if previous is None or position != previous + 1 or in_block == block:
-            current, in_block = current + 1, 0
-        labels[index], in_block, previous = current, in_block + 1, position
-    return labels
+def batch_means_variance(values: list[float]) -> float:
+    """Variance of the mean of ``values`` (in text order) from the means of :data:`BATCHES` consecutive batches: a
+    dependence that reaches across the whole stretch shows up in it, where fixed blocks of a few windows miss it."""
+    size = len(values) // BATCHES
+    means = [sum(values[index * size : (index + 1) * size]) / size for index in range(BATCHES)]
+    return _variance(means) / BATCHES
 
 
-def block_mean_interval(
-    values: list[float], positions: list[int] | None = None, block: int = 1, confidence: float = 0.95
-) -> Interval:
-    """Interval of the mean of ``values`` when neighbouring items are correlated: the variance is the larger of the
-    independent-items one and the cluster-robust one over blocks (:func:`blocks_of`), read against Student t with
-    one degree of freedom less than the number of blocks. Every item in its own block: :func:`mean_interval`. A block
-    holds at most a third of the items, so that a short run is still read across at least three blocks (twelve
-    windows: three of four; with four of three, a source file outlasting a block, the interval covered the whole
-    text's value in only 88-92% of 100 slices of code). Up to five windows side by side are read as independent: too
-    few to say more."""
+@dataclass
+class _WindowSpread:
+    mean: float
+    variance: float  # of the mean, as used
+    independent: float  # of the mean, were the windows independent
+    degrees: int
+
+
+def _window_spread(values: list[float], positions: list[int] | None) -> _WindowSpread:
+    """Windows nearer than :data:`STRETCH_GAP` to one another are not independent draws (a scene or a source file
+    shares its vocabulary and its difficulty, so the variance of a mean over k of them falls slower than 1/k): from
+    six windows on, their variance is the larger of the independent one and the batch-means one over thirds in text
+    order, with two degrees of freedom. Windows spread farther apart are independent (k − 1 degrees of freedom)."""
     count = len(values)
-    block = max(1, min(block, count // MIN_BLOCKS))
-    labels = blocks_of(positions if positions is not None else list(range(count)), block)
-    clusters = len(set(labels))
-    if clusters == count:
-        return mean_interval(values, confidence)
+    places = positions if positions is not None else list(range(count))
+    order = sorted(range(count), key=places.__getitem__)
     mean = sum(values) / count
-    if clusters < 2:
-        return Interval(mean, -math.inf, math.inf, count, confidence)
-    totals: dict[int, float] = {}
-    for label, value in zip(labels, values, strict=True):
-        totals[label] = totals.get(label, 0.0) + value - mean
-    robust = clusters / (clusters - 1) * sum(total**2 for total in totals.values()) / count**2
-    independent = sum((value - mean) ** 2 for value in values) / (count - 1) / count
-    half = _critical(confidence, clusters - 1) * math.sqrt(max(robust, independent))
-    return Interval(mean, mean - half, mean + half, count, confidence)
+    independent = _variance(values) / count
+    nearest = min((places[b] - places[a] for a, b in zip(order, order[1:], strict=False)), default=STRETCH_GAP)
+    if count >= 2 * BATCHES and nearest < STRETCH_GAP:
+        batched = batch_means_variance([values[index] for index in order])
+        return _WindowSpread(mean, max(batched, independent), independent, BATCHES - 1)
+    return _WindowSpread(mean, independent, independent, count - 1)
 
 
-def log_mean_interval(
-    values: list[float], positions: list[int] | None = None, block: int = 1, confidence: float = 0.95
-) -> Interval:
-    """Interval of a positive mean read on the log scale (delta method: the relative half-width of
-    :func:`block_mean_interval` taken as a factor each way). For KL: it cannot go below zero, and stretches of text
-    differ in it by a factor (FP8 scores 0.020 on one file of code, 0.027 on another); on 100 slices of 12 contiguous
-    windows of code the symmetric interval held the whole text's mean KL in 92-95% of them, this one in 95-96%."""
-    linear = block_mean_interval(values, positions, block, confidence)
-    mean = linear.estimate
-    if mean <= 0 or not math.isfinite(linear.high):
-        return linear
-    factor = math.exp((linear.high - mean) / mean)
-    return Interval(mean, mean / factor, mean * factor, linear.items, confidence)
+def window_mean_interval(values: list[float], positions: list[int] | None = None, confidence: float = 0.95) -> Interval:
+    """Interval of the mean of per-window ``values`` whose windows lie at ``positions`` in the text (None: side by
+    side), its variance as :func:`_window_spread` reads it; its coverage at 12 to 56 windows, contiguous and
+    spread, on 1200-window texts is in gate-calibration.md ("intervals")."""
+    count = len(values)
+    if count == 0:
+        raise ValueError("an interval needs at least one item")
+    if count == 1:
+        return Interval(values[0], -math.inf, math.inf, 1, confidence)
+    spread = _window_spread(values, positions)
+    half = _critical(confidence, spread.degrees) * math.sqrt(spread.variance)
+    return Interval(spread.mean, spread.mean - half, spread.mean + half, count, confidence)
+
+
+def log_mean_interval(values: list[float], positions: list[int] | None = None, confidence: float = 0.95) -> Interval:
+    """Interval of a positive mean read on the log scale, for KL: it cannot go below zero, and per-window KL is
+    skewed (skewness 6-9) and differs between stretches of text by a factor. The relative half-width is the delta
+    method's, t · (s / mean) / √k times the stretch's inflation, with s / mean floored at :data:`KL_SPREAD_FLOOR`: a
+    few windows that happen to agree must not give a narrow interval, and the rare window of large KL that a slice
+    missed pulls the text's mean above it (the floor is fitted on the calibration texts: gate-calibration.md)."""
+    count = len(values)
+    if count == 0:
+        raise ValueError("an interval needs at least one item")
+    mean = sum(values) / count
+    if count == 1 or mean <= 0:
+        return window_mean_interval(values, positions, confidence)
+    spread = _window_spread(values, positions)
+    relative = max(math.sqrt(spread.independent * count) / mean, KL_SPREAD_FLOOR) / math.sqrt(count)
+    inflation = math.sqrt(spread.variance / spread.independent) if spread.independent > 0 else 1.0
+    factor = math.exp(_critical(confidence, spread.degrees) * relative * inflation)
+    return Interval(mean, mean / factor, mean * factor, count, confidence)
 
 
 def paired_difference(
@@ -161,15 +171,14 @@ def paired_difference(
     baseline: list[float],
     confidence: float = 0.95,
     positions: list[int] | None = None,
-    block: int = 1,
 ) -> Interval:
-    """Interval of mean(candidate − baseline) over paired continuous scores (blocked as :func:`block_mean_interval`
+    """Interval of mean(candidate − baseline) over paired continuous scores (read as :func:`window_mean_interval`
     when ``positions`` place the items in a text)."""
     _same_items(candidate, baseline)
     differences = [c - b for c, b in zip(candidate, baseline, strict=True)]
     if positions is None:
         return mean_interval(differences, confidence)
-    return block_mean_interval(differences, positions, block, confidence)
+    return window_mean_interval(differences, positions, confidence)
 
 
 def paired_proportion_difference(candidate: list[float], baseline: list[float], confidence: float = 0.95) -> Interval:

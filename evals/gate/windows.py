@@ -7,9 +7,10 @@ per-window NLL differences, the KL's over per-window means.
 
 Which windows: when the gate scores fewer windows than the text holds, it takes them spread over the whole text
 (:func:`spread_order`: any first n of that order lie evenly across it), not the first n: windows side by side share a
-scene, a topic, a difficulty, and an interval over one stretch says little about the rest of the text. Windows that do
-lie side by side (the whole text scored, or the run's own pass) are read in blocks of ``perplexity.block_windows``
-(``compress.evals.gate.stats.block_mean_interval``). docs/gate.md has the coverage this buys.
+scene, a topic, a difficulty, and an interval over one stretch says little about the rest of the text. Windows that lie
+near one another (any selection from one short text, the whole text scored, the run's own pass) are read with a
+variance from batch means over thirds of the stretch (``compress.evals.gate.stats.window_mean_interval``).
+docs/gate.md has the coverage this buys.
 
 ``gate.decide=true``: while a perplexity or KL check is INCONCLUSIVE, the candidate scores more windows (at least
 twice as many each look, or as many as the interval says would decide it) up to ``perplexity.decide_max_windows``.
@@ -246,7 +247,6 @@ def window_checks(
     placement = {
         "confidence": context.window_confidence,
         "positions": positions_of(context, count),
-        "block": context.policy.perplexity.block_windows,
     }
 
     def placed(make, layer: str, metric: str, *values) -> Check:
@@ -298,7 +298,6 @@ def _protocol(context: GateContext, windows: int) -> dict:
         "seq_len": policy.seq_len if context.scores_source == "gate" else context.scores["candidate"]["seq_len"],
         "windows": windows,
         "window_positions": positions_of(context, windows),
-        "block_windows": policy.block_windows,
         "measured_by": context.scores_source,
         "confidence": context.window_confidence,
         "decide": context.policy.decide,

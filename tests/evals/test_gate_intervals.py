@@ -1,4 +1,4 @@
-"""Gate v3's statistics: intervals over blocks of neighbouring windows, spread windows, familywise BLOCKs."""
+"""The gate's statistics: intervals over windows of a text (near or spread), KL on the log scale, familywise BLOCKs."""
 
 import math
 import random
@@ -11,48 +11,41 @@ from compress.evals.gate.runner import blocking_checks
 from compress.evals.gate.windows import spread_order
 
 
-def test_blocks_follow_stretches_of_adjacent_windows():
-    assert stats.blocks_of([0, 1, 2, 3, 4, 5, 6, 7, 8], 4) == [0, 0, 0, 0, 1, 1, 1, 1, 2]
-    assert stats.blocks_of([0, 8, 4, 12], 4) == [0, 2, 1, 3]  # spread windows: each its own block
-    assert stats.blocks_of([5, 6, 20, 21, 22], 2) == [0, 0, 1, 1, 2]
-    with pytest.raises(ValueError, match="at least one item"):
-        stats.blocks_of([0, 1], 0)
-
-
-def test_spread_windows_keep_the_independent_interval():
+def test_windows_spread_far_apart_keep_the_independent_interval():
     values = [random.Random(seed).gauss(0, 1) for seed in range(12)]
-    spread = stats.block_mean_interval(values, [3 * index for index in range(12)], 4)
+    far = stats.window_mean_interval(values, [stats.STRETCH_GAP * index for index in range(12)])
     independent = stats.mean_interval(values)
-    assert (spread.low, spread.high) == pytest.approx((independent.low, independent.high))
+    assert (far.low, far.high) == pytest.approx((independent.low, independent.high))
+    near = stats.window_mean_interval(values, [(stats.STRETCH_GAP - 1) * index for index in range(12)])
+    assert near.high - near.low > far.high - far.low  # two degrees of freedom at least
 
 
-def test_a_contiguous_run_with_a_drifting_mean_gets_a_wider_interval():
+def test_a_stretch_with_a_drifting_mean_gets_a_wider_interval():
     """Two halves of one text at different levels (two scenes): windows side by side are not independent draws, and
-    reading the run in blocks must say so."""
+    the batch means over thirds must say so."""
     rng = random.Random(0)
     values = [(0.0 if index < 12 else 1.0) + rng.gauss(0, 0.2) for index in range(24)]
     independent = stats.mean_interval(values)
-    blocked = stats.block_mean_interval(values, list(range(24)), 4)
-    assert blocked.estimate == pytest.approx(independent.estimate)
-    assert blocked.high - blocked.low > 1.5 * (independent.high - independent.low)
+    stretch = stats.window_mean_interval(values, list(range(24)))
+    assert stretch.estimate == pytest.approx(independent.estimate)
+    assert stretch.high - stretch.low > 3 * (independent.high - independent.low)
 
 
-def test_a_short_run_is_read_across_at_least_three_blocks():
-    values = [0.1, 0.2, 0.3, 0.2, 0.1, 0.3, 0.2, 0.25]
-    assert stats.block_mean_interval(values[:3], [0, 1, 2], 4) == stats.mean_interval(values[:3])  # too few to block
-    eight = stats.block_mean_interval(values, list(range(8)), 4)  # blocks of two, not two blocks of four
-    two_each = stats.block_mean_interval(values, list(range(8)), 2)
-    assert (eight.low, eight.high) == (two_each.low, two_each.high) and math.isfinite(eight.high)
+def test_the_batch_means_follow_text_order_not_scoring_order():
+    """The gate scores windows in spread order; the thirds are thirds of the text."""
+    rng = random.Random(2)
+    in_text = [(0.0 if index < 12 else 1.0) + rng.gauss(0, 0.2) for index in range(24)]
+    order = spread_order(24)
+    scored = [in_text[position] for position in order]
+    read, expected = stats.window_mean_interval(scored, order), stats.window_mean_interval(in_text, list(range(24)))
+    assert (read.low, read.high) == pytest.approx((expected.low, expected.high))
 
 
-def test_twelve_contiguous_windows_are_three_blocks_of_four():
-    """The quick gate's 12 windows side by side: blocks of three under-covered on code (a file spans more than three
-    windows: 92% / 88% over 100 slices, gate-calibration.md), so the run is read as three blocks of four."""
-    values = [random.Random(seed).gauss(0, 1) for seed in range(12)]
-    read = stats.block_mean_interval(values, list(range(12)), 8)
-    fours = stats.block_mean_interval(values, list(range(12)), 4)
-    threes = stats.block_mean_interval(values, list(range(12)), 3)
-    assert (read.low, read.high) == (fours.low, fours.high) != (threes.low, threes.high)
+def test_the_batch_means_variance_is_that_of_three_batch_means():
+    values = [1.0, 1.0, 2.0, 2.0, 6.0, 6.0]
+    assert stats.batch_means_variance(values) == pytest.approx(7.0 / 3)  # means 1, 2, 6: variance 7, over 3
+    five, independent = stats.window_mean_interval(values[:5]), stats.mean_interval(values[:5])
+    assert (five.low, five.high) == pytest.approx((independent.low, independent.high))  # too few for thirds
 
 
 def test_spread_order_lists_every_window_once_and_any_prefix_is_spread():
@@ -120,23 +113,30 @@ def test_the_kl_check_reads_its_interval_on_the_log_scale():
     """KL is positive and differs between stretches of text by a factor: its interval is read on the log scale
     (delta method), never below zero, longer above the estimate than below it."""
     values = [0.0001, 0.0002, 0.0001, 0.006, 0.0001, 0.0002, 0.004, 0.0001]
-    linear = stats.block_mean_interval(values)
+    far = [stats.STRETCH_GAP * index for index in range(len(values))]
+    linear = stats.window_mean_interval(values, far)
     assert linear.low < 0  # the symmetric interval would claim a negative KL possible
-    check = checks.kl_check("kl", "kl_mean", values, 0.05, 0.95)
+    check = checks.kl_check("kl", "kl_mean", values, 0.05, 0.95, far)
     spread = (linear.high - linear.estimate) / linear.estimate
     assert check.estimate == pytest.approx(linear.estimate)
     expected = (linear.estimate / math.exp(spread), linear.estimate * math.exp(spread))
     assert (check.low, check.high) == pytest.approx(expected)
     assert 0 < check.low and check.high - check.estimate > check.estimate - check.low and check.verdict == stats.PASS
-    near = checks.kl_check("kl", "kl_mean", [0.049, 0.051, 0.050, 0.052], 0.05, 0.95)
-    assert near.verdict == stats.INCONCLUSIVE
 
 
-def test_welch_difference_matches_the_textbook_case_and_is_exact_without_spread():
-    """[1, 2, 3] against [4, 5, 6]: variances 1 and 1, standard error sqrt(2/3), 4 degrees of freedom (t 2.776)."""
-    found = stats.welch_difference([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
-    assert found.estimate == pytest.approx(-3.0)
-    assert found.high - found.estimate == pytest.approx(2.776 * math.sqrt(2 / 3), rel=2e-3)
-    assert found.estimate - found.low == pytest.approx(found.high - found.estimate)
-    still = stats.welch_difference([2.0, 2.0], [1.0, 1.0, 1.0])
-    assert (still.low, still.high) == (1.0, 1.0)
+def test_windows_that_agree_still_get_the_floor_of_kl_spread():
+    """Eight windows of nearly equal KL would give a near-zero interval; the relative spread is floored."""
+    values = [0.0300, 0.0301, 0.0299, 0.0300, 0.0302, 0.0298, 0.0300, 0.0301]
+    far = [stats.STRETCH_GAP * index for index in range(len(values))]
+    interval = stats.log_mean_interval(values, far)
+    relative = stats._critical(0.95, len(values) - 1) * stats.KL_SPREAD_FLOOR / math.sqrt(len(values))
+    assert interval.high == pytest.approx(interval.estimate * math.exp(relative))
+    assert interval.low == pytest.approx(interval.estimate / math.exp(relative))
+
+
+def test_a_stretch_of_windows_widens_the_kl_interval_by_its_batch_means():
+    rng = random.Random(3)
+    values = [(0.01 if index < 12 else 0.05) * math.exp(rng.gauss(0, 0.3)) for index in range(24)]
+    far = stats.log_mean_interval(values, [stats.STRETCH_GAP * index for index in range(24)])
+    near = stats.log_mean_interval(values, list(range(24)))
+    assert near.high / near.estimate > 2 * (far.high / far.estimate - 1) + 1
