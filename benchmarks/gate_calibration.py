@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks import gate_budget, gate_panel, gate_verdicts  # noqa: E402
+from benchmarks import gate_budget, gate_intervals, gate_panel, gate_verdicts  # noqa: E402
 from benchmarks.calibration_baseline import baseline_pass  # noqa: E402
 from benchmarks.ladder import RUNG_KEYS, move_towards_rtn, parse_rung  # noqa: E402
 from compress.base.data import tokenize  # noqa: E402
@@ -59,6 +59,7 @@ RECIPES = {  # name → (recipe, overrides); rtn_int8 (W8A16 g64) is the clearly
 SEQ_LEN, TOP_K = 512, 32
 DEFAULT_DATA_WINDOWS = 56  # windows of 512 tokens in the default evaluation split (what gate=default scores there)
 RESULTS = ROOT / "benchmarks" / "results"
+OC_PLOT = "gate-operating-characteristic.png"
 
 
 def shakespeare_text() -> str:
@@ -345,7 +346,8 @@ def write_markdown(texts: dict, found: dict, path: Path, truncated: dict | None)
         "",
         *gate_verdicts.__doc__.split("\n\n", 1)[1].strip().splitlines(),  # how the resampled slices are drawn
     ]
-    lines += gate_panel.coverage_markdown(found["coverage"])
+    lines += gate_intervals.coverage_markdown(found["intervals"])
+    lines += gate_intervals.oc_markdown(found["operating_characteristic"], OC_PLOT)
     lines += gate_panel.panel_markdown("default", needed["family_confidence"], found["panel"])
     for key, scores in texts.items():
         lines += _text_section(key, scores, tables[key])
@@ -437,7 +439,12 @@ def main() -> None:
     needed["accuracy"] = gate_budget.accuracy_needed(accuracy, policy, family)
     needed["family_confidence"] = family
     panel = gate_panel.panel_rates(texts, policy, family, ["dialogue", *policy.domains])
-    found = {"verdicts": tables, "windows_needed": needed, "panel": panel, "coverage": gate_panel.coverage_rows(tables)}
+    found = {"verdicts": tables, "windows_needed": needed, "panel": panel}
+    long_texts = {key: text for key, text in extra.get("texts", {}).items() if text["windows"] >= 400}
+    found["intervals"] = gate_intervals.recount(long_texts, policy)
+    presets = {gate: gate_policy(gate) for gate in ("quick", "default")}
+    found["operating_characteristic"] = gate_intervals.operating_characteristic(long_texts, presets)
+    gate_intervals.plot(found["operating_characteristic"], RESULTS / OC_PLOT)
     raw.write_text(json.dumps({"command": command, "scores": scores, **found, **extra}, indent=1))
     write_markdown(texts, found, RESULTS / "gate-calibration.md", extra.get("truncation"))
     print((RESULTS / "gate-calibration.md").read_text())

@@ -130,8 +130,15 @@ def tally(verdicts: list[str]) -> dict:
 def clopper_pearson(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
     """Exact two-sided interval of a binomial proportion (bisection on the binomial tail)."""
 
-    def tail(p: float, at_least: int) -> float:
-        return sum(math.comb(trials, k) * p**k * (1 - p) ** (trials - k) for k in range(at_least, trials + 1))
+    def tail(p: float, at_least: int) -> float:  # in logs: binomial terms of thousands of trials overflow a float
+        if p <= 0.0 or p >= 1.0:
+            return float(p >= 1.0)
+        log_choose = math.lgamma(trials + 1)
+        return sum(
+            math.exp(log_choose - math.lgamma(k + 1) - math.lgamma(trials - k + 1) + k * math.log(p)
+                     + (trials - k) * math.log1p(-p))
+            for k in range(at_least, trials + 1)
+        )  # fmt: skip
 
     def solve(target: float, at_least: int) -> float:
         low, high = 0.0, 1.0

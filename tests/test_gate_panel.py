@@ -64,27 +64,6 @@ def test_a_panel_text_never_scored_is_named_and_left_out():
     assert "not calibrated" in gate_panel.panel_markdown("default", family, nothing)[1]
 
 
-def test_coverage_goal_is_judged_only_over_enough_slices():
-    def table_of(slices, perplexity, kl):
-        layers = {"perplexity": {"coverage": perplexity}, "kl": {"coverage": kl}}
-        return {"windows_per_slice": 12, "kinds": {"contiguous": {"slices": slices, "checkpoints": {"c": layers}}}}
-
-    tables = {"c/480": {"quick": table_of(40, 1.0, 1.0)}, "a/1200": {"quick": table_of(100, 0.95, 0.94)},
-              "b/1200": {"quick": table_of(100, 0.95, 0.90)}}  # fmt: skip
-    rows = gate_panel.coverage_rows(tables)
-    assert [row["slices"] for row in rows] == [100, 100, 40]
-    lines = gate_panel.coverage_markdown(rows)
-    table = [line for line in lines if line.startswith("| ")]
-    assert table[-3].endswith("| met |") and table[-2].endswith("| **missed** |") and "< 100 slices" in table[-1]
-    assert "95% (89%–98%)" in table[-3]  # 95 of 100 with its Clopper-Pearson bounds
-    assert lines[-1] == "- c: **missed** (`a/1200`, `b/1200` (missed) with ≥ 100 slices)"  # one text met, one missed
-    assert gate_panel.coverage_goal_lines(rows[:1])[-1].startswith("- c: not shown: too few texts (`a/1200`")
-    only_short = gate_panel.coverage_goal_lines(rows[2:])[-1]
-    assert only_short == "- c: not measured: scored only on `c/480` (fewer than 100 slices)"
-    tables["d/1200"] = {"quick": table_of(100, 0.97, 0.96)}
-    assert gate_panel.coverage_goal_lines(gate_panel.coverage_rows(tables))[-1].startswith("- c: **met** (`a/1200`")
-
-
 def test_gate_power_sizes_follow_the_preset_and_its_pooled_benchmarks():
     from benchmarks import gate_power
 

@@ -28,7 +28,7 @@ from statistics import NormalDist
 PASS, BLOCK, INCONCLUSIVE = "pass", "block", "inconclusive"
 STRETCH_GAP = 40  # windows nearer than this to one another share a stretch of text (gate-calibration.md, "intervals")
 BATCHES = 3  # a stretch is read as this many consecutive batches
-KL_SPREAD_FLOOR = 0.18  # the least relative spread of per-window KL an interval assumes (gate-calibration.md)
+KL_SPREAD_FLOOR = 0.22  # the least relative spread of per-window KL an interval assumes (gate-calibration.md)
 VERDICTS = (PASS, BLOCK, INCONCLUSIVE)
 
 
