@@ -17,7 +17,7 @@
    pass, points between the largest block (or the frontier's start) and the smallest pass are bisected while trials
    remain. Every trial is an MLflow child run; the result names the smallest passing checkpoint, or the limit that
    stopped the search.
-4. Confirmation (``search.confirm``): keeping the first pass of many looks at the same windows lets a checkpoint past
+4. Confirmation (``search.confirm``): keeping the first pass of many looks at the same windows can let a checkpoint past
    the limit through more often than one gate would, so the trials score only part of the evaluation text's
    windows and the choice is gated once more on the rest, sealed until then (``evals/gate/windows.py``
    ``WindowSplit``). Only a confirmed choice is a pass.

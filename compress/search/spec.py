@@ -24,7 +24,7 @@ class SearchSpec:
     margin: float = 0.9  # aim the predicted log-ppl ratio at this fraction of the gate's limit
     weighting: str = "fisher"  # fisher: weigh output errors by the loss's gradient; none: plain output error
     # gate the chosen checkpoint once more on perplexity/KL windows the trials never saw: keeping the first pass of
-    # many looks at the same windows lets a checkpoint past the limit through far more often than one gate would
+    # many looks at the same windows can let a checkpoint past the limit through more often than one gate would
     confirm: bool = True
     confirm_share: float = 0.4  # share of each judged text's windows sealed for that confirmation (53 → 32 + 21)
 
