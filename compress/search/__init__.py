@@ -17,13 +17,17 @@
    pass, points between the largest block (or the frontier's start) and the smallest pass are bisected while trials
    remain. Every trial is an MLflow child run; the result names the smallest passing checkpoint, or the limit that
    stopped the search.
+4. Confirmation (``search.confirm``): keeping the first pass of many looks at the same windows can let a checkpoint past
+   the limit through more often than one gate would, so the trials score only part of the evaluation text's
+   windows and the choice is gated once more on the rest, sealed until then (``evals/gate/windows.py``
+   ``WindowSplit``). Only a confirmed choice is a pass.
 
 Bits are counted as the checkpoint stores them (packed codes + scales in the model's dtype; unquantized linears at
 the dtype's width) over every linear but the output head: the same number as ``size.json``'s
 ``linear_bits_per_weight``.
 
 Modules, in import order: ``spec`` → ``sensitivity`` (step 1) → ``frontier`` (step 2) → ``record`` (trials, results,
-reports, MLflow) → ``loop`` (step 3).
+reports, MLflow) → ``loop`` (steps 3 and 4).
 """
 
 from compress.search.frontier import Allocation, Frontier, allocate, budget_error

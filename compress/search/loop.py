@@ -1,5 +1,5 @@
 """Step 3: the closed loop. Build a frontier point, gate it, move along the frontier from the gate's measured
-failure, bisect after a pass; see the package docstring."""
+failure, bisect after a pass, confirm the choice on sealed windows; see the package docstring."""
 
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ from compress.compression.saving import checkpoint_writer, write_checkpoint
 from compress.model.calibration_set import calibration_set
 from compress.model.sources import load, resolve_model_path
 from compress.search.frontier import Allocation, Frontier, budget_error
-from compress.search.record import SearchResult, Tracker, Trial, outcome_line, write_summary
+from compress.search.record import Confirmation, SearchResult, Tracker, Trial, outcome_line, write_summary
 from compress.search.sensitivity import measure_sensitivity
 from compress.search.spec import SEARCHABLE, SearchSpec
 from compress.stages import build_chain
 
 if TYPE_CHECKING:
     from compress.evals.gate.runner import BaselineMeasures
+    from compress.evals.gate.windows import WindowSplit
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchRe
     """Sensitivity → frontier → trials for the composed base recipe ``config`` (a ``RunConfig``)."""
     from compress.evals.gate import resolve_policy
     from compress.evals.gate.runner import BaselineMeasures
+    from compress.evals.gate.windows import SEALED, SEARCH, WindowSplit
 
     candidates = spec.check()
     position, quantizer = _weight_quantizer(config.stages)
@@ -84,6 +86,11 @@ def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchRe
     if not policy.enabled:
         raise CompressError(
             "search needs a gate to close the loop; gate=none judges nothing: choose gate=quick|default"
+        )
+    if spec.confirm and not _window_layers(policy):
+        raise CompressError(
+            f"search.confirm=true confirms the choice on sealed perplexity/KL windows, but gate.layers={policy.layers} "
+            "judges none: add perplexity or kl to gate.layers, or set search.confirm=false"
         )
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{config.recipe}-{spec.budget_bits:g}bits"
     folder = Path(folder or (Path(config.output.dir) if config.output.dir else artifacts_dir() / "searches") / stamp)
@@ -96,6 +103,10 @@ def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchRe
     # trials are judged on the run's headline text: another source than the calibration data unless eval.data=null
     judged = load_corpus(config.eval.data).evaluation if config.eval.data is not None else corpus.evaluation
     model, tokenizer = load(config.model)
+    searched = sealed = None  # search.confirm=false: every trial may score every window
+    if spec.confirm:
+        _check_split(tokenizer, judged, policy.perplexity.seq_len, spec.confirm_share)
+        searched, sealed = WindowSplit(SEARCH, spec.confirm_share), WindowSplit(SEALED, spec.confirm_share)
     samples = calibration_set(model, tokenizer, corpus.calibration_text, config.data, config.seed)
     units = measure_sensitivity(
         model, samples, [c.name for c in candidates], list(quantizer.get("ignore", [])), spec.weighting, device,
@@ -122,21 +133,84 @@ def run_search(config, spec: SearchSpec, folder: Path | None = None) -> SearchRe
             stage_args[position] = _mixed_stage(quantizer, allocation.per_module(units))
             trials.append(
                 _trial(config, len(trials) + 1, point, allocation, stage_args, samples, device, judged,
-                       trial_dir, tracker, baseline)
+                       trial_dir, tracker, baseline, searched)
             )  # fmt: skip
         else:
             outcome = next_point(frontier, trials, spec, policy.perplexity.max_ratio)
             outcome = outcome if outcome in ("passed", "budget") else "max_trials"
         passing = [t for t in trials if t.passed]
         best = min(passing, key=lambda t: t.bits_per_weight) if passing else None
-        line = outcome_line(outcome, trials, best, spec)
-        result = SearchResult(outcome, line, trials, best, folder, tracker.run_id)
+        confirmation = _confirm(config, best, judged, folder / "confirmation", sealed) if best and sealed else None
+        if confirmation is not None and not confirmation.passed:
+            outcome = "unconfirmed"
+        line = outcome_line(outcome, trials, best, spec, confirmation)
+        result = SearchResult(outcome, line, trials, best, folder, tracker.run_id, confirmation)
         write_summary(result, spec, frontier)
         tracker.finish(result, policy)
     except BaseException as error:
         tracker.fail(error)
         raise
     return result
+
+
+def _window_layers(policy) -> list[str]:
+    """The gate's enabled perplexity and KL layers: the ones whose windows a split can seal."""
+    return [name for name in policy.layers if name in ("perplexity", "kl") and getattr(policy, name).enabled]
+
+
+def _check_split(tokenizer, texts: list[str], seq_len: int, share: float) -> None:
+    """Both parts of the evaluation text's windows hold the two an interval needs, or one line names the fix."""
+    from compress.base.data import tokenize
+    from compress.evals.gate.windows import SEALED, SEARCH, WindowSplit
+    from compress.evals.perplexity import available_windows
+
+    available = available_windows(tokenize(tokenizer, "\n\n".join(texts)), seq_len)
+    for part in (SEARCH, SEALED):
+        count = len(WindowSplit(part, share).positions(available))
+        if count < 2:
+            raise CompressError(
+                f"search.confirm_share={share:g} leaves the {part} part {count} of the evaluation text's {available} "
+                f"windows of {seq_len} tokens; each part needs ≥ 2: give a longer eval.data, change "
+                "search.confirm_share, or set search.confirm=false"
+            )
+
+
+def _confirm(config, best: Trial, texts: list[str], folder: Path, sealed: WindowSplit) -> Confirmation:
+    """The chosen checkpoint gated once on the sealed windows, on the window layers alone (the others' items are
+    the ones its trial already scored); ``gate.decide`` may add sealed windows, at its Bonferroni level per look."""
+    from compress.evals.gate import run_gate
+
+    policy = replace(
+        config.gate, decide=True, layers=_window_layers(config.gate),
+        registry=replace(config.gate.registry, register=False),
+    )  # fmt: skip
+    verdict = run_gate(
+        Path(best.checkpoint), resolve_model_path(config.model), policy, folder, evaluation_texts=texts,
+        candidate_label=best.checkpoint, window_split=sealed,
+    )  # fmt: skip
+    ratio, interval = _perplexity_ratio(verdict)
+    layer = verdict.layer("perplexity") or verdict.layer("kl")
+    protocol = layer.metrics.get("protocol", {}) if layer is not None else {}
+    log.info("search confirmation of trial %d: %s", best.number, verdict.verdict)
+    return Confirmation(
+        trial=best.number,
+        verdict=verdict.verdict,
+        reasons=list(verdict.reasons),
+        windows=protocol.get("windows", 0),
+        window_positions=list(protocol.get("window_positions", [])),
+        ppl_ratio=ratio,
+        ppl_interval=interval,
+        gate_dir=str(folder),
+    )
+
+
+def _perplexity_ratio(verdict) -> tuple[float | None, tuple[float, float] | None]:
+    """The gate's perplexity ratio and its interval, when it judged perplexity."""
+    candidate_ppl = verdict.metric("perplexity", "perplexity")
+    baseline_ppl = verdict.metric("perplexity", "perplexity", "baseline")
+    layer = verdict.layer("perplexity")
+    interval = (layer.low, layer.high) if layer is not None and layer.low is not None else None
+    return (candidate_ppl / baseline_ppl if candidate_ppl and baseline_ppl else None), interval
 
 
 def _weight_quantizer(stages: list[dict]) -> tuple[int, dict]:
@@ -157,9 +231,11 @@ def _mixed_stage(quantizer: dict, schemes: dict[str, str]) -> dict:
 
 
 def _trial(config, number: int, point: int, allocation: Allocation, stage_args: list[dict], samples, device,
-           texts: list[str], folder: Path, tracker: Tracker, baseline: BaselineMeasures) -> Trial:  # fmt: skip
+           texts: list[str], folder: Path, tracker: Tracker, baseline: BaselineMeasures,
+           searched: WindowSplit | None) -> Trial:  # fmt: skip
     """Compress a fresh copy of the model with this allocation, save it, gate it against the baseline's kept
-    measurements (measured by the first trial that needs each layer), record it."""
+    measurements (measured by the first trial that needs each layer) on the search's part of the windows, record
+    it."""
     from compress.evals.gate import run_gate
 
     model, tokenizer = load(config.model)
@@ -178,19 +254,16 @@ def _trial(config, number: int, point: int, allocation: Allocation, stage_args: 
     policy = replace(config.gate, decide=True, registry=replace(config.gate.registry, register=False))
     verdict = run_gate(
         checkpoint, resolve_model_path(config.model), policy, folder / "gate", evaluation_texts=texts,
-        candidate_label=str(checkpoint), baseline_measures=baseline,
+        candidate_label=str(checkpoint), baseline_measures=baseline, window_split=searched,
     )  # fmt: skip
-    candidate_ppl = verdict.metric("perplexity", "perplexity")
-    baseline_ppl = verdict.metric("perplexity", "perplexity", "baseline")
-    layer = verdict.layer("perplexity")
-    interval = (layer.low, layer.high) if layer is not None and layer.low is not None else None
+    ratio, interval = _perplexity_ratio(verdict)
     trial = Trial(
         number=number,
         point=point,
         bits_per_weight=summary.linear_bits_per_weight,
         predicted_cost=allocation.cost,
         passed=verdict.passed,
-        ppl_ratio=candidate_ppl / baseline_ppl if candidate_ppl and baseline_ppl else None,
+        ppl_ratio=ratio,
         reasons=list(verdict.reasons),
         checkpoint=str(checkpoint),
         size_mb=summary.size_mb,

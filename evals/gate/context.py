@@ -61,6 +61,7 @@ class GateContext:
     # the stream the window layers score (compress.evals.gate.windows.scoring_ids) and each window's place in the text
     window_ids: torch.Tensor | None = None
     window_positions: list[int] = field(default_factory=list)
+    window_split: Any = None  # the windows.WindowSplit part of each text this gate may score; None: all of them
     # the domain panel (gate.domains): each kind of text's evaluation ids, and a context per domain made from this one
     domain_ids: dict[str, torch.Tensor] = field(default_factory=dict)
     domain_contexts: dict[str, GateContext] | None = None

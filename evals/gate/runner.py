@@ -27,7 +27,7 @@ from compress.evals.gate.policy import GatePolicy, policy_dict, resolve_policy
 from compress.evals.gate.report import clear_verdict, write_report
 from compress.evals.gate.result import GateResult, LayerResult
 from compress.evals.gate.stats import BLOCK, INCONCLUSIVE, PASS, familywise_confidence
-from compress.evals.gate.windows import domain_contexts, known
+from compress.evals.gate.windows import WindowSplit, domain_contexts, known
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ def run_gate(
     measured: dict[str, dict] | None = None,
     measured_by: str = "run",
     baseline_measures: BaselineMeasures | None = None,
+    window_split: WindowSplit | None = None,
 ) -> GateResult:
     """Judge ``candidate`` against ``baseline`` (paths, model names or loaded models) on ``evaluation_texts`` (text
     held out from calibration) and write ``gate.json``/``gate.md`` to ``out_dir``. ``candidate_path`` names the
@@ -136,7 +137,8 @@ def run_gate(
     ``divergence``) when the caller already scored them on these texts: the perplexity and KL layers then judge
     those numbers instead of measuring again, so a run prints one perplexity, not two; ``measured_by`` names who
     measured them in gate.md. ``baseline_measures``: the baseline's measurements kept from earlier gates of the same
-    baseline, text and policy (read, then added to)."""
+    baseline, text and policy (read, then added to). ``window_split``: the part of each text's windows the
+    perplexity and KL layers may score (``compress search``: its trials' part, or the sealed one)."""
     resolved = resolve_policy(policy)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -164,6 +166,7 @@ def run_gate(
     )  # fmt: skip
     if prepared is not None:
         context, subjects = prepared
+        context.window_split = window_split
         if measured is not None:
             context.scores, context.scores_source = dict(measured), measured_by
         if baseline_measures is not None:
@@ -232,12 +235,13 @@ class BaselineMeasures:
 
 def _baseline_key(context: GateContext, baseline: Subject) -> str:
     """What the baseline's measurements depend on: the model, its KV dtype, the evaluation tokens, the shorter context
-    of the two sides, and the policy."""
+    of the two sides, the policy, and the part of the windows it scored (a search's, or the sealed one)."""
     source = str(baseline.source) if isinstance(baseline.source, str | Path) else f"in-memory:{id(baseline.source)}"
     tokens = token_digest(context.evaluation_ids)
     policy = json.dumps(policy_dict(context.policy), sort_keys=True, default=str)
     return "|".join(
         [source, str(baseline.folder), str(baseline.kv_cache_dtype), tokens, str(context.max_context), policy]
+        + [str(context.window_split)]
     )
 
 

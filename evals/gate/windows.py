@@ -12,6 +12,9 @@ near one another (any selection from one short text, the whole text scored, the 
 variance from batch means over thirds of the stretch (``compress.evals.gate.stats.window_mean_interval``).
 docs/gate.md has the coverage this buys.
 
+A caller that gates many candidates and keeps one (``compress search``) gives a :class:`WindowSplit`: the gate
+then scores only its part of every judged text's windows, the search's or the sealed one its choice is confirmed on.
+
 ``gate.decide=true``: while a perplexity or KL check is INCONCLUSIVE, the candidate scores more windows (at least
 twice as many each look, or as many as the interval says would decide it) up to ``perplexity.decide_max_windows``.
 Looking several times at a growing sample inflates the error rate, so each look's interval is widened to
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -59,16 +62,46 @@ def spread_order(count: int) -> list[int]:
     return order
 
 
+SEARCH, SEALED = "search", "sealed"
+
+
+@dataclass(frozen=True)
+class WindowSplit:
+    """One of two disjoint parts of a text's windows: in :func:`spread_order`, the first ``1 − sealed_share`` of
+    them are the search's, the rest are sealed. A search keeps the first candidate that passes, so its windows
+    become the ones the choice fits; only windows it never saw can confirm that choice. Both parts lie spread over
+    the whole text, interleaved, and each is in spread order itself (so ``gate.decide`` keeps adding spread
+    windows)."""
+
+    part: str  # SEARCH | SEALED
+    sealed_share: float
+
+    def positions(self, available: int) -> list[int]:
+        """The text positions of this part's windows, out of ``available``."""
+        order = spread_order(available)
+        cut = available - round(available * self.sealed_share)
+        return order[:cut] if self.part == SEARCH else order[cut:]
+
+
+def judged_windows(context: GateContext) -> int:
+    """How many windows of the evaluation text the gate may score: its part of them under a :class:`WindowSplit`."""
+    available = available_windows(context.evaluation_ids, context.policy.perplexity.seq_len)
+    return available if context.window_split is None else len(context.window_split.positions(available))
+
+
 def scoring_ids(context: GateContext) -> torch.Tensor:
     """The token stream the gate scores, window after window: the evaluation text's windows in :func:`spread_order`
-    when the gate scores fewer than all of them, else the text as it is; sets ``context.window_positions`` (each
-    scored window's place in the text)."""
+    when the gate scores fewer than all of them (its part's windows under a :class:`WindowSplit`), else the text as
+    it is; sets ``context.window_positions`` (each scored window's place in the text)."""
     if context.window_ids is None:
         seq_len = context.policy.perplexity.seq_len
         available = available_windows(context.evaluation_ids, seq_len)
         wanted = context.policy.perplexity.max_windows or available
-        spread = 2 <= wanted < available
-        context.window_positions = spread_order(available) if spread else list(range(available))
+        spread = 2 <= wanted < available or context.window_split is not None
+        if context.window_split is not None:
+            context.window_positions = context.window_split.positions(available)
+        else:
+            context.window_positions = spread_order(available) if spread else list(range(available))
         windows = context.evaluation_ids[: available * seq_len].view(available, seq_len)
         context.window_ids = windows[context.window_positions].reshape(-1) if spread else context.evaluation_ids
     return context.window_ids
@@ -87,10 +120,11 @@ def positions_of(context: GateContext, count: int) -> list[int]:
 def window_plan(context: GateContext) -> tuple[int, int]:
     """``(windows scored first, most windows a decided gate may score)``, and the per-look confidence set."""
     policy = context.policy.perplexity
-    available = available_windows(context.evaluation_ids, policy.seq_len)
+    available = judged_windows(context)
     if available < 2:
+        part = "" if context.window_split is None else f"'s {context.window_split.part} part"
         raise ValueError(
-            f"the evaluation text holds {available} window(s) of {policy.seq_len} tokens; an interval needs ≥ 2: "
+            f"the evaluation text{part} holds {available} window(s) of {policy.seq_len} tokens; an interval needs ≥ 2: "
             "give more text or lower gate.perplexity.seq_len"
         )
     first = min(policy.max_windows or available, available)
@@ -301,6 +335,7 @@ def _protocol(context: GateContext, windows: int) -> dict:
         "measured_by": context.scores_source,
         "confidence": context.window_confidence,
         "decide": context.policy.decide,
+        "window_split": None if context.window_split is None else context.window_split.part,
     }
 
 
