@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 
 from compress.app.run_config import RunConfig
-from compress.app.stored_passes import write_passes
+from compress.app.stored_passes import kl_vocabulary, write_passes
 from compress.app.tracking import RunLog, record_verdict
 from compress.base.errors import CompressError
 from compress.checkpoint import load_checkpoint
 from compress.compression.in_memory import compress_model
-from compress.evals.divergence import DivergenceMeter
+from compress.evals.divergence import DivergenceMeter, FullReference
 from compress.evals.gate.windows import keep_reference, reference_recorder
 from compress.evals.perplexity import PerplexityResult, can_stream, stored_model_perplexity
 from compress.model.sources import load, resolve_model_path
@@ -62,7 +62,10 @@ class RunEvaluation:
 
     def candidate(self, checkpoint: Path) -> None:
         model, _ = load_checkpoint(checkpoint)
-        meter = DivergenceMeter(self.recorder.tensors()) if self.recorder is not None else None
+        meter = None
+        if self.recorder is not None:  # a full-vocabulary reference is read as it is, a top-k one as its tensors
+            full = isinstance(self.recorder, FullReference)
+            meter = DivergenceMeter(self.recorder if full else self.recorder.tensors())
         self.results["candidate"] = self._evaluate(model, f"perplexity [{self.config.recipe}]", observer=meter)
         self._store(checkpoint)
         self._in_domain("candidate", model)
@@ -73,7 +76,7 @@ class RunEvaluation:
         if "baseline" not in self.results:
             return
         passes = {side: self.results[side].to_dict() for side in ("baseline", "candidate")}
-        top_k = self.config.gate.kl.top_k if self.recorder is not None else None
+        top_k = kl_vocabulary(self.config.gate) if self.recorder is not None else None
         folder = resolve_model_path(self.config.model)
         write_passes(checkpoint, folder, self.eval_ids, self.headline.source, self.config.eval.seq_len, top_k, passes)
 

@@ -4,8 +4,8 @@ the run printed instead of scoring its own first windows: one ratio and one inte
 ``<run>/perplexity-passes.json`` holds both sides' per-window NLL (the candidate's per-window KL and same-top share in
 its ``divergence``) and what they were measured on: the baseline's folder and fingerprint, the checkpoint's
 fingerprint, the evaluation text (its source and the sha256 of its token ids), ``seq_len``, the window count and the
-KL's ``top_k``. The gate uses them only when all of that matches its own inputs; otherwise it measures as before and
-says why in one line.
+KL's ``top_k`` (``"full"`` under ``gate.kl.full_vocab``). The gate uses them only when all of that matches its own
+inputs; otherwise it measures as before and says why in one line.
 """
 
 from __future__ import annotations
@@ -30,13 +30,19 @@ def passes_path(checkpoint: Path) -> Path:
     return Path(checkpoint).parent / PASSES_FILE
 
 
+def kl_vocabulary(policy) -> int | str:
+    """What the KL of a pass was computed over, as stored under ``top_k``: the baseline's top-k tokens (k), or
+    ``"full"`` under ``gate.kl.full_vocab``; the gate uses a run's passes only under the same."""
+    return "full" if policy.kl.full_vocab else policy.kl.top_k
+
+
 def write_passes(
     checkpoint: Path,
     baseline_folder: Path | str | None,
     token_ids: torch.Tensor,
     source: str,
     seq_len: int,
-    top_k: int | None,
+    top_k: int | str | None,
     passes: dict[str, dict],
 ) -> Path:
     """Store ``passes`` (``{"baseline": ..., "candidate": ...}``, ``PerplexityResult.to_dict()``) beside the saved
@@ -135,6 +141,8 @@ def _mismatch(data: dict, checkpoint: Path, baseline_folder, token_ids, policy) 
         divergence = data["passes"]["candidate"].get("divergence") or {}
         if "window_kl" not in divergence:
             return "the run measured no KL (its gate had no KL layer)"
-        if data["top_k"] != policy.kl.top_k:
-            return f"the run's KL kept the baseline's top {data['top_k']} tokens, gate.kl.top_k={policy.kl.top_k}"
+        if data["top_k"] != kl_vocabulary(policy):
+            kept = "whole distributions" if data["top_k"] == "full" else f"top {data['top_k']} tokens"
+            wanted = "gate.kl.full_vocab=true" if policy.kl.full_vocab else f"gate.kl.top_k={policy.kl.top_k}"
+            return f"the run's KL kept the baseline's {kept}, {wanted}"
     return None

@@ -38,6 +38,7 @@ class KLPolicy:
     top_k: int = 32  # baseline log-probabilities kept per position (compress.evals.divergence: the truncation's error)
     max_mean: float | None = 0.05  # mean KL(baseline ‖ candidate) in nats per token
     min_same_top: float | None = None  # share of positions where both rank the same token first
+    full_vocab: bool = False  # exact KL over the whole vocabulary, not top_k's lower bound (a temporary file on disk)
 
 
 @dataclass

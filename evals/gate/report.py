@@ -91,6 +91,7 @@ def write_report(result: GateResult, out_dir: Path) -> list[Path]:
             + (" (gate.decide: widened for repeated looks)" if protocol["decide"] else "")
             + ".",
         ]
+    lines += _kl_statistics(result)
     if (out_dir / "needle_heatmap.png").exists() and any(
         layer.name == "needle" and layer.metrics for layer in result.layers
     ):
@@ -100,6 +101,33 @@ def write_report(result: GateResult, out_dir: Path) -> list[Path]:
     data = out_dir / "gate.json"  # last and whole: CI reads it as the verdict
     write_file_atomically(data, lambda staged: staged.write_text(json.dumps(result.to_dict(), indent=2, default=str)))
     return [data, markdown]
+
+
+def _kl_statistics(result: GateResult) -> list[str]:
+    """The KL report llama.cpp's perplexity tool prints, for the evaluation text: the per-token KL's mean,
+    percentiles and max, the mean Δp of the actual next token and the same-top share with their intervals."""
+    layer = next((layer for layer in result.layers if layer.name == "kl" and "candidate" in layer.metrics), None)
+    kl = layer.metrics["candidate"] if layer is not None else {}
+    if "same_top_low" not in kl:  # no KL judged, or passes stored before these statistics
+        return []
+    confidence = f"{kl['summary_confidence']:.0%}"
+    points = [100 * kl[key] for key in ("delta_p_mean", "delta_p_low", "delta_p_high")]
+    shares = [100 * kl[key] for key in ("same_top", "same_top_low", "same_top_high")]
+    tokens = [_format(kl[key]) for key in ("kl_mean", "kl_p99.9", "kl_p99", "kl_p95", "kl_p90", "kl_p50", "kl_max")]
+    return [
+        "",
+        "## KL statistics",
+        "",
+        f"KL(baseline ‖ candidate) over the {kl['kl_vocabulary']} vocabulary, nats per token, {kl['tokens']} tokens.",
+        "",
+        f"| mean | p99.9 | p99 | p95 | p90 | median | max | mean Δp, points ({confidence}) | same top ({confidence}) |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {' | '.join(tokens)} | {points[0]:+.2f} ({points[1]:+.2f} – {points[2]:+.2f}) "
+        f"| {shares[0]:.1f}% ({shares[1]:.1f} – {shares[2]:.1f}%) |",
+        "",
+        "Δp: the candidate's probability of the actual next token minus the baseline's. Intervals: Student t over "
+        "per-window means (the tokens of one window are correlated); the mean KL's interval is its check's.",
+    ]
 
 
 def _notes(layer) -> list[str]:

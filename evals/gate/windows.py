@@ -34,6 +34,7 @@ from compress.base.locks import file_lock, lock_beside
 from compress.base.paths import artifacts_dir
 from compress.evals.divergence import (
     DivergenceMeter,
+    FullReference,
     ReferenceRecorder,
     load_reference,
     reference_path,
@@ -179,9 +180,11 @@ def _records_reference(context: GateContext) -> bool:
 
 def cached_baseline(context: GateContext, subject: Subject) -> bool:
     """Fill in the baseline's pass from the reference cache (same model files, tokens and protocol), if it is there:
-    then the baseline need not be loaded for these layers at all."""
+    then the baseline need not be loaded for these layers at all. A full-vocabulary reference is never cached."""
     if subject.label != "baseline" or subject.label in context.scores or not _records_reference(context):
         return subject.label in context.scores
+    if context.policy.kl.full_vocab:
+        return False
     policy, top_k = context.policy.perplexity, context.policy.kl.top_k
     _, cap = window_plan(context)
     path = reference_path(cache_dir(context.policy), subject.folder, scoring_ids(context), policy.seq_len, top_k)
@@ -200,6 +203,9 @@ def _measure_baseline(context: GateContext, subject: Subject) -> dict:
     ids = scoring_ids(context)
     if not _records_reference(context):
         return _score(subject, context, cap, None).to_dict()
+    if context.policy.kl.full_vocab:
+        context.reference = FullReference(cap, policy.seq_len - 1, directory=cache_dir(context.policy))
+        return _score(subject, context, cap, context.reference).to_dict()
     path = reference_path(cache_dir(context.policy), subject.folder, ids, policy.seq_len, top_k)
     # Two gates of one baseline at once: the second waits here, then reads the reference the first cached.
     with file_lock(lock_beside(path), f"the baseline reference {path}") if path else nullcontext():
@@ -213,17 +219,24 @@ def _measure_baseline(context: GateContext, subject: Subject) -> dict:
 
 
 def reference_recorder(policy: GatePolicy, token_ids, seq_len: int, max_windows: int | None):
-    """For a caller that scores the baseline itself (``compress run``): the recorder of its top-k distributions when
-    the gate will judge the KL, so the candidate's pass measures its divergence and the gate judges both numbers
-    without measuring again; None when the gate has no KL layer."""
+    """For a caller that scores the baseline itself (``compress run``): the recorder of its top-k distributions (its
+    whole ones under ``gate.kl.full_vocab``) when the gate will judge the KL, so the candidate's pass measures its
+    divergence and the gate judges both numbers without measuring again; None when the gate has no KL layer."""
     if not (policy.enabled and "kl" in policy.layers and policy.kl.enabled):
         return None
     windows = evaluation_windows(token_ids, seq_len, max_windows)
+    if policy.kl.full_vocab:
+        return FullReference(len(windows), seq_len - 1, directory=cache_dir(policy))
     return ReferenceRecorder(len(windows), seq_len - 1, policy.kl.top_k)
 
 
-def keep_reference(policy: GatePolicy, folder, token_ids, seq_len: int, recorder: ReferenceRecorder) -> None:
-    """Cache a baseline's recorded reference (when the baseline has a folder to key it by)."""
+def keep_reference(
+    policy: GatePolicy, folder, token_ids, seq_len: int, recorder: ReferenceRecorder | FullReference
+) -> None:
+    """Cache a baseline's recorded top-k reference (when the baseline has a folder to key it by; a full-vocabulary
+    one is too large to keep)."""
+    if isinstance(recorder, FullReference):
+        return
     path = reference_path(cache_dir(policy), folder, token_ids, seq_len, recorder.indices.shape[-1])
     if path is not None:
         save_reference(path, recorder.tensors(), {"format": "compress-reference", "seq_len": str(seq_len)})
