@@ -39,19 +39,18 @@ TEXT_WINDOWS = 53  # windows of 512 tokens in the default evaluation text (recip
 LIMITS = [(1.05, 0.05), (1.05, None), (None, 0.05), (1.03, None), (1.04, None), (None, 0.03), (None, 0.04)]
 
 
-def judge(model: dict, base: list[float], indices: list[int], max_ratio, max_kl, confidence, family, block) -> str:
+def judge(model: dict, base: list[float], indices: list[int], max_ratio, max_kl, confidence, family) -> str:
     """The window layers' verdict on one slice, as the gate reads it (one place to adapt to the gate's checks)."""
     verdicts = []
     if max_ratio is not None:
         ratio = gate_checks.ratio_check(
             "perplexity", "perplexity", [model["window_nll"][i] for i in indices], [base[i] for i in indices],
-            max_ratio, confidence, positions=indices, block=block,
+            max_ratio, confidence, positions=indices,
         )  # fmt: skip
         verdicts.append(gate_checks.familywise(ratio, family).verdict)
     if max_kl is not None:
         kl = gate_checks.kl_check(
-            "kl", "kl_mean", [model["window_kl"][i] for i in indices], max_kl, confidence, positions=indices,
-            block=block,
+            "kl", "kl_mean", [model["window_kl"][i] for i in indices], max_kl, confidence, positions=indices
         )  # fmt: skip
         verdicts.append(gate_checks.familywise(kl, family).verdict)
     return "block" if "block" in verdicts else "pass" if all(v == "pass" for v in verdicts) else "inconclusive"
@@ -73,7 +72,7 @@ def simulate(scores: dict, max_ratio, max_kl, searches: int, seed: int, policy, 
     edges = [j * count // TEXT_WINDOWS for j in range(TEXT_WINDOWS + 1)]
     rng = random.Random(seed)
     tally = {"chosen": 0, "chosen_past": 0, "accepted": 0, "accepted_past": 0, "looks": 0}
-    settings = (max_ratio, max_kl, policy.confidence, family, policy.perplexity.block_windows)
+    settings = (max_ratio, max_kl, policy.confidence, family)
     for _ in range(searches):
         text = [rng.randrange(edges[j], edges[j + 1]) for j in range(TEXT_WINDOWS)]
         search, sealed = [text[p] for p in search_at], [text[p] for p in sealed_at]
@@ -158,7 +157,6 @@ def main() -> None:
         "sealed_windows": len(WindowSplit(SEALED, share).positions(TEXT_WINDOWS)),
         "confidence": policy.confidence,
         "family_confidence": family,
-        "block_windows": policy.perplexity.block_windows,
         "rows": rows,
     }
     out = ROOT / "benchmarks" / "results"

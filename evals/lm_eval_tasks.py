@@ -198,9 +198,17 @@ def benchmark_task_name(name: str) -> str:
     return f"compress_{name}"
 
 
-def write_benchmark_task(name: str, folder: Path) -> Path:
+def benchmark_items(name: str) -> list[str]:
+    """The shipped items of benchmark ``name``, one jsonl line each, in their shipped (shuffled once) order."""
+    source = BENCHMARK_DIR / name
+    config = yaml.safe_load((source / "task.yaml").read_text(encoding="utf-8"))
+    return (source / config["dataset_kwargs"]["data_files"]["test"]).read_text(encoding="utf-8").splitlines()
+
+
+def write_benchmark_task(name: str, folder: Path, start: int = 0, stop: int | None = None) -> Path:
     """The task folder (for lm-eval's ``include_path``) of shipped benchmark ``name``: its task YAML pointing at the
-    shipped items by absolute path."""
+    shipped items by absolute path, or at a copy of items ``start`` to ``stop`` (the gate scores a pilot first, then
+    the rest)."""
     if name not in shipped_benchmarks():
         raise CompressError(
             f"no shipped accuracy benchmark {name!r}; the package ships {shipped_benchmarks()} "
@@ -210,6 +218,12 @@ def write_benchmark_task(name: str, folder: Path) -> Path:
     config = yaml.safe_load((source / "task.yaml").read_text(encoding="utf-8"))
     config["dataset_kwargs"]["data_files"] = {"test": str(source / config["dataset_kwargs"]["data_files"]["test"])}
     folder.mkdir(parents=True, exist_ok=True)
+    if start or stop is not None:
+        lines = "".join(line + "\n" for line in benchmark_items(name)[start:stop])
+        # The content hash in the name keeps the datasets cache from serving another slice written here.
+        data_file = folder / f"{name}-{hashlib.sha256(lines.encode()).hexdigest()[:12]}.jsonl"
+        data_file.write_text(lines, encoding="utf-8")
+        config["dataset_kwargs"]["data_files"] = {"test": str(data_file)}
     (folder / f"{config['task']}.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return folder
 

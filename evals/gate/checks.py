@@ -162,6 +162,37 @@ def drop_check(layer, metric, candidate: list[float], baseline: list[float], max
     )
 
 
+def noninferiority_check(
+    layer, metric, candidate: list[float], baseline: list[float], max_drop_points, confidence, block_confidence
+) -> Check:
+    """Accuracy change in points from paired 0/1 outcomes under :func:`stats.noninferiority_verdict`: PASS on the
+    interval at ``confidence``, BLOCK on the exact McNemar test at ``block_confidence`` (the gate's familywise level,
+    applied here: :func:`familywise` leaves this check alone) beyond half the limit."""
+    stats._same_items(candidate, baseline)
+    count = len(candidate)
+    gained = sum(1 for c, b in zip(candidate, baseline, strict=True) if c and not b)
+    lost = sum(1 for c, b in zip(candidate, baseline, strict=True) if b and not c)
+    margin = max_drop_points / 100
+    verdict, interval = stats.noninferiority_verdict(gained, lost, count, margin, confidence, block_confidence)
+    points = interval.map(_points)
+    needed = None
+    if verdict == INCONCLUSIVE:
+        needed = stats.noninferiority_items_to_decide(gained, lost, count, margin, confidence, block_confidence)
+    check = Check(
+        layer, metric, _mean(candidate), _mean(baseline), points.estimate, points.low, points.high, -max_drop_points,
+        f"≥ baseline − {max_drop_points:g} points", verdict, count, confidence, needed,
+        block_confidence=block_confidence,
+    )  # fmt: skip
+    p_value = stats.drop_p_value(gained, lost)
+    check.summary = (
+        f"{metric} {check.estimate:+.1f} points ({_ci(check, lambda v: f'{v:+.1f}')}; {check.candidate:.0%} vs "
+        f"baseline {check.baseline:.0%}; {gained} gained, {lost} lost, McNemar one-sided p={p_value:.2g} against "
+        f"{(1 - block_confidence) / 2:.2g}) against the −{max_drop_points:g}-point limit (a block also needs the "
+        f"estimate past −{max_drop_points / 2:g}): {verdict.upper()}" + _more(check)
+    )
+    return check
+
+
 def kl_check(layer, metric, values: list[float], bound, confidence, positions=None) -> Check:
     """A ceiling on the mean KL per window, its interval on the log scale (:func:`stats.log_mean_interval`)."""
     return mean_check(layer, metric, values, bound, True, confidence, None, positions, stats.log_mean_interval)

@@ -65,3 +65,5 @@ class GateContext:
     # the domain panel (gate.domains): each kind of text's evaluation ids, and a context per domain made from this one
     domain_ids: dict[str, torch.Tensor] = field(default_factory=dict)
     domain_contexts: dict[str, GateContext] | None = None
+    # per layer, what it has measured so far (the lm_eval layer's candidate pilot reads the baseline's outcomes)
+    measured: dict[str, dict] = field(default_factory=dict)

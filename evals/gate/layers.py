@@ -11,6 +11,7 @@ from pathlib import Path
 from compress.base.errors import CompressError
 from compress.evals import generation, latency, long_context, needle
 from compress.evals.gate import checks as gate_checks
+from compress.evals.gate import item_plan
 from compress.evals.gate.checks import Check
 from compress.evals.gate.context import GateContext, Subject
 from compress.evals.gate.policy import GatePolicy, resolve_blocking
@@ -31,8 +32,10 @@ def _accuracy_checks(
     max_drop_points: float | None,
     chance: float,
     notes: list[str],
+    block_confidence: float | None = None,
 ) -> list[Check]:
-    """The paired drop check of one accuracy, or a note when the baseline is at chance."""
+    """The paired drop check of one accuracy, or a note when the baseline is at chance; with ``block_confidence``,
+    the non-inferiority rule whose BLOCK is an exact McNemar test at that level (``checks.noninferiority_check``)."""
     if max_drop_points is None:
         return []
     if gate_checks.at_chance(baseline, chance, context.policy.confidence):
@@ -43,6 +46,12 @@ def _accuracy_checks(
         )
         return []
     confidence = context.policy.confidence
+    if block_confidence is not None:
+        return [
+            gate_checks.noninferiority_check(
+                layer, metric, candidate, baseline, max_drop_points, confidence, block_confidence
+            )
+        ]
     return [gate_checks.drop_check(layer, metric, candidate, baseline, max_drop_points, confidence)]
 
 
@@ -55,13 +64,9 @@ def _judged(metrics: dict, checks: list[Check], notes: list[str]) -> tuple[dict,
 
 
 def measure_lm_eval(context: GateContext, subjects: list[Subject]) -> dict:
-    from compress.evals.lm_eval_tasks import (
-        CHOICE_TASK,
-        benchmark_task_name,
-        run_lm_eval,
-        write_benchmark_task,
-        write_choice_task,
-    )
+    """The shipped benchmarks by the item plan (:mod:`item_plan`: the baseline's outcomes cached, the candidate's
+    count planned from a pilot), the other tasks on ``limit`` items each."""
+    from compress.evals.lm_eval_tasks import CHOICE_TASK, run_lm_eval, write_choice_task
 
     policy = context.policy.lm_eval
     tasks, include_paths = list(policy.tasks), []
@@ -69,22 +74,31 @@ def measure_lm_eval(context: GateContext, subjects: list[Subject]) -> dict:
         folder = context.out_dir / "lm_eval_tasks"
         include_paths.append(write_choice_task(context.evaluation_texts, folder, policy.limit, context.policy.seed))
         tasks.insert(0, CHOICE_TASK)
-    for name in reversed(policy.benchmarks):
-        include_paths.append(write_benchmark_task(name, context.out_dir / "lm_eval_benchmark" / name))
-        tasks.insert(0, benchmark_task_name(name))
     if policy.include_path:
         include_paths.append(Path(policy.include_path).expanduser())
-    if not tasks:
+    if not tasks and not policy.benchmarks:
         raise CompressError(
             "the lm_eval layer has no tasks: set gate.lm_eval.benchmark (e.g. arc_easy), gate.lm_eval.tasks or "
             "gate.lm_eval.local_task=true"
         )
-    return {
-        subject.label: run_lm_eval(
-            subject.model, subject.tokenizer, tasks, include_paths, policy.limit, policy.batch_size, policy.max_length
-        )
-        for subject in subjects
-    }
+    measured: dict = {}
+    earlier = context.measured.get("lm_eval", {})
+    for subject in sorted(subjects, key=lambda subject: subject.label != "baseline"):  # the pilot reads the baseline
+        results: dict = {}
+        if policy.benchmarks:
+            baseline = measured.get("baseline", earlier.get("baseline"))
+            results, plan = item_plan.measure_benchmarks(context, subject, baseline)
+            if subject.label == "candidate":
+                measured["plan"] = plan
+        if tasks:
+            results.update(
+                run_lm_eval(
+                    subject.model, subject.tokenizer, tasks, include_paths, policy.limit, policy.batch_size,
+                    policy.max_length,
+                )
+            )  # fmt: skip
+        measured[subject.label] = results
+    return measured
 
 
 def pooled_outcomes(results: dict, tasks: list[str]) -> dict[str, tuple[list[float], float]]:
@@ -105,34 +119,42 @@ def judge_lm_eval(context: GateContext, metrics: dict) -> tuple[dict, list[Check
     policy = context.policy.lm_eval
     checks: list[Check] = []
     notes: list[str] = []
+    block_confidence = item_plan.block_confidence(context)
+    # The baseline is scored on the whole pool: judged on the items the candidate was scored on (a prefix of each).
+    paired = {
+        task: item_plan.prefix(metrics["baseline"][task], len(next(iter(result["outcomes"].values()), [])))
+        for task, result in metrics["candidate"].items()
+    }
     # Several shipped benchmarks are one check over all their items (docs/gate.md: the size the power analysis
     # assumes, one Bonferroni share); each one's own accuracy stays in the report.
     pooled = [benchmark_task_name(name) for name in policy.benchmarks] if len(policy.benchmarks) > 1 else []
     if pooled:
         candidate, baseline = (
             pooled_outcomes(metrics["candidate"], pooled),
-            pooled_outcomes(metrics["baseline"], pooled),
+            pooled_outcomes(paired, pooled),
         )
         for name, (outcomes, chance) in sorted(candidate.items()):
             if all(metrics["candidate"][task]["higher_is_better"].get(name) for task in pooled):
                 checks += _accuracy_checks(
                     context, "lm_eval", f"{'+'.join(policy.benchmarks)}/{name}", outcomes, baseline[name][0],
-                    policy.max_drop_points, chance, notes,
+                    policy.max_drop_points, chance, notes, block_confidence,
                 )  # fmt: skip
     for task, result in metrics["candidate"].items():
         if task in pooled:
             continue
-        baseline = metrics["baseline"][task]
+        baseline = paired[task]
         for name, outcomes in result.get("outcomes", {}).items():
             if not result["higher_is_better"].get(name):
                 continue
             checks += _accuracy_checks(
                 context, "lm_eval", f"{task}/{name}", outcomes, baseline["outcomes"][name], policy.max_drop_points,
-                result.get("chance") or 0.0, notes,
+                result.get("chance") or 0.0, notes, block_confidence,
             )  # fmt: skip
         unjudged = [name for name in result["metrics"] if name not in result.get("outcomes", {})]
         if unjudged:
             notes.append(f"{task}: {unjudged} reported, not judged (no per-item scores to give an interval)")
+    for check in checks:
+        check.summary += item_plan.plan_text(metrics.get("plan"), check, policy.benchmarks)
     return _judged(metrics, checks, notes)
 
 

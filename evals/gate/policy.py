@@ -54,6 +54,11 @@ class LmEvalPolicy:
     batch_size: int = 4  # requests per forward pass
     max_length: int = 512  # tokens of context and continuation kept per request
     max_drop_points: float | None = 3.0  # accuracy drop in points, paired per item; sized on 570 items (gate-power.md)
+    # the shipped benchmarks' items are scored as a pilot of this many first, pooled; their discordance plans how
+    # many more (stats.planned_items); null: every item (up to limit) at once
+    pilot_items: int | None = None
+    power: float = 0.8  # the planned count blocks a drop of max_drop_points with this probability
+    max_items: int | None = None  # cap on the planned count over the shipped benchmarks (null: every item shipped)
 
     @property
     def benchmarks(self) -> list[str]:
@@ -205,6 +210,7 @@ def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
             )
     if len(set(resolved.lm_eval.benchmarks)) != len(resolved.lm_eval.benchmarks):
         raise CompressError(f"gate.lm_eval.benchmark={benchmark!r} names a benchmark twice")
+    _check_item_plan(resolved.lm_eval)
     if not 0.5 <= resolved.confidence < 1:
         raise CompressError(f"gate.confidence={resolved.confidence}; use a level in [0.5, 1), e.g. 0.95")
     windows, cap = resolved.perplexity.max_windows, resolved.perplexity.decide_max_windows
@@ -213,6 +219,23 @@ def resolve_policy(policy: dict | GatePolicy | None) -> GatePolicy:
     if cap is not None and windows is not None and cap < windows:
         raise CompressError(f"gate.perplexity.decide_max_windows={cap} is below max_windows={windows}; raise it")
     return resolved
+
+
+def _check_item_plan(policy: LmEvalPolicy) -> None:
+    """The pilot and planned item counts of the lm_eval layer are ones it can act on."""
+    pilot, cap = policy.pilot_items, policy.max_items
+    if pilot is not None and pilot < 10:
+        raise CompressError(f"gate.lm_eval.pilot_items={pilot}; use at least 10 (e.g. 200) or null (no pilot)")
+    if pilot is not None and not policy.benchmarks:
+        raise CompressError("gate.lm_eval.pilot_items needs gate.lm_eval.benchmark (the pilot plans shipped items)")
+    if pilot is not None and policy.max_drop_points is None:
+        raise CompressError("gate.lm_eval.pilot_items plans for gate.lm_eval.max_drop_points: set it, or pilot null")
+    if not 0.5 <= policy.power < 1:
+        raise CompressError(f"gate.lm_eval.power={policy.power}; use a probability in [0.5, 1), e.g. 0.8")
+    if cap is not None and (cap < 1 or (pilot is not None and cap < pilot)):
+        raise CompressError(
+            f"gate.lm_eval.max_items={cap}; use null or a count of at least {pilot or 1} (gate.lm_eval.pilot_items)"
+        )
 
 
 def policy_dict(policy: GatePolicy) -> dict:

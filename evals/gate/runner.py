@@ -20,6 +20,7 @@ from pathlib import Path
 
 from compress.base.data import token_digest, tokenize
 from compress.evals import generation, sides
+from compress.evals.gate import item_plan
 from compress.evals.gate.checks import familywise
 from compress.evals.gate.context import GateContext, Subject
 from compress.evals.gate.layers import LAYERS, CannotJudge, layer_blocking
@@ -45,6 +46,7 @@ class LayerRun:
     cannot_judge: str | None = None  # why this layer cannot judge this model (CannotJudge), measuring or judging
 
     def measure(self, context: GateContext, subjects: list[Subject]) -> None:
+        context.measured[self.name] = self.metrics
         self._timed(lambda: self.metrics.update(LAYERS[self.name][0](context, subjects)))
 
     def judge(self, context: GateContext) -> LayerResult:
@@ -276,6 +278,10 @@ def _run_layers(
     runs = [LayerRun(name) for name in selected]
     if kept is not None:
         kept.reuse(context, runs)
+    for run in runs:  # the baseline's lm-eval outcomes cached by an earlier gate: it is not scored again
+        if run.name == "lm_eval" and "baseline" not in run.metrics:
+            if (cached := item_plan.cached_baseline(context, baseline)) is not None:
+                run.metrics["baseline"] = cached
     verdicts = _Verdicts()
     backend, engine_options = result.backend, dataclasses.asdict(context.policy.engine)
     one_at_a_time = context.policy.models_in_memory == 1

@@ -256,3 +256,64 @@ def items_to_decide(interval: Interval, limit: float, at=None) -> int | None:
 def _same_items(candidate: list[float], baseline: list[float]) -> None:
     if len(candidate) != len(baseline):
         raise ValueError(f"paired scores need the same items: {len(candidate)} candidate vs {len(baseline)} baseline")
+
+
+def drop_p_value(gained: int, lost: int) -> float:
+    """Exact one-sided McNemar test of "the candidate is no worse" on paired 0/1 outcomes: conditional on the
+    ``gained + lost`` discordant items, each is a loss with probability 1/2 under that hypothesis, so the p-value is
+    P(Binomial(gained + lost, 1/2) ≥ lost). Concordant items carry no information about the difference."""
+    discordant = gained + lost
+    if lost == 0:
+        return 1.0
+    tail = sum(math.comb(discordant, losses) for losses in range(lost, discordant + 1))
+    return tail / 2**discordant
+
+
+def noninferiority_verdict(gained: int, lost: int, count: int, margin: float, confidence: float,
+                           block_confidence: float) -> tuple[str, Interval]:  # fmt: skip
+    """The verdict on an accuracy change (a share, ``margin`` > 0 the largest drop allowed) and its Agresti–Min
+    interval at ``confidence``. PASS: the interval's lower end is above −``margin``. BLOCK: not a pass, the exact
+    McNemar test (:func:`drop_p_value`) rejects "no drop" at the one-sided level of ``block_confidence`` (the gate's
+    familywise level), and the estimate is past −``margin``/2. The half-margin indifference zone keeps a real but
+    small drop (a lossless quantizer's −0.2 points) from blocking merely because many items make it significant:
+    the rule blocks what it can tell is a drop of more than half the allowed one. Else INCONCLUSIVE."""
+    interval = flips_interval(gained, lost, count, confidence)
+    if interval.low > -margin:
+        return PASS, interval
+    significant = drop_p_value(gained, lost) <= (1 - block_confidence) / 2
+    return (BLOCK if significant and interval.estimate < -margin / 2 else INCONCLUSIVE), interval
+
+
+def noninferiority_items_to_decide(gained: int, lost: int, count: int, margin: float, confidence: float,
+                                   block_confidence: float) -> int | None:  # fmt: skip
+    """The smallest item count in all that :func:`noninferiority_verdict` would decide if the flip rates stayed as
+    measured (counts rounded to whole items); None when none up to ten million would (no flips measured, or the
+    estimate sits on the edge of the indifference zone)."""
+
+    def decided(items: int) -> bool:
+        scaled_gained, scaled_lost = round(gained * items / count), round(lost * items / count)
+        verdict = noninferiority_verdict(scaled_gained, scaled_lost, items, margin, confidence, block_confidence)[0]
+        return verdict != INCONCLUSIVE
+
+    low, high = count, 2 * count
+    while not decided(high):
+        low, high = high, high * 2
+        if high > 10**7:
+            return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if decided(middle) else (middle, high)
+    return high
+
+
+def planned_items(discordance: float, margin: float, power: float, confidence: float) -> int:
+    """Items a paired 0/1 comparison needs for the exact McNemar test at the two-sided level ``confidence`` (one-sided
+    (1 − confidence)/2, the BLOCK level) to reject "no drop" with probability ``power`` when the true drop is
+    ``margin`` (a share) and a share ``discordance`` of the items flip one way or the other: (z_block + z_power)² ·
+    discordance / margin², the normal approximation (the variance of a paired difference is discordance − drop²,
+    bounded by discordance, so the count errs high)."""
+    if not 0 < margin < 1:
+        raise ValueError(f"a margin is a share in (0, 1), not {margin}")
+    z_block = NormalDist().inv_cdf((1 + confidence) / 2)
+    z_power = NormalDist().inv_cdf(power)
+    return max(1, math.ceil((z_block + z_power) ** 2 * discordance / margin**2))

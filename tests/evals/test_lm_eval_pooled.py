@@ -31,7 +31,8 @@ def test_the_full_preset_pools_arc_easy_and_piqa_and_a_list_composes_from_the_co
 
     full = resolve_policy(load_policy("full", []))
     assert full.lm_eval.benchmarks == ["arc_easy", "piqa"] and full.lm_eval.blocking
-    assert resolve_policy(load_policy("default", [])).lm_eval.benchmarks == ["arc_easy"]
+    default = resolve_policy(load_policy("default", [])).lm_eval
+    assert default.benchmarks == ["arc_easy", "piqa"] and default.blocking and default.pilot_items == 200
     listed = resolve_policy(load_policy("default", ["lm_eval.benchmark=[piqa,arc_easy]"]))
     assert listed.lm_eval.benchmarks == ["piqa", "arc_easy"]
     one = resolve_policy({"domains": [], "latency": {"enabled": False}})
