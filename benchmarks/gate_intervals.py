@@ -301,3 +301,39 @@ def plot(oc: dict, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+DOCS_BEGIN = "<!-- figures: benchmarks/results/gate-calibration.json, written by benchmarks/gate_intervals.py -->"
+DOCS_END = "<!-- end of figures -->"
+
+
+def docs_summary(recounted: dict, oc: dict) -> str:
+    """The block of docs/gate.md that quotes these results: the worst cell of each layout and metric, and each
+    preset's goals and INCONCLUSIVE band (a test re-renders it from the results file and compares)."""
+    lines = [
+        DOCS_BEGIN,
+        "",
+        "| metric | layout | worst coverage (cell) | worst false-PASS-side miss (cell) |",
+        "|---|---|---|---|",
+    ]
+    decides = [cell for cell in recounted["cells"] if cell["decides"]]
+    for metric in METRICS:
+        for layout in LAYOUTS:
+            own = [cell for cell in decides if cell["metric"] == metric and cell["layout"] == layout]
+            low = min(own, key=lambda cell: cell["coverage"]["rate"])
+            high = max(own, key=lambda cell: cell["above_upper"]["rate"])
+            lines.append(
+                f"| {metric} | {layout} | {low['coverage']['rate']:.1%} ({low['text']}, {low['size']} windows) "
+                f"| {high['above_upper']['rate']:.1%} ({high['text']}, {high['size']} windows) |"
+            )
+    lines += ["", "| preset | metric | goals at the limits | PASS in ≥ half the slices up to | BLOCK in ≥ half from |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for preset, found in oc.items():
+        for metric, goal in found["goals"].items():
+            misses = goal["pass_misses"] + goal["block_misses"]
+            band = found["band"][metric]
+            lines.append(
+                f"| {preset} ({found['windows']} windows) | {metric} | {'met' if not misses else 'missed'} "
+                f"| {_value(metric, band['passes_up_to'])} | {_value(metric, band['blocks_from'])} |"
+            )
+    return "\n".join([*lines, "", DOCS_END])

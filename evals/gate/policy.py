@@ -44,9 +44,9 @@ class KLPolicy:
 @dataclass
 class LmEvalPolicy:
     enabled: bool = True  # run this layer (a layer left out of gate.layers is off too)
-    blocking: bool = False  # failed checks block the release; off: 570 items cannot decide 3 points (gate.md)
+    blocking: bool = True  # failed checks block the release (the planned item count decides 3 points: gate.md)
     # public benchmarks shipped with the package (evals/data/<name>): one name, a list judged pooled, or null: none
-    benchmark: Any = "arc_easy"
+    benchmark: Any = field(default_factory=lambda: ["arc_easy", "piqa"])
     local_task: bool = False  # the continuation task cut from the evaluation text (a smoke test, not a benchmark)
     tasks: list[str] = field(default_factory=list)  # any lm-eval task names the machine has data for
     include_path: str | None = None  # a folder of the user's own task YAMLs
@@ -56,8 +56,8 @@ class LmEvalPolicy:
     max_drop_points: float | None = 3.0  # accuracy drop in points, paired per item; sized on 570 items (gate-power.md)
     # the shipped benchmarks' items are scored as a pilot of this many first, pooled; their discordance plans how
     # many more (stats.planned_items); null: every item (up to limit) at once
-    pilot_items: int | None = None
-    power: float = 0.8  # the planned count blocks a drop of max_drop_points with this probability
+    pilot_items: int | None = 200
+    power: float = 0.95  # the planned count blocks a drop of max_drop_points with this probability
     max_items: int | None = None  # cap on the planned count over the shipped benchmarks (null: every item shipped)
 
     @property
