@@ -24,6 +24,7 @@ from compress.base.staging import write_file_atomically
 from compress.evals.divergence import model_fingerprint
 from compress.evals.gate import stats
 from compress.evals.gate.context import GateContext, Subject
+from compress.evals.gate.policy import blocking_checks
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ def counts_at(order: list[int], benchmarks: int, items: int) -> list[int]:
 def block_confidence(context: GateContext) -> float:
     """The two-sided level the lm_eval layer's BLOCK is read at: the gate's familywise level when the layer blocks
     (Bonferroni over the blocking checks), else the gate's confidence."""
-    from compress.evals.gate.runner import blocking_checks
-
     policy = context.policy
     if not (policy.lm_eval.blocking and policy.familywise):
         return policy.confidence

@@ -24,15 +24,13 @@ from compress.evals.gate import item_plan
 from compress.evals.gate.checks import familywise
 from compress.evals.gate.context import GateContext, Subject
 from compress.evals.gate.layers import LAYERS, CannotJudge, layer_blocking
-from compress.evals.gate.policy import GatePolicy, policy_dict, resolve_policy
+from compress.evals.gate.policy import WINDOW_LAYERS, GatePolicy, blocking_checks, policy_dict, resolve_policy
 from compress.evals.gate.report import clear_verdict, write_report
 from compress.evals.gate.result import GateResult, LayerResult
 from compress.evals.gate.stats import BLOCK, INCONCLUSIVE, PASS, familywise_confidence
 from compress.evals.gate.windows import WindowSplit, domain_contexts, known
 
 log = logging.getLogger(__name__)
-
-WINDOW_LAYERS = ("perplexity", "kl")
 
 
 @dataclass
@@ -86,34 +84,6 @@ class LayerRun:
             log.error("gate layer %s raised:\n%s", self.name, traceback.format_exc())
             self.error = f"{type(error).__name__}: {error}"
         self.seconds += time.perf_counter() - start
-
-
-def blocking_checks(policy: GatePolicy, selected: list[str]) -> int:
-    """How many blocking checks the gate may run: the family a BLOCK's level is shared over (every limit set on a
-    selected, enabled, blocking layer; one accuracy check per lm-eval task and per long-context task; each panel
-    domain its own perplexity and KL checks). Counting a check that ends up not judged only makes the level stricter."""
-    limits = {
-        "perplexity": ("max_ratio", "max_value"),
-        "kl": ("max_mean", "min_same_top"),
-        "json": ("max_validity_drop_points", "max_compliance_drop_points", "min_validity"),
-        "needle": ("max_drop_points", "min_accuracy"),
-        "latency": ("max_ttft_ratio", "max_tpot_ratio"),
-    }
-    count = 0
-    for name in selected:
-        layer = getattr(policy, name)
-        if not (layer.enabled and layer.blocking):
-            continue
-        if name in WINDOW_LAYERS:
-            count += sum(getattr(layer, key) is not None for key in limits[name]) * (1 + len(policy.domains))
-        elif name == "lm_eval":
-            tasks = bool(layer.benchmarks) + int(layer.local_task) + len(layer.tasks)  # benchmarks: one, pooled
-            count += tasks * (layer.max_drop_points is not None)
-        elif name == "long_context":
-            count += len(layer.tasks) * (layer.max_drop_points is not None)
-        else:
-            count += sum(getattr(layer, key) is not None for key in limits[name])
-    return max(1, count)
 
 
 def run_gate(

@@ -113,19 +113,26 @@ def test_the_pilot_plans_the_count_from_the_discordance_it_measures(tmp_path, to
     results, plan = item_plan.measure_benchmarks(context, broken, reference)
     assert plan["discordance"] > 0.1 and plan["planned"] > 60 and plan["scored"] == 60 and plan["pilot"] == 20
     assert items_of(results) == [14, 46]
-    at_once, _ = item_plan.measure_benchmarks(gate_context(tmp_path, max_items=60, max_length=256), broken, reference)
+    at_once, _ = item_plan.measure_benchmarks(
+        gate_context(tmp_path, pilot_items=None, max_items=60, max_length=256), broken, reference
+    )
     assert [result["outcomes"] for result in results.values()] == [result["outcomes"] for result in at_once.values()]
 
 
 def test_a_cached_baseline_is_not_scored_again_and_another_setting_misses(tmp_path, tokenizer):
     folder = save(tiny_model_for(tokenizer), tokenizer, tmp_path / "base")
-    context = gate_context(tmp_path, max_items=30, max_length=256)
+    context = gate_context(tmp_path, pilot_items=None, max_items=30, max_length=256)
     loaded = Subject("baseline", folder, tokenizer, None, folder, model=tiny_model_for(tokenizer))
     assert item_plan.cached_baseline(context, loaded) is None
     scored, _ = item_plan.measure_benchmarks(context, loaded, None)
     not_loaded = Subject("baseline", folder, tokenizer, None, folder)  # no model: scoring would fail
     assert item_plan.measure_benchmarks(context, not_loaded, None)[0] == scored
     assert item_plan.cached_baseline(context, not_loaded) == scored
-    assert item_plan.cached_baseline(gate_context(tmp_path, max_items=30, max_length=512), not_loaded) is None
+    assert (
+        item_plan.cached_baseline(gate_context(tmp_path, pilot_items=None, max_items=30, max_length=512), not_loaded)
+        is None
+    )
     with pytest.raises(AttributeError):  # a miss scores, and there is no model to score with
-        item_plan.measure_benchmarks(gate_context(tmp_path, max_items=30, max_length=512), not_loaded, None)
+        item_plan.measure_benchmarks(
+            gate_context(tmp_path, pilot_items=None, max_items=30, max_length=512), not_loaded, None
+        )
