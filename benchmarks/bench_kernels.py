@@ -46,7 +46,7 @@ ATTENTION_SHAPE = dict(heads=32, kv_heads=8, head_dim=128, block_size=16)  # Lla
 GROUP_SIZE = 128
 COPY_BYTES = 1 << 30
 
-# (description, kernel, rows predicate, metric, threshold): goals of issue 5, judged on the worst matching row.
+# (description, kernel, rows predicate, metric, threshold): the kernel goals, judged on the worst matching row.
 GOALS = [
     ("W4A16 M=1 speedup >= 3.3x", "w4a16", lambda m: m == 1, "speedup", 3.3),
     ("W4A16 M=1 >= 75% of copy bandwidth", "w4a16", lambda m: m == 1, "copy_bandwidth_pct", 75.0),
@@ -56,7 +56,7 @@ GOALS = [
     ("FP8 W8A8 (with act quant) M>=1024 speedup >= 1.5x", "fp8", lambda m: m >= 1024, "speedup", 1.5),
     ("act-quant M>=1024 >= 70% of copy bandwidth", "act-quant", lambda m: m >= 1024, "copy_bandwidth_pct", 70.0),
     (
-        "int8-KV paged decode attention >= 70% of copy bandwidth (issue 6)",
+        "int8-KV paged decode attention >= 70% of copy bandwidth",
         "paged-attn-int8",
         lambda m: m >= 16,
         "copy_bandwidth_pct",

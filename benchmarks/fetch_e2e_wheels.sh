@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The wheels `compress run` needs on a lent GPU box beyond its image (torch, transformers, safetensors, pyyaml, psutil,
+# The wheels `compress run` needs on an offline GPU machine beyond its image (torch, transformers, safetensors, pyyaml, psutil,
 # nvidia-ml-py are there; nothing can be downloaded there), for `bash benchmarks/gpu_session.sh e2e`
 # (benchmarks/gpu_e2e.py). Versions are constraints.txt's; every one is pure Python but rpds-py (cp312, x86-64).
 #   here, once, from the checkout's root:  bash benchmarks/fetch_e2e_wheels.sh [--lm-eval]   -> .whl/*.whl
-#   device call: name `.whl` in `carry`; gpu_session.sh installs every .whl/*.whl into /tmp/site by itself.
+#   on the GPU machine: copy `.whl` beside the checkout; gpu_session.sh installs every .whl/*.whl into /tmp/site by itself.
 # Core (~1 MB): hydra-core, omegaconf, antlr4 (Hydra composes every run's configuration), jsonschema and its three
 # dependencies (the gate's json layer). MLflow is not needed (tracking.enabled=false), nor compressed-tensors or gguf
 # (never imported by a run) or datasets (a local text is split without it).

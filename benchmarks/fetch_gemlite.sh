@@ -2,7 +2,7 @@
 # Carry gemlite (pure Python + Triton; PyPI has only its sdist) to a GPU box that cannot reach PyPI, for the
 # gemlite columns of `python -m compress bench peers`.
 #   here, once, from the checkout's root:  bash benchmarks/fetch_gemlite.sh   -> .whl/gemlite-<version>.tar.gz
-#   device call: name `.whl` in `carry`; benchmarks/gpu_session.sh unpacks it onto PYTHONPATH by itself (no build:
+#   on the GPU machine: copy `.whl` beside the checkout; benchmarks/gpu_session.sh unpacks it onto PYTHONPATH by itself (no build:
 #   the sdist's source tree imports as is and ships gemlite's H100 tile cache; numpy, tqdm, triton are on the box).
 set -euo pipefail
 VERSION=${GEMLITE_VERSION:-0.6.0.post2}
