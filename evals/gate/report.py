@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 from compress.base.staging import write_file_atomically
@@ -169,4 +170,12 @@ def summary_metrics(result: GateResult) -> dict[str, float]:
             if domain:  # MLflow names allow no brackets: gate.ppl_ratio.code, gate.kl_mean.technical
                 metrics[name] = check.estimate
             metrics[f"{name}_low"], metrics[f"{name}_high"] = check.low, check.high
-    return {f"gate.{key}": value for key, value in metrics.items() if value is not None and math.isfinite(value)}
+    return {
+        f"gate.{_mlflow_name(key)}": value for key, value in metrics.items() if value is not None and math.isfinite(value)
+    }
+
+
+def _mlflow_name(name: str) -> str:
+    """MLflow refuses a metric name with anything beyond alphanumerics, ``_ - . : /`` and spaces: a pooled check
+    (``arc_easy+piqa/acc``) is logged as ``arc_easy_piqa.acc``."""
+    return re.sub(r"[^\w\-. :/]", "_", name)
