@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import pydoc_tokenizer, save, scale_by_noise, tiny_model_for
+from helpers import save, scale_by_noise, tiny_model_for
 
 from compress.base.errors import CompressError
 from compress.evals.gate import item_plan, stats
@@ -82,11 +82,6 @@ def test_the_pool_interleaves_benchmarks_in_proportion():
     assert len(order) == 2408
     assert item_plan.counts_at(order, 2, 200) in ([47, 153], [48, 152])
     assert item_plan.counts_at(order, 2, 2408) == [570, 1838]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return pydoc_tokenizer()
 
 
 def gate_context(tmp_path: Path, **lm_eval) -> GateContext:

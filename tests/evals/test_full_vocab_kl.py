@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import pydoc_tokenizer, save, scale_by_noise, tiny_model_for
+from helpers import save, scale_by_noise, tiny_model_for
 
-from compress.base.data import DataSpec, load_corpus, tokenize
+from compress.base.data import tokenize
 from compress.base.errors import CompressError
 from compress.evals.divergence import DivergenceMeter, FullReference, ReferenceRecorder, scratch_tensor
 from compress.evals.gate import run_gate
@@ -18,16 +18,6 @@ from compress.evals.perplexity import evaluation_windows, perplexity
 
 SEQ_LEN, WINDOWS, BATCH = 64, 4, 2
 T_975_3_DEGREES = 3.1824  # Student t, two-sided 95%, 3 degrees of freedom (4 windows)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return pydoc_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def texts():
-    return load_corpus(DataSpec()).evaluation
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,6 @@ def client():
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return pydoc_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("checkpoints")
     return {

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import pydoc_tokenizer, tiny_model_for
+from helpers import tiny_model_for
 
 from compress.evals.generation import TransformersGenerator
 from compress.evals.json_grammar import DONE, completion, parse_prefix
@@ -16,11 +16,6 @@ from compress.grids.kv_quant import fake_quantize_kv
 
 VALID = ['{"a": [1, -2.5e+3, true, null, {"b": "x\\u00e9\\n"}], "c": {}}', "{}", '{ "k" : [ ] }', '{"n": 0.5E-2}']
 INVALID = ["[1]", '{"a": 01}', '{"a": }', "{,}", '{"a": 1,}', '{"a" 1}', '{"a": tru}', '{"a": 1]', '{"a": -}', "{} x"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return pydoc_tokenizer()
 
 
 @pytest.mark.parametrize("document", VALID)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import pydoc_tokenizer, save, scale_by_noise, tiny_model_for
+from helpers import save, scale_by_noise, tiny_model_for
 
 from compress.base.data import DataSpec, load_corpus
 from compress.commands.gate import load_policy
@@ -24,16 +24,6 @@ from compress.evals.perplexity import perplexity
 
 # the evaluation text alone: the domain panel (tested on its own below) would add checks to every verdict here
 WINDOW_LAYERS = {"layers": ["perplexity", "kl"], "backend": "transformers", "domains": []}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return pydoc_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def texts():
-    return load_corpus(DataSpec()).evaluation
 
 
 @pytest.fixture(scope="module")

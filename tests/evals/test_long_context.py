@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import pydoc_tokenizer, tiny_model_for
+from helpers import tiny_model_for
 
 from compress.evals import long_context
 from compress.evals.generation import TransformersGenerator
@@ -25,11 +25,6 @@ OPENINGS = {
     "multi_key": "The special magic number for {key} is",
     "frequent_words": "The three most frequent words are",
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return pydoc_tokenizer()
 
 
 @pytest.fixture(scope="module")
