@@ -171,7 +171,9 @@ def summary_metrics(result: GateResult) -> dict[str, float]:
                 metrics[name] = check.estimate
             metrics[f"{name}_low"], metrics[f"{name}_high"] = check.low, check.high
     return {
-        f"gate.{_mlflow_name(key)}": value for key, value in metrics.items() if value is not None and math.isfinite(value)
+        f"gate.{_mlflow_name(key)}": value
+        for key, value in metrics.items()
+        if value is not None and math.isfinite(value)
     }
 
 
