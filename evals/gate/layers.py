@@ -11,7 +11,7 @@ from pathlib import Path
 from compress.base.errors import CompressError
 from compress.evals import generation, latency, long_context, needle
 from compress.evals.gate import checks as gate_checks
-from compress.evals.gate import item_plan, stats
+from compress.evals.gate import item_plan
 from compress.evals.gate.checks import Check
 from compress.evals.gate.context import GateContext, Subject
 from compress.evals.gate.policy import GatePolicy, resolve_blocking
@@ -53,21 +53,6 @@ def _accuracy_checks(
             )
         ]
     return [gate_checks.drop_check(layer, metric, candidate, baseline, max_drop_points, confidence)]
-
-
-def _require_decidable(context: GateContext, items: int, limits: dict[str, float | None], more: str) -> None:
-    """Say "cannot judge" before any prompt is generated when ``items`` paired items cannot PASS any of the layer's
-    drop ``limits`` (metric → points) even if no item flips: a verdict that is INCONCLUSIVE by construction is
-    not worth the model time. ``more`` says how to plan enough items."""
-    confidence = context.policy.confidence
-    needed = {metric: stats.items_to_pass(points / 100, confidence) for metric, points in limits.items() if points}
-    if not needed or any(items >= count for count in needed.values()):
-        return
-    metric, count = min(needed.items(), key=lambda pair: pair[1])
-    raise CannotJudge(
-        f"{metric}: cannot judge with {items} items: even with no item flipping, the narrowest {confidence:.0%} "
-        f"interval is wider than the −{limits[metric]:g}-point limit; {count} items would decide ({more})"
-    )
 
 
 def _judged(metrics: dict, checks: list[Check], notes: list[str]) -> tuple[dict, list[Check]]:
@@ -174,14 +159,7 @@ def judge_lm_eval(context: GateContext, metrics: dict) -> tuple[dict, list[Check
 
 
 def measure_json(context: GateContext, subjects: list[Subject]) -> dict:
-    from compress.evals.json_validity import PROMPTS
-
     policy = context.policy.json
-    if policy.min_validity is None:
-        items = len(PROMPTS[: policy.num_prompts] if policy.num_prompts else PROMPTS)
-        limits = {"json_validity": policy.max_validity_drop_points}
-        limits["json_schema_compliance"] = policy.max_compliance_drop_points
-        _require_decidable(context, items, limits, f"the package ships {len(PROMPTS)} prompts: gate.json.num_prompts")
     metrics = {}
     for subject in subjects:
         # Constrained decoding needs per-step logits: always the transformers loop, whatever the backend.
@@ -248,12 +226,6 @@ def _generated(context: GateContext, subjects: list[Subject], evaluate, lengths,
 def measure_needle(context: GateContext, subjects: list[Subject]) -> dict:
     policy = context.policy.needle
     lengths = _lengths(policy.context_lengths, context, "needle")
-    if policy.min_accuracy is None:
-        per_trial = len(lengths) * len(policy.depths)
-        _require_decidable(
-            context, per_trial * policy.trials, {"needle_accuracy": policy.max_drop_points},
-            f"{per_trial} prompts a trial: raise gate.needle.trials, depths or context_lengths",
-        )  # fmt: skip
     return _generated(context, subjects, needle.evaluate_needle, lengths, policy.depths, policy.trials)
 
 
@@ -280,11 +252,6 @@ def measure_long_context(context: GateContext, subjects: list[Subject]) -> dict:
     policy = context.policy.long_context
     shortest = max(long_context.minimum_length(task, subjects[0].tokenizer) for task in policy.tasks)
     lengths = _lengths(policy.context_lengths, context, "long_context", shortest)
-    limits = {f"long_context/{task}": policy.max_drop_points for task in policy.tasks}  # judged per task
-    _require_decidable(
-        context, len(lengths) * policy.trials, limits,
-        f"{len(lengths)} prompts a trial per task: raise gate.long_context.trials or context_lengths",
-    )  # fmt: skip
     return _generated(context, subjects, long_context.evaluate_long_context, lengths, policy.tasks, policy.trials)
 
 

@@ -253,20 +253,6 @@ def items_to_decide(interval: Interval, limit: float, at=None) -> int | None:
     return high
 
 
-def items_to_pass(max_drop: float, confidence: float = 0.95) -> int:
-    """The fewest paired 0/1 items whose interval can lie above ``−max_drop`` (a share, e.g. 0.10) at all: with no
-    item flipping, the narrowest interval :func:`flips_interval` gives. Fewer items can never PASS that limit."""
-    if max_drop <= 0:
-        raise ValueError(f"a drop limit must be positive, got {max_drop}")
-    low, high = 1, 1
-    while flips_interval(0, 0, high, confidence).low < -max_drop:
-        low, high = high, high * 2
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if flips_interval(0, 0, middle, confidence).low < -max_drop else (low, middle)
-    return high
-
-
 def _same_items(candidate: list[float], baseline: list[float]) -> None:
     if len(candidate) != len(baseline):
         raise ValueError(f"paired scores need the same items: {len(candidate)} candidate vs {len(baseline)} baseline")

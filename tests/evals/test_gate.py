@@ -57,8 +57,6 @@ def test_unchanged_model_passes_against_itself_and_is_registered(checkpoints, tm
             "promote=true",
             "gate.registry.name=tiny-llama",
             "gate.backend=transformers",
-            "gate.json.num_prompts=8",  # the fewest that can decide quick's 20-point limits
-            "gate.needle.trials=6",  # 18 prompts at the one length that fits: the fewest for a 10-point limit
         ]
     )
     assert code == 0

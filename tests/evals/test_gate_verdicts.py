@@ -295,13 +295,6 @@ def test_the_domain_panel_judges_each_kind_of_text_and_names_the_worst(pair, tex
     assert names["gate.ppl_ratio.code"] == code.estimate and "gate.kl_mean.code_high" in names
 
 
-@pytest.mark.parametrize("max_drop", [0.03, 0.10, 0.20])
-def test_items_to_pass_is_the_fewest_whose_narrowest_interval_clears_the_limit(max_drop):
-    needed = stats.items_to_pass(max_drop)
-    assert stats.flips_interval(0, 0, needed).low >= -max_drop
-    assert stats.flips_interval(0, 0, needed - 1).low < -max_drop
-
-
 def test_a_pooled_accuracy_check_is_logged_under_a_name_mlflow_accepts():
     """A pooled check is named ``arc_easy+piqa/acc``: MLflow refuses the ``+`` and the gate would fail closed."""
     from mlflow.utils.validation import _validate_metric_name

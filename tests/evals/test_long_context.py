@@ -342,29 +342,3 @@ def test_the_gate_judges_each_task_at_its_own_chance_and_skips_the_ones_at_chanc
     wrong = evaluate_long_context(FixedReply(tokenizer, " 12345, river, lamp, tree."), **arguments)
     with pytest.raises(CannotJudge, match="long_context/multi_key: cannot judge"):
         _judge(candidate, wrong, tmp_path)
-
-
-class NeverGenerates(Oracle):
-    def generate_batch(self, prompts, max_new_tokens):
-        raise AssertionError("a layer that cannot decide its limit must not spend model time")
-
-
-@pytest.mark.parametrize(("trials", "decidable"), [(8, False), (9, True)])
-def test_the_layer_says_it_cannot_judge_before_generating_when_its_items_cannot_pass(
-    tokenizer, filler, lengths, tmp_path, trials, decidable
-):
-    """Two lengths × 8 trials are 16 prompts a task: even with no flip, too few to pass −10 points (18 can)."""
-    from compress.evals.gate.context import GateContext, Subject
-    from compress.evals.gate.layers import CannotJudge, measure_long_context
-    from compress.evals.gate.policy import resolve_policy
-
-    policy = resolve_policy({"long_context": {"context_lengths": lengths, "trials": trials, "max_drop_points": 10.0}})
-    context = GateContext(policy, [], torch.tensor(filler), 4096, tmp_path)
-    generator = NeverGenerates(tokenizer)
-    subjects = [Subject(label, None, tokenizer, None, generator=generator) for label in ("baseline", "candidate")]
-    if decidable:
-        with pytest.raises(AssertionError, match="must not spend model time"):  # it went on to generate
-            measure_long_context(context, subjects)
-        return
-    with pytest.raises(CannotJudge, match=r"cannot judge with 16 items: .* 18 items would decide .*trials"):
-        measure_long_context(context, subjects)
