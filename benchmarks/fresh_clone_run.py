@@ -5,7 +5,7 @@ wall times, with the run's own phases, its out-of-domain and in-domain perplexit
     python -m benchmarks.fresh_clone_run                      # clones this checkout's HEAD into a temporary folder
     python -m benchmarks.fresh_clone_run --keep --args "gate=none"
 
-Why a script: issue 48 asks `make run` to fit 8 minutes on an idle 2-core machine with its quality kept, and a timing
+Why a script: `make run` should fit 8 minutes on an idle 2-core machine with its quality kept, and a timing
 is only worth quoting with the commit, machine and load it was measured on. Writes
 ``benchmarks/results/make-run-fresh-clone.{json,md}``; run it on an idle machine (the load average is recorded).
 """

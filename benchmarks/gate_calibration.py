@@ -371,7 +371,7 @@ def write_markdown(texts: dict, found: dict, path: Path, truncated: dict | None)
         ]
     lines += [
         "",
-        "Requirements (issue 47): a checkpoint whose full-text ratio is ≥ 2 points inside the limit passes in ≥ 95% of "
+        "Requirements: a checkpoint whose full-text ratio is ≥ 2 points inside the limit passes in ≥ 95% of "
         "slices and never blocks; one ≥ 5 points outside blocks in ≥ 95% with a Clopper-Pearson lower bound ≥ 90% and "
         "never passes. The KL rows apply the same rule within 0.6× or beyond 2× the KL limit. Near a limit there is no "
         "requirement: INCONCLUSIVE is the honest answer. Coverage: how often a slice's 95% interval contains the value "

@@ -189,7 +189,7 @@ def analyze() -> dict:
 
 
 def _powered(layer: dict) -> str:
-    """Whether the layer meets issue 47's design rule: lossless passes >= 95%, the stated regression blocks >= 80%."""
+    """Whether the layer meets the gate's design rule: lossless passes >= 95%, the stated regression blocks >= 80%."""
     return "yes" if layer["lossless_pass"] >= 0.95 and layer["stated_block"] >= 0.8 else "no"
 
 

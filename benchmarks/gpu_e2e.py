@@ -1,8 +1,8 @@
 """The headline `compress run` end to end on a random Llama-3-8B-shaped model: wall time, peak host and GPU memory
 per phase (sample, compress, save, evaluate, gate) for awq_int4, fp8_dynamic and gptq_int4, in one short GPU call.
 
-    bash benchmarks/gpu_session.sh e2e                 # on the GPU box, wheels carried (benchmarks/fetch_e2e_wheels.sh)
-    python -m benchmarks.gpu_e2e                       # the same, without the session script
+    bash benchmarks/gpu_session.sh e2e                 # on a GPU machine, with the wheels of fetch_e2e_wheels.sh
+    python -m benchmarks.gpu_e2e                       # the same, without the shell script
     python -m benchmarks.gpu_e2e --tiny --device cpu --out /tmp/e2e   # a tiny shape on CPU: checks it end to end
 
 The model (bf16, Llama-3-8B shapes from benchmarks/gpu_compress.py, the byte-level tokenizer of
@@ -261,7 +261,7 @@ def markdown(result: dict) -> str:
     goal = result["recipes"].get("awq_int4", {})
     if "run_wall_s" in goal and result["device"] != "cpu":
         met = "met" if goal["process_s"] <= 600 else "not met"
-        lines += ["", f"Goal (issue 48): the whole awq_int4 run <= 10 minutes on one H100: {goal['process_s']:.0f} s, "
+        lines += ["", f"Goal: the whole awq_int4 run <= 10 minutes on one H100: {goal['process_s']:.0f} s, "
                   f"{met} (on {model['device_name']}, at the settings above)."]  # fmt: skip
     return "\n".join(lines) + "\n"
 

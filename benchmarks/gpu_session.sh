@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a lent GPU is for, in one call (device time is scarce): the kernel tests against the compiled
+# The GPU checks in one script: the kernel tests against the compiled
 # kernels, the engine against transformers on the GPU, the kernel benchmark, the kernels against their peers
 # (torch int4/int8/fp8, gemlite when `.whl` is carried: benchmarks/fetch_gemlite.sh) and the engine benchmarks.
 # Usage on the GPU machine: bash benchmarks/gpu_session.sh [step ...]  (default: all but `sweep`, the W4A16 gemv tile

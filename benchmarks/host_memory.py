@@ -1,5 +1,5 @@
 """Host memory of `compress run recipe=awq_int4` (sampling included) on a random ~4B-parameter Llama on this CPU,
-against `compress plan`'s prediction and the goal of issue 48: peak RSS <= 3 GB plus the sampling model's share the
+against `compress plan`'s prediction and the goal: peak RSS <= 3 GB plus the sampling model's share the
 plan states, and the plan within +-25 % of the measured peak.
 
     python -m benchmarks.host_memory                       # hidden 3072, 28 layers, intermediate 8192, vocab 128256
@@ -56,7 +56,7 @@ OVERRIDES = [
     "stages.0.rounding=rtn",
     "stages.0.clip=false",
 ]
-GOAL_BASE_MB = 3 * 1024  # issue 48: peak RSS <= 3 GB plus the sampling model's share
+GOAL_BASE_MB = 3 * 1024  # the goal: peak RSS <= 3 GB plus the sampling model's share
 
 
 class PeakWatch(threading.Thread):
@@ -161,7 +161,7 @@ def markdown(result: dict) -> str:
 
 
 def judged(result: dict) -> dict:
-    """The goal of issue 48 for ``result``'s plan and run."""
+    """The peak-RSS goal for ``result``'s plan and run."""
     limit = GOAL_BASE_MB + result["plan"]["phases_ram_mb"].get("sample", 0.0)
     error = result["plan"]["host_ram_mb"] / result["run"]["peak_rss_mb"] - 1
     peak_within = result["run"]["peak_rss_mb"] <= limit

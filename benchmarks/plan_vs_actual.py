@@ -8,7 +8,7 @@ process printed first (`plan for ...`, from config and safetensors headers and a
 `compress/app/preflight.py`); the measurement is GNU time's peak RSS of the process (torchrun: of its largest rank,
 `/usr/bin/time` on each), the checkpoint's size plus the largest resume progress folder, and the pipeline's own wall
 time (`report.json`, which leaves out interpreter start and imports). Ratios are predicted / measured; the goal is RAM
-and disk within ±20%, time within ±50% (issue 34). Writes ``benchmarks/results/plan-vs-actual.{json,md}``.
+and disk within ±20%, time within ±50%. Writes ``benchmarks/results/plan-vs-actual.{json,md}``.
 """
 
 from __future__ import annotations
